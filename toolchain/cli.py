@@ -1,0 +1,225 @@
+"""The `ingot` command line. Commands are thin: they parse options, call one module, and print a table
+or JSON. `main` is the one place where errors become exit codes (see toolchain/errors.py)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from rich.markup import escape
+
+from .errors import EXIT_FAILURE, EXIT_INCOMPATIBLE, EXIT_USAGE, IncompatibleError, IngotError
+
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def emit_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 1024:,.1f} KiB"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ingot-llm", prog_name="ingot")
+def cli():
+    """Ingot: build verifiable LLM inference bundles for NVIDIA GPUs, and run them.
+
+    Exit codes: 0 ok, 1 runtime failure, 2 usage error, 3 incompatible or missing GPU/driver/toolkit,
+    4 verification failed, 5 bad or unsupported model, 6 kernel build failed.
+    """
+
+
+# --- kernels: build, inspect, doctor, check-compat ----------------------------------------------
+
+@cli.command()
+@click.option("--arch", "arch_list", metavar="LIST", help="Archs to build, e.g. sm_80,sm_90,compute_90 "
+              "(default: SASS for sm_75..sm_120 plus compute_120 PTX; see cuda/archs.json).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("dist/kernels"),
+              show_default=True, help="Folder for the fatbins and build.json.")
+@click.option("--no-cache", is_flag=True, help="Recompile even if the kernel cache has this exact build.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def build(arch_list, out_dir, no_cache, as_json):
+    """Compile cuda/*.cu into multi-arch fatbins (no GPU needed)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .archs import parse_arch_list
+    from .build import build as run_build
+    from .build import kernel_source_dir
+
+    archs = parse_arch_list(arch_list) if arch_list else None
+    n = len(list(kernel_source_dir().glob("*.cu")))
+    with Progress(TextColumn("compiling {task.fields[module]:<12}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err, transient=True, disable=as_json) as bar:
+        task = bar.add_task("build", total=n, module="")
+        result = run_build(archs=archs, out_dir=out_dir, use_cache=not no_cache,
+                           on_module=lambda m, done: bar.update(task, completed=done, module=m))
+    if as_json:
+        emit_json(result.as_dict())
+        return
+    table = Table(title=f"nvcc {result.toolkit.version} ({result.toolkit.build}) -> {out_dir}")
+    for col in ("module", "arch", "kind", "bytes", "compile s"):
+        table.add_column(col, justify="right" if col in ("bytes", "compile s") else "left")
+    for m in result.modules:
+        for i, a in enumerate(m.per_arch):
+            table.add_row(m.name if i == 0 else "", a.arch, a.kind, f"{a.bytes:,}",
+                          "cached" if m.cached else f"{a.seconds:.2f}")
+        table.add_row("", "[b]total[/b]", "", f"[b]{m.size:,}[/b]", "cached" if m.cached else f"{m.seconds:.2f}",
+                      end_section=True)
+    out.print(table)
+    for m in result.modules:
+        out.print(f"{m.sha256}  {m.path}  ({len(m.kernels)} kernels)")
+
+
+@cli.command()
+@click.argument("fatbin", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
+def inspect(fatbin, as_json):
+    """List every SASS and PTX image in a fatbin, and its kernels (no cuobjdump needed)."""
+    from .fatbin import read_fatbin
+
+    fat = read_fatbin(fatbin)
+    if as_json:
+        emit_json({"path": str(fatbin)} | fat.as_dict())
+        return
+    table = Table(title=f"{fatbin} ({fat.size:,} bytes)")
+    for col in ("kind", "arch", "variant", "PTX ISA", "built by", "compression", "stored", "size", "kernels"):
+        table.add_column(col)
+    for e in fat.entries:
+        variant = {"a": "arch-specific", "f": "family", "": "-"}[e.variant]
+        table.add_row(e.kind.upper(), e.arch, variant, e.isa or "-", f"CUDA {e.toolkit}" if e.toolkit else "-",
+                      e.compression, f"{e.stored_size:,}", f"{e.size:,}", str(len(e.kernels)))
+    out.print(table)
+    out.print(f"kernels ({len(fat.kernels)}): " + ", ".join(fat.kernels))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(as_json):
+    """Report nvcc, host compiler, CMake, driver and GPUs, and whether the installed kernels run here."""
+    from .doctor import report
+
+    r = report()
+    if as_json:
+        emit_json(r)
+        return
+    tk = r["toolkit"]
+    out.print("[b]Build[/b]")
+    out.print(f"  nvcc          {tk['version']} {tk['build']} at {tk['nvcc']} (via {tk['found_via']})" if tk
+              else "  nvcc          not found")
+    hc = r["host_compiler"]
+    out.print(f"  host compiler {hc['version'] or 'not found'}" + (f" ({hc['path']})" if hc["path"] else ""))
+    out.print(f"  cmake         {r['cmake'] or 'not found'}")
+    m = r["machine"]
+    out.print("[b]Run[/b]")
+    out.print(f"  driver        {m['driver_version'] or '-'} (CUDA {m['driver_cuda']})" if m["driver_cuda"]
+              else f"  driver        none ({m['problem']})")
+    for g in m["gpus"]:
+        out.print(f"  GPU {g['index']}         {g['name']}, compute capability {g['compute_capability']}, "
+                  f"{_mib(g['memory_free'])} free of {_mib(g['memory_total'])}")
+    out.print(f"[b]Installed kernels[/b] ({r['kernel_dir']})")
+    for k in r["kernels"]:
+        out.print(f"  {k['module']:<20} SASS {','.join(k['sass']) or '-'}  PTX {','.join(k['ptx']) or '-'}")
+        for g in k["on_gpus"]:
+            out.print(f"      GPU {g['gpu']}: {g['verdict']} ({g['reason']})" + (f"; fix: {g['fix']}" if g["fix"] else ""))
+    if r["advice"]:
+        out.print("[b]Advice[/b]")
+        for a in r["advice"]:
+            out.print(f"  - {a}")
+
+
+@cli.command("check-compat")
+@click.argument("target", metavar="FATBIN_OR_DIR", type=click.Path(path_type=Path))
+@click.option("--gpu", "gpus", multiple=True, metavar="sm_XY",
+              help="Target GPU compute capability (repeatable, or comma-separated). Default: this machine's GPUs.")
+@click.option("--driver", "driver_text", metavar="VERSION",
+              help="Target driver version (535.104.05) or the CUDA version it supports (12.2). Default: this machine's.")
+@click.option("--json", "as_json", is_flag=True, help="Print the decisions as JSON.")
+def check_compat(target, gpus, driver_text, as_json):
+    """Decide, per kernel module, whether it runs on a GPU/driver: native SASS, PTX JIT, or incompatible.
+
+    Exit 0 if every module runs on every target, 3 if any is incompatible or no GPU/driver is there to ask.
+    """
+    from .archs import gpu_arch
+    from .compat import check_paths, driver_from_cuda_int, modules_in, parse_driver
+    from .probe import probe
+
+    paths = modules_in(target)
+    ccs = [gpu_arch(g) for spec in gpus for g in spec.split(",") if g.strip()]
+    driver = parse_driver(driver_text) if driver_text else None
+    if not ccs or driver is None:
+        machine = probe()
+        if driver is None:
+            if not machine.driver_cuda:
+                raise IncompatibleError(f"no NVIDIA driver on this machine ({machine.problem})",
+                                        hint="pass --driver VERSION to check a hypothetical target")
+            driver = driver_from_cuda_int(machine.driver_version, machine.driver_cuda)
+        if not ccs:
+            if not machine.gpus:
+                raise IncompatibleError(f"no GPU on this machine ({machine.problem or 'none found'})",
+                                        hint="pass --gpu sm_XY to check a hypothetical target")
+            ccs = sorted({g.cc for g in machine.gpus})
+
+    rows = []
+    for cc in ccs:
+        for d in check_paths(paths, cc, driver):
+            rows.append({"gpu": f"sm_{cc}", "driver": driver.label} | d.as_dict())
+    ok = all(r["verdict"] != "incompatible" for r in rows)
+    if as_json:
+        emit_json({"ok": ok, "decisions": rows})
+    else:
+        table = Table(title=f"compatibility with driver {driver.label}")
+        for col in ("gpu", "module", "verdict", "image", "reason / fix"):
+            table.add_column(col)
+        style = {"native": "green", "jit": "yellow", "incompatible": "red"}
+        for r in rows:
+            why = r["reason"] + (f"\n[b]fix:[/b] {r['fix']}" if r["fix"] else "")
+            table.add_row(r["gpu"], r["module"], f"[{style[r['verdict']]}]{r['verdict']}[/]", r["image"] or "-", why)
+        out.print(table)
+    if not ok:
+        sys.exit(EXIT_INCOMPATIBLE)
+
+
+# --- entry point ----------------------------------------------------------------------------------
+
+def _register_runtime_commands() -> None:
+    """Runtime commands (run, bench, serve, ...) live with the runtime; they are optional at import."""
+    try:
+        from ingot.runtime.commands import register
+    except ImportError:
+        return
+    register(cli)
+
+
+_register_runtime_commands()
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code if e.exit_code else EXIT_USAGE)
+    except IngotError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+    except Exception as e:  # the last resort: one line, and the traceback only on request
+        if os.environ.get("INGOT_DEBUG"):
+            raise
+        err.print(f"[red]internal error:[/red] {type(e).__name__}: {escape(str(e))} (set INGOT_DEBUG=1 for a traceback)")
+        sys.exit(EXIT_FAILURE)

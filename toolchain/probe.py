@@ -1,0 +1,86 @@
+"""What this machine has: the NVIDIA driver and its GPUs, read through NVML (nvidia-ml-py) or, failing
+that, the CUDA driver API. A machine with no driver or no GPU is a normal answer, not an error."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    cc: int                 # compute capability as an int, 90 for 9.0
+    memory_total: int       # bytes
+    memory_free: int        # bytes
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"compute_capability": f"{self.cc // 10}.{self.cc % 10}"}
+
+
+@dataclass(frozen=True)
+class Machine:
+    driver_version: str | None      # "580.159.04"
+    driver_cuda: int | None         # 13000 for CUDA 13.0
+    gpus: tuple[Gpu, ...] = ()
+    problem: str | None = None      # why no driver/GPU could be read
+    source: str | None = None       # "nvml" or "cuda driver API"
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        cuda = self.driver_cuda
+        return {"driver_version": self.driver_version,
+                "driver_cuda": f"{cuda // 1000}.{(cuda % 1000) // 10}" if cuda else None,
+                "gpus": [g.as_dict() for g in self.gpus], "problem": self.problem, "source": self.source}
+
+
+def _nvml() -> Machine | None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:  # no libnvidia-ml.so, or no driver loaded: NVMLError_LibraryNotFound / DriverNotLoaded
+        return None
+    try:
+        version = pynvml.nvmlSystemGetDriverVersion()
+        version = version.decode() if isinstance(version, bytes) else version
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            gpus.append(Gpu(i, name.decode() if isinstance(name, bytes) else name, major * 10 + minor,
+                            int(mem.total), int(mem.free)))
+        return Machine(version, cuda, tuple(gpus), None if gpus else "the driver reports no GPU", "nvml")
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _cuda_driver() -> Machine:
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return Machine(None, None, (), "cuda-bindings is not installed (pip install cuda-bindings)")
+    try:
+        err, = cu.cuInit(0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return Machine(None, None, (), f"cuInit failed: {err.name}")
+        err, version = cu.cuDriverGetVersion()
+        err, count = cu.cuDeviceGetCount()
+        gpus = []
+        for i in range(count):
+            _, dev = cu.cuDeviceGet(i)
+            _, name = cu.cuDeviceGetName(64, dev)
+            attr = cu.CUdevice_attribute
+            _, major = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+            _, minor = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+            _, total = cu.cuDeviceTotalMem(dev)
+            gpus.append(Gpu(i, name.split(b"\0")[0].decode(), major * 10 + minor, int(total), int(total)))
+        return Machine(None, int(version), tuple(gpus), None if gpus else "the driver reports no GPU",
+                       "cuda driver API")
+    except RuntimeError as e:  # cuda.pathfinder: libcuda.so not found (no driver installed)
+        return Machine(None, None, (), f"no NVIDIA driver: {e}".splitlines()[0][:200])
+
+
+def probe() -> Machine:
+    return _nvml() or _cuda_driver()
