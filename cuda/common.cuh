@@ -16,6 +16,12 @@
 
 #define QK 32          // values per quantization block, for every quant type we support
 #define WARP 32
+#define PAGE 32        // tokens per KV-cache page (the host's engine uses the same constant)
+
+// Nibble j of a Q4 block (GGUF order): byte j holds w[j] (low) and w[j + 16] (high).
+__device__ __forceinline__ int q4_nibble(const uint8_t* qs, int j) {
+    return j < 16 ? (qs[j] & 0xF) : (qs[j - 16] >> 4);
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

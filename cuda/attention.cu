@@ -1,0 +1,222 @@
+// Causal grouped-query attention over the paged fp16 KV cache (cache[page, kv_head, slot, hd], see rope.cu).
+//
+// Decode (one new token per sequence) uses split-KV flash-decoding so that a long context is spread over the
+// whole GPU rather than one block per head: attn_decode_f16 gives each of S splits a contiguous run of pages and
+// writes an unnormalized partial result (running max m, sum l, acc[hd]); attn_combine_f32 merges the S partials
+// per head. A block serves one kv head and all G = H/Hkv query heads that share it, so each K/V row is read once.
+// Inside a block, LPK = hd/8 lanes share one key (16 bytes each), so a warp scores 32/LPK keys at a time.
+//
+// Prefill (T new tokens of one sequence at positions start..start+T-1) uses attn_prefill_f16: flash-attention
+// with an online softmax; a block holds 16 queries of one head and walks 32-key tiles (one page each) up to the
+// causal limit; lanes own keys for the scores and head dims for the output.
+// Scores are scaled by `scale` (1/sqrt(hd)); everything accumulates in fp32.
+#include "common.cuh"
+
+#define ATT_WARPS 4
+#define GMAX 8           // query heads per kv head handled by one decode block (GQA group size)
+#define NEG_BIG -1e30f   // running-max start: exp(NEG_BIG - m) == 0 without inf - inf
+
+__device__ __forceinline__ void load8(const __half* p, float (&out)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; i++) { const float2 f = __half22float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+}
+
+template <int HD>
+__device__ void attn_decode(const float* __restrict__ qkv, int ldqkv, const __half* __restrict__ k_cache,
+                            const __half* __restrict__ v_cache, const int* __restrict__ block_table, int max_pages,
+                            const int* __restrict__ pos, float* __restrict__ part_acc, float2* __restrict__ part_ml,
+                            int H, int Hkv, int S, float scale) {
+    constexpr int LPK = HD / 8, KPW = WARP / LPK, KPB = ATT_WARPS * KPW;
+    __shared__ float sq[GMAX][HD];
+    __shared__ float sm_m[ATT_WARPS][GMAX], sm_l[ATT_WARPS][GMAX];
+    __shared__ float sm_acc[ATT_WARPS][GMAX][HD];
+
+    const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = H / Hkv;
+    const int len = pos[b] + 1, npages = (len + PAGE - 1) / PAGE, per_split = (npages + S - 1) / S;
+    const int k_begin = split * per_split * PAGE, k_end = min((split + 1) * per_split * PAGE, len);
+    const size_t part = ((size_t)b * H + (size_t)kvh * G) * S + split;    // + g*S for query head kvh*G + g
+
+    if (k_begin >= k_end) {                       // an empty split contributes nothing (l = 0)
+        if (threadIdx.x < G) part_ml[part + (size_t)threadIdx.x * S] = make_float2(NEG_BIG, 0.0f);
+        return;
+    }
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x)
+        sq[i / HD][i % HD] = qkv[(size_t)b * ldqkv + (size_t)kvh * G * HD + i] * scale;
+    __syncthreads();
+
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, grp = lane / LPK, sub = lane % LPK;
+    float m[GMAX], l[GMAX], acc[GMAX][8];
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) { m[g] = NEG_BIG; l[g] = 0.0f; for (int i = 0; i < 8; i++) acc[g][i] = 0.0f; }
+
+    for (int kw = k_begin + warp * KPW; kw < k_end; kw += KPB) {     // uniform per warp: shuffles stay legal
+        const int j = kw + grp;
+        const bool valid = j < k_end;
+        float k8[8] = {}, v8[8] = {};
+        if (valid) {
+            const int page = block_table[(size_t)b * max_pages + j / PAGE];
+            const size_t o = (((size_t)page * Hkv + kvh) * PAGE + j % PAGE) * HD + sub * 8;
+            load8(k_cache + o, k8);
+            load8(v_cache + o, v8);
+        }
+#pragma unroll
+        for (int g = 0; g < GMAX; g++) {
+            if (g >= G) break;
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) s += k8[i] * sq[g][sub * 8 + i];
+#pragma unroll
+            for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+            s = valid ? s : -INFINITY;
+            const float m_new = fmaxf(m[g], s), corr = __expf(m[g] - m_new), p = __expf(s - m_new);
+            l[g] = l[g] * corr + p;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * corr + p * v8[i];
+            m[g] = m_new;
+        }
+    }
+    // Merge the KPW key groups of the warp (lanes with the same `sub` hold the same dims), then the warps.
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) {
+        if (g >= G) break;
+        for (int o = LPK; o < WARP; o <<= 1) {
+            const float mo = __shfl_xor_sync(0xffffffff, m[g], o), lo = __shfl_xor_sync(0xffffffff, l[g], o);
+            const float M = fmaxf(m[g], mo), a = __expf(m[g] - M), c = __expf(mo - M);
+            l[g] = l[g] * a + lo * c;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * a + __shfl_xor_sync(0xffffffff, acc[g][i], o) * c;
+            m[g] = M;
+        }
+        if (grp == 0) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) sm_acc[warp][g][sub * 8 + i] = acc[g][i];
+            if (sub == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+        const int g = i / HD, d = i % HD;
+        float M = NEG_BIG;
+        for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm_m[w][g]);
+        float L = 0.0f, A = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++) {
+            const float e = __expf(sm_m[w][g] - M);
+            L += sm_l[w][g] * e;
+            A += sm_acc[w][g][d] * e;
+        }
+        part_acc[(part + (size_t)g * S) * HD + d] = A;
+        if (d == 0) part_ml[part + (size_t)g * S] = make_float2(M, L);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+attn_decode_f16(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache, const int* block_table,
+                int max_pages, const int* pos, float* part_acc, float2* part_ml, int H, int Hkv, int hd, int S,
+                float scale) {
+    if (hd == 64) attn_decode<64>(qkv, ldqkv, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml, H, Hkv, S, scale);
+    else attn_decode<128>(qkv, ldqkv, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml, H, Hkv, S, scale);
+}
+
+// Merge the S partials of each (sequence, head): grid (H, B), hd threads. Writes fp32 out [B, H*hd] and, if
+// outq is given, its q8_1 quantization for the output projection.
+extern "C" __global__ void attn_combine_f32(const float* __restrict__ part_acc, const float2* __restrict__ part_ml,
+                                            int S, float* __restrict__ out, int8_t* __restrict__ outq,
+                                            float2* __restrict__ outd, int H, int hd) {
+    const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+    const size_t part = ((size_t)b * H + h) * S;
+    float M = NEG_BIG;
+    for (int s = 0; s < S; s++) if (part_ml[part + s].y > 0.0f) M = fmaxf(M, part_ml[part + s].x);
+    float L = 0.0f, A = 0.0f;
+    for (int s = 0; s < S; s++) {
+        const float2 ml = part_ml[part + s];
+        if (ml.y <= 0.0f) continue;              // empty split: its acc was never written
+        const float e = __expf(ml.x - M);
+        L += ml.y * e;
+        A += part_acc[(part + s) * hd + d] * e;
+    }
+    const float o = A / L;
+    const size_t i = (size_t)b * H * hd + (size_t)h * hd + d;
+    out[i] = o;
+    if (outq) warp_quantize_q8_1(o, outq + (i - d % WARP), outd + i / QK);
+}
+
+template <int HD>
+__device__ void attn_prefill(const float* __restrict__ qkv, int ldqkv, const __half* __restrict__ k_cache,
+                             const __half* __restrict__ v_cache, const int* __restrict__ block_row, int start, int T,
+                             __half* __restrict__ out, int H, int Hkv, float scale) {
+    constexpr int QPW = 4, QB = ATT_WARPS * QPW, DPL = HD / WARP;   // queries per warp/block, dims per lane
+    // Dynamic shared memory (both head sizes share one kernel): sQ [QB][HD], sK [PAGE][HD+1], sV [PAGE][HD].
+    // The +1 on sK rows: lanes read different rows of the same column, which would hit one bank.
+    extern __shared__ float smem[];
+    float (*sQ)[HD] = reinterpret_cast<float (*)[HD]>(smem);
+    float (*sK)[HD + 1] = reinterpret_cast<float (*)[HD + 1]>(smem + QB * HD);
+    float (*sV)[HD] = reinterpret_cast<float (*)[HD]>(smem + QB * HD + PAGE * (HD + 1));
+    const int h = blockIdx.y, kvh = h / (H / Hkv), t0 = blockIdx.x * QB;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+
+    for (int i = threadIdx.x; i < QB * HD; i += blockDim.x) {
+        const int q = i / HD, d = i % HD;
+        sQ[q][d] = t0 + q < T ? qkv[(size_t)(t0 + q) * ldqkv + (size_t)h * HD + d] * scale : 0.0f;
+    }
+    float m[QPW], l[QPW], acc[QPW][DPL];
+#pragma unroll
+    for (int q = 0; q < QPW; q++) { m[q] = NEG_BIG; l[q] = 0.0f; for (int i = 0; i < DPL; i++) acc[q][i] = 0.0f; }
+
+    const int last_key = start + min(T, t0 + QB) - 1;                 // causal limit of this block's queries
+    for (int tile = 0; tile * PAGE <= last_key; tile++) {
+        __syncthreads();
+        const int page = block_row[tile];
+        for (int e = threadIdx.x; e < PAGE * HD / 8; e += blockDim.x) {
+            const int key = e / (HD / 8), c = (e % (HD / 8)) * 8;
+            float k8[8] = {}, v8[8] = {};
+            if (tile * PAGE + key <= last_key) {
+                const size_t o = (((size_t)page * Hkv + kvh) * PAGE + key) * HD + c;
+                load8(k_cache + o, k8);
+                load8(v_cache + o, v8);
+            }
+#pragma unroll
+            for (int i = 0; i < 8; i++) { sK[key][c + i] = k8[i]; sV[key][c + i] = v8[i]; }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < QPW; q++) {
+            const int t = t0 + warp * QPW + q;
+            if (t >= T) break;                                        // uniform across the warp
+            const int kpos = tile * PAGE + lane;
+            float s = -INFINITY;
+            if (kpos <= start + t) {
+                s = 0.0f;
+#pragma unroll 16
+                for (int d = 0; d < HD; d++) s += sQ[warp * QPW + q][d] * sK[lane][d];
+            }
+            const float m_new = fmaxf(m[q], warp_max(s)), corr = __expf(m[q] - m_new), p = __expf(s - m_new);
+            l[q] = l[q] * corr + warp_sum(p);
+#pragma unroll
+            for (int i = 0; i < DPL; i++) {
+                float a = acc[q][i] * corr;
+                for (int j = 0; j < PAGE; j++) a += __shfl_sync(0xffffffff, p, j) * sV[j][lane + i * WARP];
+                acc[q][i] = a;
+            }
+            m[q] = m_new;
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < QPW; q++) {
+        const int t = t0 + warp * QPW + q;
+        if (t >= T) break;
+#pragma unroll
+        for (int i = 0; i < DPL; i++)
+            out[(size_t)t * H * HD + (size_t)h * HD + lane + i * WARP] = __float2half(acc[q][i] / l[q]);
+    }
+}
+
+// grid (ceil(T/16), H), 128 threads, (16*hd + 32*(hd+1) + 32*hd) * 4 bytes of dynamic shared memory.
+// block_row: this sequence's row of the block table.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+attn_prefill_f16(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache, const int* block_row,
+                 int start, int T, __half* out, int H, int Hkv, int hd, float scale) {
+    if (hd == 64) attn_prefill<64>(qkv, ldqkv, k_cache, v_cache, block_row, start, T, out, H, Hkv, scale);
+    else attn_prefill<128>(qkv, ldqkv, k_cache, v_cache, block_row, start, T, out, H, Hkv, scale);
+}

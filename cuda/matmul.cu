@@ -1,0 +1,176 @@
+// Matrix-matrix products for prefill: C[M, N] = A[M, K] · W[N, K]^T, A fp16 (token activations), W in the
+// soa-v1 layout of common.cuh, C fp32. Prefill multiplies many tokens by each weight, so it is arithmetic-bound:
+// weights are dequantized to fp16 in shared memory and multiplied on the tensor cores (WMMA 16x16x16, fp32
+// accumulation; available on every arch we build, sm_75+).
+//
+// Tiles: a block of 4 warps computes a 64x64 tile of C, each warp a 32x32 quarter (2x2 fragments); K advances
+// by one quantization block (32) per step. Epilogue modes as in matvec.cu: MODE_STORE (C = AW^T + bias) and
+// MODE_ADD (C += AW^T + bias, the residual). M, N arbitrary; K a multiple of 32.
+#include <mma.h>
+#include "common.cuh"
+
+using namespace nvcuda;
+
+#define MODE_STORE 0
+#define MODE_ADD 1
+#define BM 64
+#define BN 64
+#define BK 32
+#define LDS (BK + 8)       // smem row stride in halfs: a multiple of 8 (WMMA) that staggers banks
+#define LDC (BN + 4)
+
+// Each of the 128 threads dequantizes half a row of the 64x32 weight tile: row t/2, weights
+// [h*8, h*8+8) and [16+h*8, 16+h*8+8) for Q4 (the two nibbles of bytes h*8..h*8+7), [h*16, h*16+16) otherwise.
+struct TileQ4_0 {
+    const uint8_t* qs; const __half* d;
+    __device__ void load(__half (*sB)[LDS], long long n, int N, int nb, int kb, int row, int h) const {
+        __half lo[8], hi[8];
+        if (n < N) {
+            const long long b = n * nb + kb;
+            const uint2 q = reinterpret_cast<const uint2*>(qs + b * 16)[h];
+            const float dd = __half2float(d[b]);
+            const uint8_t* qb = reinterpret_cast<const uint8_t*>(&q);
+#pragma unroll
+            for (int i = 0; i < 8; i++) { lo[i] = __float2half(dd * ((qb[i] & 0xF) - 8)); hi[i] = __float2half(dd * ((qb[i] >> 4) - 8)); }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) lo[i] = hi[i] = __float2half(0.0f);
+        }
+        *reinterpret_cast<uint4*>(&sB[row][h * 8]) = *reinterpret_cast<uint4*>(lo);
+        *reinterpret_cast<uint4*>(&sB[row][16 + h * 8]) = *reinterpret_cast<uint4*>(hi);
+    }
+};
+
+struct TileQ4_1 {
+    const uint8_t* qs; const __half* d; const __half* m;
+    __device__ void load(__half (*sB)[LDS], long long n, int N, int nb, int kb, int row, int h) const {
+        __half lo[8], hi[8];
+        if (n < N) {
+            const long long b = n * nb + kb;
+            const uint2 q = reinterpret_cast<const uint2*>(qs + b * 16)[h];
+            const float dd = __half2float(d[b]), mm = __half2float(m[b]);
+            const uint8_t* qb = reinterpret_cast<const uint8_t*>(&q);
+#pragma unroll
+            for (int i = 0; i < 8; i++) { lo[i] = __float2half(dd * (qb[i] & 0xF) + mm); hi[i] = __float2half(dd * (qb[i] >> 4) + mm); }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) lo[i] = hi[i] = __float2half(0.0f);
+        }
+        *reinterpret_cast<uint4*>(&sB[row][h * 8]) = *reinterpret_cast<uint4*>(lo);
+        *reinterpret_cast<uint4*>(&sB[row][16 + h * 8]) = *reinterpret_cast<uint4*>(hi);
+    }
+};
+
+struct TileQ8_0 {
+    const int8_t* qs; const __half* d;
+    __device__ void load(__half (*sB)[LDS], long long n, int N, int nb, int kb, int row, int h) const {
+        __half w[16];
+        if (n < N) {
+            const long long b = n * nb + kb;
+            const int4 q = reinterpret_cast<const int4*>(qs + b * 32)[h];
+            const float dd = __half2float(d[b]);
+            const int8_t* qb = reinterpret_cast<const int8_t*>(&q);
+#pragma unroll
+            for (int i = 0; i < 16; i++) w[i] = __float2half(dd * qb[i]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++) w[i] = __float2half(0.0f);
+        }
+        *reinterpret_cast<uint4*>(&sB[row][h * 16]) = *reinterpret_cast<uint4*>(w);
+        *reinterpret_cast<uint4*>(&sB[row][h * 16 + 8]) = *reinterpret_cast<uint4*>(w + 8);
+    }
+};
+
+struct TileF16 {
+    const __half* w; int K;
+    __device__ void load(__half (*sB)[LDS], long long n, int N, int nb, int kb, int row, int h) const {
+        uint4 a = make_uint4(0, 0, 0, 0), b = a;
+        if (n < N) {
+            const uint4* p = reinterpret_cast<const uint4*>(w + n * K + kb * BK + h * 16);
+            a = p[0]; b = p[1];
+        }
+        *reinterpret_cast<uint4*>(&sB[row][h * 16]) = a;
+        *reinterpret_cast<uint4*>(&sB[row][h * 16 + 8]) = b;
+    }
+};
+
+template <typename Tile>
+__device__ void matmul(const Tile& tile, const __half* __restrict__ A, const float* __restrict__ bias,
+                       float* __restrict__ C, int M, int N, int K, int ldc, int mode) {
+    __shared__ __align__(32) __half sA[BM][LDS];
+    __shared__ __align__(32) __half sB[BN][LDS];
+    __shared__ __align__(32) float sC[BM][LDC];
+    const int tid = threadIdx.x, warp = tid / WARP, wm = warp / 2, wn = warp % 2;
+    const long long m0 = (long long)blockIdx.y * BM, n0 = (long long)blockIdx.x * BN;
+    const int nb = K / BK;
+
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+
+    for (int kb = 0; kb < nb; kb++) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {                         // A tile: 64 rows x 4 chunks of 8 halfs
+            const int idx = tid + r * 128, row = idx / 4, c = (idx % 4) * 8;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (m0 + row < M) v = *reinterpret_cast<const uint4*>(A + (m0 + row) * K + kb * BK + c);
+            *reinterpret_cast<uint4*>(&sA[row][c]) = v;
+        }
+        tile.load(sB, n0 + tid / 2, N, nb, kb, tid / 2, tid % 2);
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a[2];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) wmma::load_matrix_sync(a[i], &sA[wm * 32 + i * 16][kk], LDS);
+#pragma unroll
+            for (int j = 0; j < 2; j++) wmma::load_matrix_sync(b[j], &sB[wn * 32 + j * 16][kk], LDS);
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            wmma::store_matrix_sync(&sC[wm * 32 + i * 16][wn * 32 + j * 16], acc[i][j], LDC, wmma::mem_row_major);
+    __syncthreads();
+    for (int e = tid; e < BM * BN; e += blockDim.x) {
+        const int r = e / BN, c = e % BN;
+        const long long gr = m0 + r, gc = n0 + c;
+        if (gr >= M || gc >= N) continue;
+        const float v = sC[r][c] + (bias ? bias[gc] : 0.0f);
+        float* out = C + gr * ldc + gc;
+        if (mode == MODE_ADD) *out += v; else *out = v;
+    }
+}
+
+// All four: grid (ceil(N/64), ceil(M/64)), 128 threads.
+extern "C" __global__ void __launch_bounds__(128)
+matmul_q4_0(const uint8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
+            int ldc, int mode) {
+    matmul(TileQ4_0{qs, d}, A, bias, C, M, N, K, ldc, mode);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+matmul_q4_1(const uint8_t* qs, const __half* d, const __half* m, const __half* A, const float* bias, float* C,
+            int M, int N, int K, int ldc, int mode) {
+    matmul(TileQ4_1{qs, d, m}, A, bias, C, M, N, K, ldc, mode);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+matmul_q8_0(const int8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
+            int ldc, int mode) {
+    matmul(TileQ8_0{qs, d}, A, bias, C, M, N, K, ldc, mode);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+matmul_f16(const __half* w, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode) {
+    matmul(TileF16{w, K}, A, bias, C, M, N, K, ldc, mode);
+}

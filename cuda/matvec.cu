@@ -1,0 +1,214 @@
+// Quantized matrix-vector products for decode: y[c, r] = sum_k W[r, k] * x[c, k] for a few columns c
+// (one per sequence in the decode batch), W in the soa-v1 layout of common.cuh.
+//
+// Decode is memory-bound: every weight byte is read once per step. Each warp owns two weight rows; each lane
+// takes whole 32-weight blocks (one 16-byte load of Q4 quants, two for Q8_0), so a warp reads 512
+// contiguous bytes per row per step. Activations arrive quantized to q8_1 and the inner product is integer
+// (dp4a), as in ggml's mmvq: 32 weights cost ~10 instructions instead of ~100 with float dequantization.
+// A block (4 warps) serves up to 8 columns at once; blockIdx.y picks the group of 8 columns.
+//
+// Epilogue modes:
+//   MODE_STORE   y[c*ldy + r]  = dot (+ bias[r])
+//   MODE_ADD     y[c*ldy + r] += dot (+ bias[r])         (residual connections)
+//   MODE_SWIGLU  y[c*ldy + r]  = silu(W[r]·x) * (W[r + rows]·x), r < rows: W is [gate; up] stacked
+#include "common.cuh"
+
+#define MODE_STORE 0
+#define MODE_ADD 1
+#define MODE_SWIGLU 2
+#define MV_WARPS 4
+#define MV_COLS 8
+
+struct Q4_0W {
+    const uint8_t* qs; const __half* d; int nb;
+    struct Block { uint4 q; float d; };
+    __device__ __forceinline__ Block load(long long r, int kb) const {
+        const long long b = r * nb + kb;
+        return {reinterpret_cast<const uint4*>(qs)[b], __half2float(d[b])};
+    }
+    __device__ __forceinline__ static float dot(const Block& w, const int4& x0, const int4& x1, float2 xs) {
+        int s = 0;
+        s = __dp4a((int)(w.q.x & 0x0F0F0F0F), x0.x, s); s = __dp4a((int)((w.q.x >> 4) & 0x0F0F0F0F), x1.x, s);
+        s = __dp4a((int)(w.q.y & 0x0F0F0F0F), x0.y, s); s = __dp4a((int)((w.q.y >> 4) & 0x0F0F0F0F), x1.y, s);
+        s = __dp4a((int)(w.q.z & 0x0F0F0F0F), x0.z, s); s = __dp4a((int)((w.q.z >> 4) & 0x0F0F0F0F), x1.z, s);
+        s = __dp4a((int)(w.q.w & 0x0F0F0F0F), x0.w, s); s = __dp4a((int)((w.q.w >> 4) & 0x0F0F0F0F), x1.w, s);
+        return w.d * (xs.x * (float)s - 8.0f * xs.y);      // w = d*(q-8), x = dx*qx, xs.y = dx*sum(qx)
+    }
+};
+
+struct Q4_1W {
+    const uint8_t* qs; const __half* d; const __half* m; int nb;
+    struct Block { uint4 q; float d, m; };
+    __device__ __forceinline__ Block load(long long r, int kb) const {
+        const long long b = r * nb + kb;
+        return {reinterpret_cast<const uint4*>(qs)[b], __half2float(d[b]), __half2float(m[b])};
+    }
+    __device__ __forceinline__ static float dot(const Block& w, const int4& x0, const int4& x1, float2 xs) {
+        int s = 0;
+        s = __dp4a((int)(w.q.x & 0x0F0F0F0F), x0.x, s); s = __dp4a((int)((w.q.x >> 4) & 0x0F0F0F0F), x1.x, s);
+        s = __dp4a((int)(w.q.y & 0x0F0F0F0F), x0.y, s); s = __dp4a((int)((w.q.y >> 4) & 0x0F0F0F0F), x1.y, s);
+        s = __dp4a((int)(w.q.z & 0x0F0F0F0F), x0.z, s); s = __dp4a((int)((w.q.z >> 4) & 0x0F0F0F0F), x1.z, s);
+        s = __dp4a((int)(w.q.w & 0x0F0F0F0F), x0.w, s); s = __dp4a((int)((w.q.w >> 4) & 0x0F0F0F0F), x1.w, s);
+        return w.d * xs.x * (float)s + w.m * xs.y;         // w = d*q + m
+    }
+};
+
+struct Q8_0W {
+    const int8_t* qs; const __half* d; int nb;
+    struct Block { int4 q0, q1; float d; };
+    __device__ __forceinline__ Block load(long long r, int kb) const {
+        const long long b = r * nb + kb;
+        const int4* p = reinterpret_cast<const int4*>(qs) + 2 * b;
+        return {p[0], p[1], __half2float(d[b])};
+    }
+    __device__ __forceinline__ static float dot(const Block& w, const int4& x0, const int4& x1, float2 xs) {
+        int s = 0;
+        s = __dp4a(w.q0.x, x0.x, s); s = __dp4a(w.q0.y, x0.y, s); s = __dp4a(w.q0.z, x0.z, s); s = __dp4a(w.q0.w, x0.w, s);
+        s = __dp4a(w.q1.x, x1.x, s); s = __dp4a(w.q1.y, x1.y, s); s = __dp4a(w.q1.z, x1.z, s); s = __dp4a(w.q1.w, x1.w, s);
+        return w.d * xs.x * (float)s;
+    }
+};
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+
+// Rows this warp owns: two adjacent rows, or for SWIGLU the pair (gate r, up r + rows).
+__device__ __forceinline__ void warp_rows(int mode, int rows, long long r[2], bool ok[2], long long* out_row) {
+    const int warp = threadIdx.x / WARP;
+    if (mode == MODE_SWIGLU) {
+        const long long o = (long long)blockIdx.x * MV_WARPS + warp;
+        r[0] = o; r[1] = o + rows; ok[0] = ok[1] = o < rows; *out_row = o;
+    } else {
+        const long long o = ((long long)blockIdx.x * MV_WARPS + warp) * 2;
+        r[0] = o; r[1] = o + 1; ok[0] = o < rows; ok[1] = o + 1 < rows; *out_row = o;
+    }
+}
+
+template <int NC>
+__device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const bool ok[2], long long out_row,
+                                          const float* bias, float* y, int c0, int ldy) {
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const float v0 = warp_sum(acc[0][c]), v1 = warp_sum(acc[1][c]);
+        if (threadIdx.x % WARP != 0) continue;
+        float* yc = y + (size_t)(c0 + c) * ldy;
+        if (mode == MODE_SWIGLU) {
+            if (ok[0]) yc[out_row] = silu(v0) * v1;
+        } else {
+            const float v[2] = {v0, v1};
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                if (!ok[s]) continue;
+                const float o = v[s] + (bias ? bias[out_row + s] : 0.0f);
+                if (mode == MODE_ADD) yc[out_row + s] += o; else yc[out_row + s] = o;
+            }
+        }
+    }
+}
+
+template <typename W, int NC>
+__device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                         const float* __restrict__ bias, float* __restrict__ y,
+                                         int rows, int cols, int ldy, int mode) {
+    const int nb = cols / QK, lane = threadIdx.x % WARP, c0 = blockIdx.y * MV_COLS;
+    long long r[2], out_row; bool ok[2];
+    warp_rows(mode, rows, r, ok, &out_row);
+    float acc[2][NC] = {};
+    for (int kb = lane; kb < nb; kb += WARP) {
+        typename W::Block wb[2];
+#pragma unroll
+        for (int s = 0; s < 2; s++) if (ok[s]) wb[s] = w.load(r[s], kb);
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            const int4* xp = reinterpret_cast<const int4*>(xq + (size_t)(c0 + c) * cols + kb * QK);
+            const int4 x0 = xp[0], x1 = xp[1];
+            const float2 xs = xd[(size_t)(c0 + c) * nb + kb];
+#pragma unroll
+            for (int s = 0; s < 2; s++) if (ok[s]) acc[s][c] += W::dot(wb[s], x0, x1, xs);
+        }
+    }
+    write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy);
+}
+
+#define DISPATCH_NC(CALL)                                                    \
+    switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {               \
+        case 1: CALL(1); break; case 2: CALL(2); break;                      \
+        case 3: CALL(3); break; case 4: CALL(4); break;                      \
+        case 5: CALL(5); break; case 6: CALL(6); break;                      \
+        case 7: CALL(7); break; default: CALL(8); break;                     \
+    }
+
+extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
+matvec_q4_0(const uint8_t* qs, const __half* d, const int8_t* xq, const float2* xd, const float* bias, float* y,
+            int rows, int cols, int ncols, int ldy, int mode) {
+    const Q4_0W w{qs, d, cols / QK};
+#define CALL(N) matvec_q<Q4_0W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
+    DISPATCH_NC(CALL)
+#undef CALL
+}
+
+extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
+matvec_q4_1(const uint8_t* qs, const __half* d, const __half* m, const int8_t* xq, const float2* xd,
+            const float* bias, float* y, int rows, int cols, int ncols, int ldy, int mode) {
+    const Q4_1W w{qs, d, m, cols / QK};
+#define CALL(N) matvec_q<Q4_1W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
+    DISPATCH_NC(CALL)
+#undef CALL
+}
+
+extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
+matvec_q8_0(const int8_t* qs, const __half* d, const int8_t* xq, const float2* xd, const float* bias, float* y,
+            int rows, int cols, int ncols, int ldy, int mode) {
+    const Q8_0W w{qs, d, cols / QK};
+#define CALL(N) matvec_q<Q8_0W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
+    DISPATCH_NC(CALL)
+#undef CALL
+}
+
+// F16 weights take fp32 activations: each lane reads 8 weights (16 bytes) and 8 floats per step.
+template <int NC>
+__device__ __forceinline__ void matvec_h(const __half* __restrict__ w, const float* __restrict__ x,
+                                         const float* __restrict__ bias, float* __restrict__ y,
+                                         int rows, int cols, int ldy, int mode) {
+    const int lane = threadIdx.x % WARP, c0 = blockIdx.y * MV_COLS;
+    long long r[2], out_row; bool ok[2];
+    warp_rows(mode, rows, r, ok, &out_row);
+    float acc[2][NC] = {};
+    for (int k = lane * 8; k < cols; k += WARP * 8) {
+        uint4 wv[2];
+#pragma unroll
+        for (int s = 0; s < 2; s++) if (ok[s]) wv[s] = *reinterpret_cast<const uint4*>(w + r[s] * cols + k);
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            const float4* xp = reinterpret_cast<const float4*>(x + (size_t)(c0 + c) * cols + k);
+            const float4 a = xp[0], b = xp[1];
+            const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                if (!ok[s]) continue;
+                const __half2* h = reinterpret_cast<const __half2*>(&wv[s]);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float2 f = __half22float2(h[i]);
+                    acc[s][c] += f.x * xv[2 * i] + f.y * xv[2 * i + 1];
+                }
+            }
+        }
+    }
+    write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy);
+}
+
+extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
+matvec_f16(const __half* w, const float* x, const float* bias, float* y, int rows, int cols, int ncols, int ldy,
+           int mode) {
+#define CALL(N) matvec_h<N>(w, x, bias, y, rows, cols, ldy, mode)
+    DISPATCH_NC(CALL)
+#undef CALL
+}
+
+// x fp32 [n/32 blocks of 32] -> q8_1 (xq, xd). One warp per block of 32 values.
+extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, int8_t* __restrict__ xq, float2* __restrict__ xd,
+                                         long long nblocks) {
+    const long long b = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (b >= nblocks) return;
+    warp_quantize_q8_1(x[b * QK + threadIdx.x % WARP], xq + b * QK, xd + b);
+}

@@ -1,0 +1,153 @@
+// Token sampling on the GPU, one block (1024 threads) per sequence, so the logits never leave the device.
+//
+// Per sequence b, from logits [B, V] fp32 and per-sequence parameters:
+//   1. repetition penalty over the distinct tokens in hist[b, :hist_len[b]] (llama.cpp's rule: divide positive
+//      logits by the penalty, multiply negative ones);
+//   2. temperature <= 0: argmax (ties -> lowest id). Otherwise z = logit / temperature and a candidate threshold t
+//      (z >= t) from min-p (z >= max + log(min_p)), top-k (the k-th largest z, by bisection on t) and top-p (the
+//      largest t whose candidates still hold top_p of the probability mass, by bisection);
+//   3. draw u ~ U[0,1) from a counter-based hash of (seed[b], counter[b]) — the same seed and position give the
+//      same token — and pick the first token, in id order, whose cumulative weight exp(z - max) passes u * total.
+// When V*4 bytes fit in shared memory the logits are staged there, since each bisection step re-reads them.
+#include "common.cuh"
+
+#define SAMPLE_THREADS 1024
+#define BISECT_STEPS 24
+
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+struct ArgMax { float v; int i; };
+
+__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
+    return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
+}
+
+__device__ ArgMax block_argmax(ArgMax x, ArgMax* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ArgMax y{__shfl_xor_sync(0xffffffff, x.v, o), __shfl_xor_sync(0xffffffff, x.i, o)};
+        x = better(x, y);
+    }
+    __syncthreads();
+    if (threadIdx.x % WARP == 0) scratch[threadIdx.x / WARP] = x;
+    __syncthreads();
+    x = threadIdx.x < blockDim.x / WARP ? scratch[threadIdx.x] : ArgMax{-INFINITY, 0x7fffffff};
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ArgMax y{__shfl_xor_sync(0xffffffff, x.v, o), __shfl_xor_sync(0xffffffff, x.i, o)};
+        x = better(x, y);
+    }
+    return x;
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ temperature,
+           const int* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ min_p,
+           const float* __restrict__ penalty, const int* __restrict__ hist, const int* __restrict__ hist_len,
+           int hist_cap, const unsigned long long* __restrict__ seed, const int* __restrict__ counter,
+           int* __restrict__ out_token, int use_smem) {
+    extern __shared__ float staged[];
+    __shared__ float red[WARP];
+    __shared__ ArgMax red_arg[WARP];
+    __shared__ float chunk_sums[SAMPLE_THREADS];
+    const int b = blockIdx.x, tid = threadIdx.x;
+    float* row = logits + (size_t)b * ld;
+
+    // 1. repetition penalty, once per distinct token
+    const float pen = penalty[b];
+    if (pen != 1.0f) {
+        const int* hb = hist + (size_t)b * hist_cap;
+        const int n = min(hist_len[b], hist_cap);
+        for (int i = tid; i < n; i += blockDim.x) {
+            const int tok = hb[i];
+            bool first = tok >= 0 && tok < V;
+            for (int j = 0; j < i && first; j++) first = hb[j] != tok;
+            if (first) { const float l = row[tok]; row[tok] = l > 0.0f ? l / pen : l * pen; }
+        }
+        __syncthreads();
+    }
+    const float* z = row;
+    if (use_smem) {
+        for (int i = tid; i < V; i += blockDim.x) staged[i] = row[i];
+        __syncthreads();
+        z = staged;
+    }
+
+    // 2. greedy
+    ArgMax best{-INFINITY, 0x7fffffff};
+    for (int i = tid; i < V; i += blockDim.x) best = better(best, ArgMax{z[i], i});
+    best = block_argmax(best, red_arg);
+    const float temp = temperature[b];
+    if (temp <= 0.0f) {
+        if (tid == 0) out_token[b] = best.i;
+        return;
+    }
+    const float inv_t = 1.0f / temp, zmax = best.v * inv_t;
+
+    float t = -INFINITY;                                       // candidates: z >= t
+    if (min_p[b] > 0.0f) t = zmax + __logf(min_p[b]);
+    const int k = top_k[b];
+    if (k > 0 && k < V) {                                      // largest t with count(z >= t) >= k
+        float zmin = INFINITY;
+        for (int i = tid; i < V; i += blockDim.x) zmin = fminf(zmin, z[i] * inv_t);
+        float lo = -block_max(-zmin, red), hi = zmax;
+        for (int step = 0; step < BISECT_STEPS; step++) {
+            const float mid = 0.5f * (lo + hi);
+            float cnt = 0.0f;
+            for (int i = tid; i < V; i += blockDim.x) cnt += z[i] * inv_t >= mid ? 1.0f : 0.0f;
+            if (block_sum(cnt, red) >= k) lo = mid; else hi = mid;
+        }
+        t = fmaxf(t, lo);
+    }
+    float total = 0.0f;
+    for (int i = tid; i < V; i += blockDim.x) { const float zi = z[i] * inv_t; if (zi >= t) total += __expf(zi - zmax); }
+    total = block_sum(total, red);
+    const float p = top_p[b];
+    if (p < 1.0f) {                                            // largest t' >= t keeping mass >= p * total
+        float lo = t == -INFINITY ? zmax - 80.0f : t, hi = zmax;
+        for (int step = 0; step < BISECT_STEPS; step++) {
+            const float mid = 0.5f * (lo + hi);
+            float mass = 0.0f;
+            for (int i = tid; i < V; i += blockDim.x) { const float zi = z[i] * inv_t; if (zi >= mid) mass += __expf(zi - zmax); }
+            if (block_sum(mass, red) >= p * total) lo = mid; else hi = mid;
+        }
+        t = fmaxf(t, lo);
+        total = 0.0f;
+        for (int i = tid; i < V; i += blockDim.x) { const float zi = z[i] * inv_t; if (zi >= t) total += __expf(zi - zmax); }
+        total = block_sum(total, red);
+    }
+
+    // 3. inverse-CDF draw in id order: each thread owns a contiguous chunk of ids
+    const unsigned long long r = splitmix64(seed[b] ^ splitmix64((unsigned long long)counter[b]));
+    const float target = (float)((r >> 11) * (1.0 / 9007199254740992.0)) * total;
+    const int per = (V + blockDim.x - 1) / blockDim.x, lo_i = tid * per, hi_i = min(V, lo_i + per);
+    float mine = 0.0f;
+    for (int i = lo_i; i < hi_i; i++) { const float zi = z[i] * inv_t; if (zi >= t) mine += __expf(zi - zmax); }
+    chunk_sums[tid] = mine;
+    __syncthreads();
+    if (tid == 0) {                                            // 1024 partial sums: a serial scan is cheap
+        float run = 0.0f;
+        int owner = -1;
+        for (int i = 0; i < (int)blockDim.x; i++) {
+            if (run + chunk_sums[i] > target && chunk_sums[i] > 0.0f) { owner = i; break; }
+            run += chunk_sums[i];
+        }
+        int tok = best.i;                                      // rounding fallback: the most likely token
+        if (owner >= 0) {
+            const int a = owner * per, e = min(V, a + per);
+            for (int i = a; i < e; i++) {
+                const float zi = z[i] * inv_t;
+                if (zi < t) continue;
+                run += __expf(zi - zmax);
+                tok = i;
+                if (run > target) break;
+            }
+        }
+        out_token[b] = tok;
+    }
+}
