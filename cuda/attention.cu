@@ -213,10 +213,12 @@ __device__ void attn_prefill(const float* __restrict__ qkv, int ldqkv, const __h
 }
 
 // grid (ceil(T/16), H), 128 threads, (16*hd + 32*(hd+1) + 32*hd) * 4 bytes of dynamic shared memory.
-// block_row: this sequence's row of the block table.
+// block_row: this sequence's row of the block table; tok_pos: the chunk's positions (contiguous).
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 attn_prefill_f16(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache, const int* block_row,
-                 int start, int T, __half* out, int H, int Hkv, int hd, float scale) {
+                 const int* tok_pos, int T, __half* out, int H, int Hkv, int hd, float scale) {
+    const int start = tok_pos[0];      // positions are start..start+T-1; kept on the device so a prefill plan
+                                       // (and its launches) depends only on T
     if (hd == 64) attn_prefill<64>(qkv, ldqkv, k_cache, v_cache, block_row, start, T, out, H, Hkv, scale);
     else attn_prefill<128>(qkv, ldqkv, k_cache, v_cache, block_row, start, T, out, H, Hkv, scale);
 }

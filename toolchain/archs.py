@@ -16,9 +16,6 @@ from .errors import UsageError
 
 _ARCH_RE = re.compile(r"^(sm|compute)_(\d{2,3})([af]?)$")
 
-# What nvcc 13.0 can target (Maxwell, Pascal and Volta were dropped in CUDA 13).
-NVCC13_ARCHS = (75, 80, 86, 87, 88, 89, 90, 100, 103, 110, 120, 121)
-
 
 @dataclass(frozen=True, order=True)
 class Arch:
@@ -100,20 +97,14 @@ def kernel_source_dir() -> Path:
 
 
 def installed_kernel_dir() -> Path:
-    """Where `pip install` put the fatbins it built (ingot/runtime/kernels)."""
+    """Where `pip install` put the fatbins it built: ingot/runtime/fatbins (in site-packages; an editable
+    install lists that folder in ingot.runtime.__path__ beside the source tree)."""
     import ingot.runtime
     for base in ingot.runtime.__path__:
-        d = Path(base) / "kernels"
+        d = Path(base) / "fatbins"
         if any(d.glob("*.fatbin")):
             return d
-    # editable installs: the fatbins were installed into site-packages, beside the redirect hook
-    import importlib.util
-    spec = importlib.util.find_spec("ingot.runtime.kernels")
-    if spec and spec.submodule_search_locations:
-        for base in spec.submodule_search_locations:
-            if any(Path(base).glob("*.fatbin")):
-                return Path(base)
-    return Path(ingot.runtime.__path__[0]) / "kernels"
+    return Path(ingot.runtime.__path__[0]) / "fatbins"
 
 
 @dataclass(frozen=True)

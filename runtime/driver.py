@@ -1,0 +1,356 @@
+"""The CUDA driver layer: a thin, checked wrapper over `cuda.bindings.driver`.
+
+Everything the GPU engine does on the device goes through here: the primary context, modules loaded from
+fatbin bytes (every kernel fetched at load, so an incompatible image fails at load with the compatibility
+explanation, not at first launch), device memory from a pool, pinned host staging, streams, events, kernel
+launches with pre-packed arguments, and CUDA graph capture/replay.
+
+`_check` is the one choke point for CUresults: a failure becomes a CudaError carrying the CUDA error name and
+what it means for an Ingot user. The wrapper objects own what they wrap and free it in close().
+"""
+from __future__ import annotations
+
+import ctypes
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from ingot.toolchain.errors import IncompatibleError, IngotError
+
+try:
+    from cuda.bindings import driver as cu
+except ImportError:  # the CPU-only path never imports this module
+    cu = None
+
+# What an Ingot user should do about the errors they can meet. The rest get the driver's own description.
+_MEANING = {
+    "CUDA_ERROR_NO_BINARY_FOR_GPU": "the kernels hold no SASS for this GPU and no PTX it can JIT; "
+                                    "run `ingot check-compat` and rebuild with `ingot build --arch sm_XY`",
+    "CUDA_ERROR_UNSUPPORTED_PTX_VERSION": "the kernels' PTX is newer than this driver can JIT; "
+                                          "upgrade the driver or add SASS for this GPU",
+    "CUDA_ERROR_OUT_OF_MEMORY": "the GPU is out of memory; use a smaller --ctx/--max-seqs or free the GPU",
+    "CUDA_ERROR_ILLEGAL_ADDRESS": "a kernel accessed memory out of bounds (an Ingot bug; please report it)",
+    "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES": "a kernel asked for more registers/shared memory than the GPU has",
+    "CUDA_ERROR_INSUFFICIENT_DRIVER": "the driver is older than this cuda-bindings needs (13.x needs >= 580.65.06)",
+    "CUDA_ERROR_NO_DEVICE": "no CUDA-capable GPU is visible (check CUDA_VISIBLE_DEVICES)",
+    "CUDA_ERROR_INVALID_DEVICE": "no GPU with that index",
+}
+
+_INCOMPATIBLE = {"CUDA_ERROR_NO_BINARY_FOR_GPU", "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "CUDA_ERROR_NO_DEVICE",
+                 "CUDA_ERROR_INSUFFICIENT_DRIVER", "CUDA_ERROR_INVALID_DEVICE"}
+
+
+class CudaError(IngotError):
+    """A failed driver call: `name` is the CUresult name, e.g. CUDA_ERROR_OUT_OF_MEMORY."""
+
+    def __init__(self, call: str, name: str, meaning: str):
+        super().__init__(f"{call} failed: {name}: {meaning}")
+        self.call, self.name, self.meaning = call, name, meaning
+
+
+class CudaIncompatibleError(CudaError, IncompatibleError):
+    pass
+
+
+def _describe(err) -> tuple[str, str]:
+    name = getattr(err, "name", str(err))
+    if name in _MEANING:
+        return name, _MEANING[name]
+    _, text = cu.cuGetErrorString(err)
+    return name, text.decode() if isinstance(text, bytes) else str(text)
+
+
+def _check(result, call: str):
+    """(CUresult, *outputs) -> outputs (None, one value, or a tuple); raise CudaError on failure."""
+    err, *out = result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name, meaning = _describe(err)
+        cls = CudaIncompatibleError if name in _INCOMPATIBLE else CudaError
+        raise cls(call, name, meaning)
+    return None if not out else out[0] if len(out) == 1 else tuple(out)
+
+
+def _require_driver() -> None:
+    if cu is None:
+        raise IncompatibleError("cuda-bindings is not installed", hint="pip install cuda-bindings")
+
+
+# --- device and context -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    cc: int                      # 90 for compute capability 9.0
+    sm_count: int
+    max_smem_optin: int          # bytes of shared memory a block may opt into
+    total_memory: int
+    driver_cuda: int             # cuDriverGetVersion: 13000 for CUDA 13.0
+
+
+class Device:
+    """One GPU with its primary context made current on this thread."""
+
+    def __init__(self, index: int = 0):
+        _require_driver()
+        try:
+            _check(cu.cuInit(0), "cuInit")
+        except RuntimeError as e:  # cuda.pathfinder: libcuda.so is not there at all
+            raise IncompatibleError(f"no NVIDIA driver: {str(e).splitlines()[0]}",
+                                    hint="install the NVIDIA driver, or run with --device cpu") from None
+        count = _check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        if index >= count:
+            raise IncompatibleError(f"GPU {index} requested but {count} visible", hint="pick --gpu 0..{count - 1}")
+        self.dev = _check(cu.cuDeviceGet(index), "cuDeviceGet")
+        self.ctx = _check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
+        _check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        attr = cu.CUdevice_attribute
+        get = lambda a: _check(cu.cuDeviceGetAttribute(a, self.dev), "cuDeviceGetAttribute")  # noqa: E731
+        name = _check(cu.cuDeviceGetName(128, self.dev), "cuDeviceGetName")
+        self.info = DeviceInfo(
+            index=index, name=name.split(b"\0")[0].decode(),
+            cc=get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) * 10
+            + get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+            sm_count=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            max_smem_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+            total_memory=int(_check(cu.cuDeviceTotalMem(self.dev), "cuDeviceTotalMem")),
+            driver_cuda=int(_check(cu.cuDriverGetVersion(), "cuDriverGetVersion")))
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes."""
+        free, total = _check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            _check(cu.cuDevicePrimaryCtxRelease(self.dev), "cuDevicePrimaryCtxRelease")
+            self.ctx = None
+
+
+# --- modules and kernels ----------------------------------------------------------------------
+
+class Kernel:
+    def __init__(self, fn, name: str):
+        self.fn, self.name = fn, name
+
+    def allow_dynamic_smem(self, nbytes: int) -> None:
+        """Needed before a launch asks for more than 48 KiB of dynamic shared memory."""
+        _check(cu.cuFuncSetAttribute(self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     int(nbytes)), f"cuFuncSetAttribute({self.name})")
+
+
+class Module:
+    """A fatbin loaded with cuModuleLoadData; every listed kernel is fetched now, so failures surface here."""
+
+    def __init__(self, image: bytes, name: str, kernel_names: list[str], device: Device):
+        self.name = name
+        try:
+            self.mod = _check(cu.cuModuleLoadData(image), f"cuModuleLoadData({name})")
+        except CudaIncompatibleError as e:
+            raise IncompatibleError(f"{name}: {e.name}: {_explain_incompatible(image, name, device)}") from None
+        self.kernels = {k: Kernel(_check(cu.cuModuleGetFunction(self.mod, k.encode()), f"cuModuleGetFunction({k})"), k)
+                        for k in kernel_names}
+
+    def close(self) -> None:
+        if self.mod is not None:
+            _check(cu.cuModuleUnload(self.mod), "cuModuleUnload")
+            self.mod = None
+
+
+def _explain_incompatible(image: bytes, name: str, device: Device) -> str:
+    """The doctor's explanation for a module the driver refused."""
+    from ingot.toolchain.compat import decide, driver_from_cuda_int
+    from ingot.toolchain.fatbin import parse_fatbin
+
+    d = decide(parse_fatbin(image, name), device.info.cc, driver_from_cuda_int(None, device.info.driver_cuda), name)
+    return f"{d.reason}; fix: {d.fix}" if d.fix else d.reason
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+class DeviceBuffer:
+    """A span of device memory: `ptr` (int) and `nbytes`. Owned by the DevicePool that made it."""
+
+    __slots__ = ("ptr", "nbytes", "name")
+
+    def __init__(self, ptr: int, nbytes: int, name: str):
+        self.ptr, self.nbytes, self.name = ptr, nbytes, name
+
+    def at(self, offset: int) -> int:
+        return self.ptr + offset
+
+
+class DevicePool:
+    """Device memory from a few large cuMemAlloc slabs, sub-allocated with 256-byte alignment (16-byte vector
+    loads and WMMA tiles need >= 32). Everything is freed together in close(): engine lifetime = pool lifetime."""
+
+    SLAB = 256 << 20
+
+    def __init__(self):
+        self._slabs: list[tuple[int, int]] = []      # (base, size)
+        self._cursor = 0                               # offset in the last slab
+        self.allocated = 0
+
+    def alloc(self, nbytes: int, name: str = "") -> DeviceBuffer:
+        nbytes = max(int(nbytes), 1)
+        aligned = (nbytes + 255) & ~255
+        if not self._slabs or self._cursor + aligned > self._slabs[-1][1]:
+            size = max(self.SLAB, aligned)
+            try:
+                base = int(_check(cu.cuMemAlloc(size), f"cuMemAlloc({size})"))
+            except CudaError as e:
+                raise CudaError(f"cuMemAlloc of {size / 2**20:.0f} MiB for {name or 'buffer'}", e.name, e.meaning) from None
+            self._slabs.append((base, size))
+            self._cursor = 0
+        base, _ = self._slabs[-1]
+        buf = DeviceBuffer(base + self._cursor, nbytes, name)
+        self._cursor += aligned
+        self.allocated += aligned
+        return buf
+
+    def close(self) -> None:
+        for base, _ in self._slabs:
+            _check(cu.cuMemFree(base), "cuMemFree")
+        self._slabs.clear()
+
+
+class PinnedBuffer:
+    """Page-locked host memory viewed as a numpy uint8 array (fast, truly async host<->device copies)."""
+
+    def __init__(self, nbytes: int):
+        self.ptr = int(_check(cu.cuMemHostAlloc(nbytes, 0), f"cuMemHostAlloc({nbytes})"))
+        self.nbytes = nbytes
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
+
+    def view(self, dtype, offset: int, count: int) -> np.ndarray:
+        return self.array[offset:offset + count * np.dtype(dtype).itemsize].view(dtype)
+
+    def close(self) -> None:
+        if self.ptr:
+            _check(cu.cuMemFreeHost(self.ptr), "cuMemFreeHost")
+            self.ptr = 0
+
+
+# --- streams, events, copies --------------------------------------------------------------------
+
+class Stream:
+    def __init__(self):
+        self.handle = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+
+    def synchronize(self) -> None:
+        _check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def upload(self, dst: int, src: np.ndarray) -> None:
+        """Host -> device, ordered on this stream. `src` must stay alive until the stream passes this point
+        (pinned memory is truly async; pageable memory is staged by the driver)."""
+        src = np.ascontiguousarray(src)
+        if src.nbytes:
+            _check(cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, self.handle), "cuMemcpyHtoDAsync")
+
+    def download(self, dst: np.ndarray, src: int) -> None:
+        assert dst.flags.c_contiguous
+        if dst.nbytes:
+            _check(cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, self.handle), "cuMemcpyDtoHAsync")
+
+    def memset(self, dst: int, value: int, nbytes: int) -> None:
+        _check(cu.cuMemsetD8Async(dst, value, nbytes, self.handle), "cuMemsetD8Async")
+
+    def close(self) -> None:
+        if self.handle is not None:
+            _check(cu.cuStreamDestroy(self.handle), "cuStreamDestroy")
+            self.handle = None
+
+
+class Event:
+    def __init__(self):
+        self.handle = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
+
+    def record(self, stream: Stream) -> None:
+        _check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+
+    def synchronize(self) -> None:
+        _check(cu.cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def elapsed_ms(self, start: Event) -> float:
+        return float(_check(cu.cuEventElapsedTime(start.handle, self.handle), "cuEventElapsedTime"))
+
+    def close(self) -> None:
+        if self.handle is not None:
+            _check(cu.cuEventDestroy(self.handle), "cuEventDestroy")
+            self.handle = None
+
+
+# --- launches ----------------------------------------------------------------------------------
+
+class Launch:
+    """A kernel launch with its arguments packed once into a void*[] (re-launchable, graph-capturable).
+
+    Arguments are numpy scalars of the kernel's parameter types (np.int32, np.float32, np.int64,
+    np.uint64) or device addresses (int or DeviceBuffer, passed as 64-bit pointers; None = null)."""
+
+    __slots__ = ("kernel", "grid", "block", "smem", "_held", "_params")
+
+    def __init__(self, kernel: Kernel, grid: tuple, block: int, args: list, smem: int = 0):
+        self.kernel, self.grid, self.block, self.smem = kernel, tuple(grid) + (1,) * (3 - len(grid)), block, smem
+        held = []
+        for a in args:
+            if isinstance(a, np.generic):
+                held.append(np.array(a))                    # 0-d array: stable address, exact width
+            elif isinstance(a, DeviceBuffer):
+                held.append(np.array(a.ptr, dtype=np.uint64))
+            elif a is None or isinstance(a, int):
+                held.append(np.array(a or 0, dtype=np.uint64))
+            else:
+                raise TypeError(f"{kernel.name}: unsupported kernel argument {a!r}")
+        self._held = held
+        self._params = np.array([h.ctypes.data for h in held], dtype=np.uint64)
+        if any(g <= 0 for g in self.grid):
+            raise ValueError(f"{kernel.name}: empty grid {self.grid}")
+
+    def __call__(self, stream: Stream) -> None:
+        gx, gy, gz = self.grid
+        _check(cu.cuLaunchKernel(self.kernel.fn, gx, gy, gz, self.block, 1, 1, self.smem, stream.handle,
+                                 self._params.ctypes.data, 0), f"cuLaunchKernel({self.kernel.name})")
+
+
+class Graph:
+    """A captured sequence of stream work, instantiated once and replayed with one cuGraphLaunch."""
+
+    def __init__(self, stream: Stream, work):
+        _check(cu.cuStreamBeginCapture(stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+               "cuStreamBeginCapture")
+        try:
+            work()
+        finally:
+            graph = _check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
+        self.graph = graph
+        self.exec = _check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def launch(self, stream: Stream) -> None:
+        _check(cu.cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
+
+    def close(self) -> None:
+        if self.exec is not None:
+            _check(cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
+            _check(cu.cuGraphDestroy(self.graph), "cuGraphDestroy")
+            self.exec = None
+
+
+@contextmanager
+def timed(stream: Stream):
+    """Device time of the work queued inside the block: `with timed(s) as t: ...; t()` -> milliseconds."""
+    start, end = Event(), Event()
+    start.record(stream)
+    box = {}
+    try:
+        yield lambda: box["ms"]
+    finally:
+        end.record(stream)
+        end.synchronize()
+        box["ms"] = end.elapsed_ms(start)
+        start.close()
+        end.close()

@@ -1,0 +1,349 @@
+"""Every kernel against a numpy reference, on fresh random inputs of awkward sizes, with explicit tolerances.
+
+Outputs are poisoned (0xFF bytes: NaN for floats) before each launch, so an element the kernel failed to write
+fails the comparison. Tolerances: exact integer paths (dequantization, q8_1 dot products against an emulated
+q8_1 input) ~1e-5 relative; fp16 operands (tensor-core GEMM, fp16 KV cache) ~2e-3.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from ingot.runtime import kernels as K
+from ingot.runtime.engines.cuda_weights import _alloc_matrix
+from ingot.runtime.kernels import GpuMatrix
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F16"]
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all(), "non-finite output (unwritten element or overflow)"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_weight(gpu, rng, qtype: str, rows: int, cols: int) -> tuple[GpuMatrix, np.ndarray]:
+    """A random matrix quantized by gguf, uploaded and repacked; returns it and gguf's dequantization."""
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    if qtype == "F16":
+        raw = w.astype(np.float16)
+        W = _alloc_matrix(gpu.pool, "F16", rows, cols, "w")
+        gpu.stream.upload(W.w.ptr, raw)
+        gpu.stream.synchronize()
+        return W, raw.astype(np.float64)
+    t = GGMLQuantizationType[qtype]
+    raw = quants.quantize(w, t)
+    ref = quants.dequantize(raw, t).reshape(rows, cols).astype(np.float64)
+    src = gpu.put(raw)
+    W = _alloc_matrix(gpu.pool, qtype, rows, cols, "w")
+    gpu.run(gpu.k.repack(qtype, src.ptr, W))
+    return W, ref
+
+
+def q8_1(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy emulation of the GPU's q8_1: per 32 values d = amax/127, q = round(x/d), s = d*sum(q)."""
+    b = x.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(b).max(axis=1)
+    d = (amax / 127).astype(np.float32)
+    q = np.where(d[:, None] > 0, np.rint(b / np.where(d > 0, d, 1)[:, None]), 0).astype(np.int8)
+    s = d * q.astype(np.float32).sum(axis=1)
+    return q.reshape(x.shape), d, s
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_repack_and_embed_match_gguf_dequantization(gpu, rng, qtype):
+    rows, cols = 77, 96
+    W, ref = make_weight(gpu, rng, qtype, rows, cols)
+    tokens = rng.integers(0, rows, size=13).astype(np.int32)
+    x = gpu.empty(4 * 13 * cols)
+    gpu.run(gpu.k.embed(W, gpu.put(tokens).ptr, x, 13))
+    out = gpu.get(x, np.float32, (13, cols))
+    assert rel_err(out, ref[tokens]) < 1e-6
+
+
+@pytest.mark.parametrize("src_type", ["F32", "BF16"])
+def test_convert_to_f16(gpu, rng, src_type):
+    rows, cols = 5, 64
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    raw = w if src_type == "F32" else (w.view(np.uint32) >> 16).astype(np.uint16)
+    ref = w if src_type == "F32" else (raw.astype(np.uint32) << 16).view(np.float32)
+    W = _alloc_matrix(gpu.pool, src_type, rows, cols, "w")
+    gpu.run(gpu.k.repack(src_type, gpu.put(raw).ptr, W))
+    out = gpu.get(W.w, np.float16, (rows, cols))
+    assert rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("n,dim", [(1, 64), (7, 576), (3, 4096)])
+def test_rmsnorm_all_outputs(gpu, rng, n, dim):
+    x = rng.standard_normal((n, dim)).astype(np.float32) * 3
+    w = rng.standard_normal(dim).astype(np.float32)
+    eps = 1e-5
+    ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + eps) * w
+    y, yh = gpu.empty(4 * n * dim), gpu.empty(2 * n * dim)
+    yq, yd = gpu.empty(n * dim), gpu.empty(8 * n * dim // 32)
+    gpu.run(gpu.k.rmsnorm(gpu.put(x).ptr, gpu.put(w), n, dim, eps, y=y, yq=yq, yd=yd, yh=yh))
+    assert rel_err(gpu.get(y, np.float32, (n, dim)), ref) < 1e-5
+    assert rel_err(gpu.get(yh, np.float16, (n, dim)), ref) < 1e-3
+    q = gpu.get(yq, np.int8, (n, dim)).reshape(-1, 32).astype(np.float64)
+    ds = gpu.get(yd, np.float32, (n * dim // 32, 2))
+    deq = (q * ds[:, :1]).reshape(n, dim)
+    assert np.all(np.abs(deq - ref) <= ds[:, 0].repeat(32).reshape(n, dim) * 0.5 + 1e-6)
+    assert np.allclose(ds[:, 1], ds[:, 0] * q.sum(axis=1), rtol=1e-5, atol=1e-6)
+
+
+def test_quantize_q8_1(gpu, rng):
+    x = (rng.standard_normal(32 * 37) * rng.uniform(0.01, 10, 32 * 37)).astype(np.float32)
+    x[:32] = 0.0                                              # an all-zero block must give d = 0, q = 0
+    q_ref, d_ref, s_ref = q8_1(x)
+    xq, xd = gpu.empty(x.size), gpu.empty(8 * x.size // 32)
+    gpu.run(gpu.k.quantize(gpu.put(x).ptr, xq.ptr, xd.ptr, x.size))
+    q = gpu.get(xq, np.int8, x.shape)
+    ds = gpu.get(xd, np.float32, (x.size // 32, 2))
+    assert np.allclose(ds[:, 0], d_ref, rtol=1e-6)
+    assert np.abs(q.astype(int) - q_ref.astype(int)).max() <= 1     # fast-math division may round the other way
+    assert np.allclose(ds[:, 1], ds[:, 0] * q.reshape(-1, 32).sum(axis=1), rtol=1e-5, atol=1e-7)
+
+
+def _activation(gpu, W, x):
+    """What matvec reads for W: q8_1 of x (and its exact dequantization as the reference input), or fp32 x."""
+    if not W.quantized:
+        return gpu.put(x).ptr, x.astype(np.float64)
+    q, d, s = q8_1(x)
+    xd = np.stack([d, s], axis=1).astype(np.float32)
+    deq = (q.reshape(-1, 32).astype(np.float64) * d[:, None]).reshape(x.shape)
+    return (gpu.put(q).ptr, gpu.put(xd).ptr), deq
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows,cols,ncols", [(37, 64, 1), (200, 576, 3), (1001, 4096, 8), (64, 1536, 11)])
+def test_matvec_store_with_bias(gpu, rng, qtype, rows, cols, ncols):
+    W, Wref = make_weight(gpu, rng, qtype, rows, cols)
+    x = rng.standard_normal((ncols, cols)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    xin, xref = _activation(gpu, W, x)
+    y = gpu.empty(4 * ncols * rows)
+    gpu.run(gpu.k.matvec(W, xin, y.ptr, ncols, ldy=rows, bias=gpu.put(bias)))
+    ref = xref @ Wref.T + bias
+    assert rel_err(gpu.get(y, np.float32, (ncols, rows)), ref) < 1e-5
+    # and against the unquantized activation: the q8_1 rounding error the engine accepts
+    assert rel_err(gpu.get(y, np.float32, (ncols, rows)), x @ Wref.T + bias) < 2e-2
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matvec_add_and_swiglu(gpu, rng, qtype):
+    F, cols, ncols = 96, 256, 5
+    W, Wref = make_weight(gpu, rng, qtype, 2 * F, cols)
+    x = rng.standard_normal((ncols, cols)).astype(np.float32)
+    xin, xref = _activation(gpu, W, x)
+    h = gpu.empty(4 * ncols * F)
+    gpu.run(gpu.k.matvec(W, xin, h.ptr, ncols, ldy=F, mode=K.MODE_SWIGLU))
+    g, u = xref @ Wref[:F].T, xref @ Wref[F:].T
+    assert rel_err(gpu.get(h, np.float32, (ncols, F)), g / (1 + np.exp(-g)) * u) < 1e-4
+
+    resid = rng.standard_normal((ncols, 2 * F)).astype(np.float32)
+    y = gpu.put(resid)
+    gpu.run(gpu.k.matvec(W, xin, y.ptr, ncols, ldy=2 * F, mode=K.MODE_ADD))
+    assert rel_err(gpu.get(y, np.float32, (ncols, 2 * F)), resid + xref @ Wref.T) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("M,N,K_", [(1, 70, 64), (37, 130, 576), (200, 64, 1536)])
+def test_matmul(gpu, rng, qtype, M, N, K_):
+    W, Wref = make_weight(gpu, rng, qtype, N, K_)
+    A = rng.standard_normal((M, K_)).astype(np.float16)
+    bias = rng.standard_normal(N).astype(np.float32)
+    C = gpu.empty(4 * M * N)
+    gpu.run(gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias)))
+    Wh = Wref.astype(np.float16).astype(np.float64)           # the kernel multiplies fp16-rounded weights
+    ref = A.astype(np.float64) @ Wh.T + bias
+    assert rel_err(gpu.get(C, np.float32, (M, N)), ref) < 1e-3
+    resid = rng.standard_normal((M, N)).astype(np.float32)
+    Cb = gpu.put(resid)
+    gpu.run(gpu.k.matmul(W, gpu.put(A).ptr, Cb.ptr, M, ldc=N, mode=K.MODE_ADD))
+    assert rel_err(gpu.get(Cb, np.float32, (M, N)), resid + A.astype(np.float64) @ Wh.T) < 1e-3
+
+
+class _Cfg:
+    """The Config fields the attention/rope kernels read."""
+    def __init__(self, H, Hkv, hd, neox=False):
+        self.n_heads, self.n_kv_heads, self.head_dim, self.rope_dim, self.rope_neox = H, Hkv, hd, hd, neox
+
+
+def _rope_ref(x, pos, inv_freq, neox):
+    from ingot.runtime.model import rope
+    return rope(x.astype(np.float32), pos, inv_freq, neox).astype(np.float64)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("hd", [64, 128])
+def test_rope_and_kv_write(gpu, rng, neox, hd):
+    H, Hkv, n, n_pages, max_pages = 6, 2, 9, 40, 8
+    cfg = _Cfg(H, Hkv, hd, neox)
+    qkv = rng.standard_normal((n, (H + 2 * Hkv) * hd)).astype(np.float32)
+    pos = rng.integers(0, max_pages * K.PAGE, size=n).astype(np.int32)
+    seq = rng.integers(0, 3, size=n).astype(np.int32)
+    table = rng.permutation(n_pages)[:3 * max_pages].reshape(3, max_pages).astype(np.int32)
+    inv_freq = 10000.0 ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    angle = np.arange(max_pages * K.PAGE)[:, None] * inv_freq[None, :]
+    rope_tab = np.stack([np.cos(angle), np.sin(angle)], axis=-1).astype(np.float32)
+    page_elems = K.PAGE * Hkv * hd
+    kc, vc = gpu.empty(2 * n_pages * page_elems, 0), gpu.empty(2 * n_pages * page_elems, 0)
+    dq = gpu.put(qkv)
+    gpu.run(gpu.k.rope_kv(dq.ptr, gpu.put(rope_tab), gpu.put(seq).ptr, gpu.put(pos).ptr, gpu.put(table).ptr,
+                          max_pages, kc.ptr, vc.ptr, n, cfg))
+    out = gpu.get(dq, np.float32, qkv.shape)
+    q_ref = _rope_ref(qkv[:, :H * hd].reshape(n, H, hd), pos, inv_freq, neox).reshape(n, -1)
+    k_ref = _rope_ref(qkv[:, H * hd:(H + Hkv) * hd].reshape(n, Hkv, hd), pos, inv_freq, neox)
+    assert rel_err(out[:, :H * hd], q_ref) < 1e-5
+    kcache = gpu.get(kc, np.float16, (n_pages, Hkv, K.PAGE, hd))
+    vcache = gpu.get(vc, np.float16, (n_pages, Hkv, K.PAGE, hd))
+    v_ref = qkv[:, (H + Hkv) * hd:].reshape(n, Hkv, hd)
+    for i in range(n):
+        page, slot = table[seq[i], pos[i] // K.PAGE], pos[i] % K.PAGE
+        assert rel_err(kcache[page, :, slot], k_ref[i]) < 1e-3
+        assert rel_err(vcache[page, :, slot], v_ref[i]) < 1e-3
+
+
+def _random_cache(gpu, rng, n_pages, Hkv, hd):
+    k = (rng.standard_normal((n_pages, Hkv, K.PAGE, hd))).astype(np.float16)
+    v = (rng.standard_normal((n_pages, Hkv, K.PAGE, hd))).astype(np.float16)
+    return k, v, gpu.put(k), gpu.put(v)
+
+
+def _attend(q, k, v):
+    """q [G, hd], k/v [n, hd] -> softmax(q k^T / sqrt(hd)) v, float64."""
+    s = q.astype(np.float64) @ k.astype(np.float64).T / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)
+
+
+@pytest.mark.parametrize("hd,H,Hkv", [(64, 9, 3), (128, 32, 8), (64, 8, 8)])
+@pytest.mark.parametrize("splits", [1, 7, 32])
+def test_attention_decode_split_kv(gpu, rng, hd, H, Hkv, splits):
+    lens = np.array([1, 31, 33, 100, 1000], dtype=np.int32)
+    B, max_pages = len(lens), 40
+    n_pages = B * max_pages
+    kh, vh, kc, vc = _random_cache(gpu, rng, n_pages, Hkv, hd)
+    table = rng.permutation(n_pages).reshape(B, max_pages).astype(np.int32)
+    qkv = rng.standard_normal((B, (H + 2 * Hkv) * hd)).astype(np.float32)
+    cfg = _Cfg(H, Hkv, hd)
+    acc, ml = gpu.empty(4 * B * H * splits * hd), gpu.empty(8 * B * H * splits)
+    out, outq, outd = gpu.empty(4 * B * H * hd), gpu.empty(B * H * hd), gpu.empty(8 * B * H * hd // 32)
+    pos = gpu.put(lens - 1)
+    gpu.run(gpu.k.attn_decode(gpu.put(qkv).ptr, qkv.shape[1], kc.ptr, vc.ptr, gpu.put(table).ptr, max_pages,
+                              pos.ptr, acc.ptr, ml.ptr, B, splits, cfg))
+    gpu.run(gpu.k.attn_combine(acc.ptr, ml.ptr, splits, out.ptr, outq.ptr, outd.ptr, B, cfg))
+    got = gpu.get(out, np.float32, (B, H, hd))
+    G = H // Hkv
+    for b, n in enumerate(lens):
+        pages = table[b, :(n + K.PAGE - 1) // K.PAGE]
+        for kvh in range(Hkv):
+            k = kh[pages, kvh].reshape(-1, hd)[:n]
+            v = vh[pages, kvh].reshape(-1, hd)[:n]
+            q = qkv[b, kvh * G * hd:(kvh + 1) * G * hd].reshape(G, hd)
+            assert rel_err(got[b, kvh * G:(kvh + 1) * G], _attend(q, k, v)) < 2e-3, (b, n, kvh)
+    q = gpu.get(outq, np.int8, (B * H * hd // 32, 32)).astype(np.float64)
+    d = gpu.get(outd, np.float32, (B * H * hd // 32, 2))[:, :1]
+    assert np.abs(q * d - got.reshape(-1, 32)).max() <= d.max() * 0.5 + 1e-6
+
+
+@pytest.mark.parametrize("hd,H,Hkv", [(64, 9, 3), (128, 8, 2)])
+@pytest.mark.parametrize("start,T", [(0, 1), (0, 17), (45, 100), (500, 40)])
+def test_attention_prefill_causal(gpu, rng, hd, H, Hkv, start, T):
+    total = start + T
+    max_pages = (total + K.PAGE - 1) // K.PAGE
+    kh, vh, kc, vc = _random_cache(gpu, rng, max_pages + 5, Hkv, hd)
+    row = rng.permutation(max_pages + 5)[:max_pages].astype(np.int32)
+    qkv = rng.standard_normal((T, (H + 2 * Hkv) * hd)).astype(np.float32)
+    out = gpu.empty(2 * T * H * hd)
+    positions = np.arange(start, start + T, dtype=np.int32)
+    gpu.run(gpu.k.attn_prefill(gpu.put(qkv).ptr, qkv.shape[1], kc.ptr, vc.ptr, gpu.put(row).ptr,
+                               gpu.put(positions).ptr, T, out.ptr, _Cfg(H, Hkv, hd)))
+    got = gpu.get(out, np.float16, (T, H, hd))
+    G = H // Hkv
+    for t in range(T):
+        n = start + t + 1
+        for h in range(H):
+            k = kh[row, h // G].reshape(-1, hd)[:n]
+            v = vh[row, h // G].reshape(-1, hd)[:n]
+            ref = _attend(qkv[t, h * hd:(h + 1) * hd][None], k, v)[0]
+            assert rel_err(got[t, h], ref) < 2e-3, (t, h)
+
+
+def test_swiglu(gpu, rng):
+    n, F = 7, 96
+    gu = rng.standard_normal((n, 2 * F)).astype(np.float32)
+    h = gpu.empty(2 * n * F)
+    gpu.run(gpu.k.swiglu(gpu.put(gu).ptr, h.ptr, F, n))
+    g, u = gu[:, :F].astype(np.float64), gu[:, F:]
+    assert rel_err(gpu.get(h, np.float16, (n, F)), g / (1 + np.exp(-g)) * u) < 1e-3
+
+
+class _Sampler:
+    """Per-sequence sampling parameter arrays on the device, as the engine lays them out."""
+
+    def __init__(self, gpu, B, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, hist=None,
+                 seed=0, counter=0):
+        hist = np.zeros((B, 1), np.int32) if hist is None else np.asarray(hist, np.int32)
+        f = lambda v, dt: gpu.put(np.broadcast_to(np.asarray(v, dt), (B,)).copy()).ptr   # noqa: E731
+        self.args = {"temperature": f(temperature, np.float32), "top_k": f(top_k, np.int32),
+                     "top_p": f(top_p, np.float32), "min_p": f(min_p, np.float32), "penalty": f(penalty, np.float32),
+                     "hist": gpu.put(hist).ptr, "hist_len": f(hist.shape[1], np.int32), "hist_cap": hist.shape[1],
+                     "seed": f(seed, np.uint64), "counter": f(counter, np.int32)}
+
+
+def _sample(gpu, logits, **kw):
+    B, V = logits.shape
+    out = gpu.empty(4 * B)
+    gpu.run(gpu.k.sample(gpu.put(logits).ptr, V, V, B, _Sampler(gpu, B, **kw).args, out.ptr))
+    return gpu.get(out, np.int32, (B,))
+
+
+@pytest.mark.parametrize("V", [1000, 49152, 128256])
+def test_sample_greedy_argmax_lowest_id_on_ties(gpu, rng, V):
+    logits = rng.standard_normal((4, V)).astype(np.float32)
+    logits[1, [17, 900]] = 50.0                               # a tie: the lower id wins
+    assert list(_sample(gpu, logits)) == [int(np.argmax(r)) for r in logits]
+
+
+def test_sample_repetition_penalty_changes_greedy_choice(gpu, rng):
+    logits = rng.standard_normal((1, 500)).astype(np.float32)
+    best = int(np.argmax(logits))
+    logits[0, best] = abs(logits[0, best]) + 0.5
+    second = int(np.argsort(logits[0])[-2])
+    hist = np.array([[best, best, 3]], np.int32)              # repeated ids are penalized once
+    got = _sample(gpu, logits, penalty=1e6, hist=hist)
+    assert got[0] == (second if second != 3 else int(np.argsort(logits[0])[-3]))
+
+
+@pytest.mark.parametrize("V", [5000, 128256])
+def test_sample_top_k_top_p_min_p_and_seed(gpu, rng, V):
+    B = 64
+    base = rng.standard_normal(V).astype(np.float32) * 3
+    logits = np.tile(base, (B, 1))
+    order = np.argsort(-base)
+    # top-k: every draw is among the k best
+    got = _sample(gpu, logits, temperature=1.0, top_k=5, seed=np.arange(B, dtype=np.uint64))
+    assert set(got) <= set(order[:5]) and len(set(got)) > 1
+    # top-p: every draw is inside the smallest prefix holding p of the mass
+    p = np.exp(base - base.max()); p /= p.sum()
+    cut = int(np.searchsorted(np.cumsum(p[order]), 0.5)) + 1
+    got = _sample(gpu, logits, temperature=1.0, top_p=0.5, seed=np.arange(B, dtype=np.uint64) + 1000)
+    assert set(got) <= set(order[:cut + 1])
+    # min-p: only tokens at least min_p times as likely as the best
+    got = _sample(gpu, logits, temperature=1.0, min_p=0.2, seed=np.arange(B, dtype=np.uint64))
+    assert all(p[t] >= 0.2 * p.max() * (1 - 1e-4) for t in got)
+    # same seed and counter -> same token; the counter changes the draw
+    a = _sample(gpu, logits, temperature=1.0, seed=7, counter=3)
+    assert len(set(a)) == 1
+    draws = {int(_sample(gpu, logits[:1], temperature=1.0, seed=7, counter=c)[0]) for c in range(30)}
+    assert len(draws) > 5
+
+
+def test_sample_distribution_matches_softmax(gpu):
+    V, B = 8, 4096
+    base = np.log(np.array([0.4, 0.2, 0.15, 0.1, 0.08, 0.04, 0.02, 0.01], np.float32))
+    got = _sample(gpu, np.tile(base, (B, 1)), temperature=1.0, seed=np.arange(B, dtype=np.uint64) * 7919)
+    freq = np.bincount(got, minlength=V) / B
+    assert np.abs(freq - np.exp(base)).max() < 0.03
