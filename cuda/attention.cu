@@ -120,10 +120,10 @@ attn_decode_f16(const float* qkv, int ldqkv, const __half* k_cache, const __half
 }
 
 // Merge the S partials of each (sequence, head): grid (H, B), hd threads. Writes fp32 out [B, H*hd] and, if
-// outq is given, its q8_1 quantization for the output projection.
+// outq is given, its q8x2 quantization (common.cuh) for the output projection.
 extern "C" __global__ void attn_combine_f32(const float* __restrict__ part_acc, const float2* __restrict__ part_ml,
                                             int S, float* __restrict__ out, int8_t* __restrict__ outq,
-                                            float2* __restrict__ outd, int H, int hd) {
+                                            float4* __restrict__ outd, int H, int hd) {
     const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
     const size_t part = ((size_t)b * H + h) * S;
     float M = NEG_BIG;
@@ -139,7 +139,7 @@ extern "C" __global__ void attn_combine_f32(const float* __restrict__ part_acc, 
     const float o = A / L;
     const size_t i = (size_t)b * H * hd + (size_t)h * hd + d;
     out[i] = o;
-    if (outq) warp_quantize_q8_1(o, outq + (i - d % WARP), outd + i / QK);
+    if (outq) warp_quantize_q8x2(o, outq + 2 * (i - d % WARP), outd + i / QK);
 }
 
 template <int HD>

@@ -1,4 +1,4 @@
-// Shared device helpers for Ingot's kernels: weight layouts, warp/block reductions, q8_1 activations.
+// Shared device helpers for Ingot's kernels: weight layouts, warp/block reductions, q8x2 activations.
 //
 // Weight layout on the GPU ("soa-v1"): GGUF stores quantized rows as arrays of blocks (scale, quants)
 // whose 18- or 20-byte size defeats 16-byte loads. At load time every quantized matrix [rows, cols] is
@@ -8,8 +8,8 @@
 //   Q4_1: qs as Q4_0, d f16 [rows, cols/32], m f16 [rows, cols/32]
 //   Q8_0: qs  i8  [rows, cols], d f16 [rows, cols/32]
 //   F16:  w   f16 [rows, cols]
-// Activations that feed quantized matrices are quantized to q8_1 per 32 values (as ggml does):
-//   xq i8 [n, cols], xd float2 [n, cols/32] = (scale d, d * sum of the 32 int8 values)
+// Activations that feed quantized matrices are quantized per 32 values to "q8x2" (see warp_quantize_q8x2):
+//   xq i8 [n, 2*cols] (per block: 32 coarse then 32 fine int8), xd float4 [n, cols/32] = (d1, d2, s, 0)
 #pragma once
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -56,13 +56,22 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
-// Quantize 32 consecutive values held one per lane of a warp to q8_1. Lane i writes xq[i];
-// lane 0 writes the block's (d, d*sum).
-__device__ __forceinline__ void warp_quantize_q8_1(float v, int8_t* xq, float2* xd) {
+// Quantize 32 consecutive values held one per lane of a warp to q8x2: two int8 levels per value,
+// v ~= d1*q1 + d2*q2 with d1 = amax/127, d2 = d1/254 (the second level quantizes the first level's rounding
+// error, so the pair carries ~15 bits: integer dot products stay exact and the result matches float
+// activations to ~1e-5). Block layout: xq[0..31] = q1, xq[32..63] = q2; xd = (d1, d2, d1*sum(q1) + d2*sum(q2)).
+// Exact division (__fdiv_rn) even under --use_fast_math: q1 must be the true rounding for |r| <= d1/2.
+__device__ __forceinline__ void warp_quantize_q8x2(float v, int8_t* xq, float4* xd) {
+    const int lane = threadIdx.x % WARP;
     const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.0f;
-    const int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
-    const float s = warp_sum((float)q);
-    xq[threadIdx.x % WARP] = (int8_t)q;
-    if (threadIdx.x % WARP == 0) *xd = make_float2(d, d * s);
+    const float d1 = amax / 127.0f, d2 = d1 / 254.0f;
+    float q1 = 0.0f, q2 = 0.0f;
+    if (amax > 0.0f) {
+        q1 = rintf(__fdiv_rn(v, d1));
+        q2 = fminf(fmaxf(rintf(__fdiv_rn(fmaf(-q1, d1, v), d2)), -127.0f), 127.0f);
+    }
+    const float s = d1 * warp_sum(q1) + d2 * warp_sum(q2);
+    xq[lane] = (int8_t)q1;
+    xq[WARP + lane] = (int8_t)q2;
+    if (lane == 0) *xd = make_float4(d1, d2, s, 0.0f);
 }

@@ -3,8 +3,10 @@
 //
 // Decode is memory-bound: every weight byte is read once per step. Each warp owns two weight rows; each lane
 // takes whole 32-weight blocks (one 16-byte load of Q4 quants, two for Q8_0), so a warp reads 512
-// contiguous bytes per row per step. Activations arrive quantized to q8_1 and the inner product is integer
-// (dp4a), as in ggml's mmvq: 32 weights cost ~10 instructions instead of ~100 with float dequantization.
+// contiguous bytes per row per step. Activations arrive quantized to q8x2 (common.cuh: two int8 levels per
+// value) and the inner products are integer (dp4a), as in ggml's mmvq but with a second int8 level that
+// carries the first level's rounding error: 32 weights cost ~20 integer instructions and the result matches
+// fp32 activations to ~1e-5 (ggml's single int8 level costs ~0.5% per product, which compounds over layers).
 // A block (4 warps) serves up to 8 columns at once; blockIdx.y picks the group of 8 columns.
 //
 // Epilogue modes:
@@ -19,6 +21,29 @@
 #define MV_WARPS 4
 #define MV_COLS 8
 
+// One q8x2 activation block: coarse and fine int8 levels (16 bytes each half) and (d1, d2, sum).
+struct XBlock { int4 c0, c1, f0, f1; float4 d; };
+
+__device__ __forceinline__ XBlock load_x(const int8_t* xq, const float4* xd, int cols, int c, int kb) {
+    const int4* p = reinterpret_cast<const int4*>(xq + (size_t)c * 2 * cols + kb * 2 * QK);
+    return {p[0], p[1], p[2], p[3], xd[(size_t)c * (cols / QK) + kb]};
+}
+
+__device__ __forceinline__ int dot8(const int4& a0, const int4& a1, const int4& b0, const int4& b1) {
+    int s = 0;
+    s = __dp4a(a0.x, b0.x, s); s = __dp4a(a0.y, b0.y, s); s = __dp4a(a0.z, b0.z, s); s = __dp4a(a0.w, b0.w, s);
+    s = __dp4a(a1.x, b1.x, s); s = __dp4a(a1.y, b1.y, s); s = __dp4a(a1.z, b1.z, s); s = __dp4a(a1.w, b1.w, s);
+    return s;
+}
+
+// sum(q * coarse) and sum(q * fine) for a Q4 block: byte j holds w[j] (low nibble) and w[j+16] (high).
+__device__ __forceinline__ float2 q4_dot(const uint4& q, const XBlock& x) {
+    const int4 lo = make_int4(q.x & 0x0F0F0F0F, q.y & 0x0F0F0F0F, q.z & 0x0F0F0F0F, q.w & 0x0F0F0F0F);
+    const int4 hi = make_int4((q.x >> 4) & 0x0F0F0F0F, (q.y >> 4) & 0x0F0F0F0F, (q.z >> 4) & 0x0F0F0F0F,
+                              (q.w >> 4) & 0x0F0F0F0F);
+    return make_float2((float)dot8(lo, hi, x.c0, x.c1), (float)dot8(lo, hi, x.f0, x.f1));
+}
+
 struct Q4_0W {
     const uint8_t* qs; const __half* d; int nb;
     struct Block { uint4 q; float d; };
@@ -26,13 +51,9 @@ struct Q4_0W {
         const long long b = r * nb + kb;
         return {reinterpret_cast<const uint4*>(qs)[b], __half2float(d[b])};
     }
-    __device__ __forceinline__ static float dot(const Block& w, const int4& x0, const int4& x1, float2 xs) {
-        int s = 0;
-        s = __dp4a((int)(w.q.x & 0x0F0F0F0F), x0.x, s); s = __dp4a((int)((w.q.x >> 4) & 0x0F0F0F0F), x1.x, s);
-        s = __dp4a((int)(w.q.y & 0x0F0F0F0F), x0.y, s); s = __dp4a((int)((w.q.y >> 4) & 0x0F0F0F0F), x1.y, s);
-        s = __dp4a((int)(w.q.z & 0x0F0F0F0F), x0.z, s); s = __dp4a((int)((w.q.z >> 4) & 0x0F0F0F0F), x1.z, s);
-        s = __dp4a((int)(w.q.w & 0x0F0F0F0F), x0.w, s); s = __dp4a((int)((w.q.w >> 4) & 0x0F0F0F0F), x1.w, s);
-        return w.d * (xs.x * (float)s - 8.0f * xs.y);      // w = d*(q-8), x = dx*qx, xs.y = dx*sum(qx)
+    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
+        const float2 s = q4_dot(w.q, x);
+        return w.d * (x.d.x * s.x + x.d.y * s.y - 8.0f * x.d.z);   // w = d*(q-8); x.d.z = sum of x
     }
 };
 
@@ -43,13 +64,9 @@ struct Q4_1W {
         const long long b = r * nb + kb;
         return {reinterpret_cast<const uint4*>(qs)[b], __half2float(d[b]), __half2float(m[b])};
     }
-    __device__ __forceinline__ static float dot(const Block& w, const int4& x0, const int4& x1, float2 xs) {
-        int s = 0;
-        s = __dp4a((int)(w.q.x & 0x0F0F0F0F), x0.x, s); s = __dp4a((int)((w.q.x >> 4) & 0x0F0F0F0F), x1.x, s);
-        s = __dp4a((int)(w.q.y & 0x0F0F0F0F), x0.y, s); s = __dp4a((int)((w.q.y >> 4) & 0x0F0F0F0F), x1.y, s);
-        s = __dp4a((int)(w.q.z & 0x0F0F0F0F), x0.z, s); s = __dp4a((int)((w.q.z >> 4) & 0x0F0F0F0F), x1.z, s);
-        s = __dp4a((int)(w.q.w & 0x0F0F0F0F), x0.w, s); s = __dp4a((int)((w.q.w >> 4) & 0x0F0F0F0F), x1.w, s);
-        return w.d * xs.x * (float)s + w.m * xs.y;         // w = d*q + m
+    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
+        const float2 s = q4_dot(w.q, x);
+        return w.d * (x.d.x * s.x + x.d.y * s.y) + w.m * x.d.z;    // w = d*q + m
     }
 };
 
@@ -61,11 +78,8 @@ struct Q8_0W {
         const int4* p = reinterpret_cast<const int4*>(qs) + 2 * b;
         return {p[0], p[1], __half2float(d[b])};
     }
-    __device__ __forceinline__ static float dot(const Block& w, const int4& x0, const int4& x1, float2 xs) {
-        int s = 0;
-        s = __dp4a(w.q0.x, x0.x, s); s = __dp4a(w.q0.y, x0.y, s); s = __dp4a(w.q0.z, x0.z, s); s = __dp4a(w.q0.w, x0.w, s);
-        s = __dp4a(w.q1.x, x1.x, s); s = __dp4a(w.q1.y, x1.y, s); s = __dp4a(w.q1.z, x1.z, s); s = __dp4a(w.q1.w, x1.w, s);
-        return w.d * xs.x * (float)s;
+    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
+        return w.d * (x.d.x * (float)dot8(w.q0, w.q1, x.c0, x.c1) + x.d.y * (float)dot8(w.q0, w.q1, x.f0, x.f1));
     }
 };
 
@@ -106,7 +120,7 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
 }
 
 template <typename W, int NC>
-__device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+__device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
                                          const float* __restrict__ bias, float* __restrict__ y,
                                          int rows, int cols, int ldy, int mode) {
     const int nb = cols / QK, lane = threadIdx.x % WARP, c0 = blockIdx.y * MV_COLS;
@@ -119,11 +133,9 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
         for (int s = 0; s < 2; s++) if (ok[s]) wb[s] = w.load(r[s], kb);
 #pragma unroll
         for (int c = 0; c < NC; c++) {
-            const int4* xp = reinterpret_cast<const int4*>(xq + (size_t)(c0 + c) * cols + kb * QK);
-            const int4 x0 = xp[0], x1 = xp[1];
-            const float2 xs = xd[(size_t)(c0 + c) * nb + kb];
+            const XBlock x = load_x(xq, xd, cols, c0 + c, kb);
 #pragma unroll
-            for (int s = 0; s < 2; s++) if (ok[s]) acc[s][c] += W::dot(wb[s], x0, x1, xs);
+            for (int s = 0; s < 2; s++) if (ok[s]) acc[s][c] += W::dot(wb[s], x);
         }
     }
     write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy);
@@ -138,7 +150,7 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
     }
 
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
-matvec_q4_0(const uint8_t* qs, const __half* d, const int8_t* xq, const float2* xd, const float* bias, float* y,
+matvec_q4_0(const uint8_t* qs, const __half* d, const int8_t* xq, const float4* xd, const float* bias, float* y,
             int rows, int cols, int ncols, int ldy, int mode) {
     const Q4_0W w{qs, d, cols / QK};
 #define CALL(N) matvec_q<Q4_0W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
@@ -147,7 +159,7 @@ matvec_q4_0(const uint8_t* qs, const __half* d, const int8_t* xq, const float2* 
 }
 
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
-matvec_q4_1(const uint8_t* qs, const __half* d, const __half* m, const int8_t* xq, const float2* xd,
+matvec_q4_1(const uint8_t* qs, const __half* d, const __half* m, const int8_t* xq, const float4* xd,
             const float* bias, float* y, int rows, int cols, int ncols, int ldy, int mode) {
     const Q4_1W w{qs, d, m, cols / QK};
 #define CALL(N) matvec_q<Q4_1W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
@@ -156,7 +168,7 @@ matvec_q4_1(const uint8_t* qs, const __half* d, const __half* m, const int8_t* x
 }
 
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
-matvec_q8_0(const int8_t* qs, const __half* d, const int8_t* xq, const float2* xd, const float* bias, float* y,
+matvec_q8_0(const int8_t* qs, const __half* d, const int8_t* xq, const float4* xd, const float* bias, float* y,
             int rows, int cols, int ncols, int ldy, int mode) {
     const Q8_0W w{qs, d, cols / QK};
 #define CALL(N) matvec_q<Q8_0W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
@@ -205,10 +217,10 @@ matvec_f16(const __half* w, const float* x, const float* bias, float* y, int row
 #undef CALL
 }
 
-// x fp32 [n/32 blocks of 32] -> q8_1 (xq, xd). One warp per block of 32 values.
-extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, int8_t* __restrict__ xq, float2* __restrict__ xd,
+// x fp32 [n/32 blocks of 32] -> q8x2 (xq [2n], xd [n/32]). One warp per block of 32 values.
+extern "C" __global__ void quantize_q8x2(const float* __restrict__ x, int8_t* __restrict__ xq, float4* __restrict__ xd,
                                          long long nblocks) {
     const long long b = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (b >= nblocks) return;
-    warp_quantize_q8_1(x[b * QK + threadIdx.x % WARP], xq + b * QK, xd + b);
+    warp_quantize_q8x2(x[b * QK + threadIdx.x % WARP], xq + b * 2 * QK, xd + b);
 }

@@ -36,7 +36,8 @@ __device__ ArgMax block_argmax(ArgMax x, ArgMax* scratch) {
     __syncthreads();
     if (threadIdx.x % WARP == 0) scratch[threadIdx.x / WARP] = x;
     __syncthreads();
-    x = threadIdx.x < blockDim.x / WARP ? scratch[threadIdx.x] : ArgMax{-INFINITY, 0x7fffffff};
+    const int lane = threadIdx.x % WARP;
+    x = lane < (int)(blockDim.x / WARP) ? scratch[lane] : ArgMax{-INFINITY, 0x7fffffff};
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         ArgMax y{__shfl_xor_sync(0xffffffff, x.v, o), __shfl_xor_sync(0xffffffff, x.i, o)};

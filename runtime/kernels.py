@@ -107,13 +107,13 @@ class Kernels:
 
     def rmsnorm(self, x: int, w: DeviceBuffer, n: int, dim: int, eps: float, *, y=None, yq=None, yd=None,
                 yh=None) -> Launch:
-        """x[n, dim] -> normalized rows in any of: y fp32, (yq i8, yd float2) q8_1, yh fp16."""
+        """x[n, dim] -> normalized rows in any of: y fp32, (yq, yd) q8x2, yh fp16."""
         return Launch(self.k["rmsnorm_f32"], (n,), 256 if dim >= 1024 else 128,
                       [x, w, y, yq, yd, yh, i32(dim), f32(eps)])
 
     def matvec(self, W: GpuMatrix, x, y: int, ncols: int, *, ldy: int, mode: int = MODE_STORE,
                bias: DeviceBuffer | None = None) -> Launch:
-        """y[c, :] (op)= W · x[c, :] for c < ncols. x is (xq, xd) q8_1 for quantized W, fp32 for F16 W.
+        """y[c, :] (op)= W · x[c, :] for c < ncols. x is (xq, xd) q8x2 for quantized W, fp32 for F16 W.
         MODE_SWIGLU: W stacks [gate; up] and y gets silu(gate·x) * (up·x), rows/2 outputs per column."""
         rows = W.rows // 2 if mode == MODE_SWIGLU else W.rows
         per_block = MATVEC_ROWS_PER_BLOCK // 2 if mode == MODE_SWIGLU else MATVEC_ROWS_PER_BLOCK
@@ -123,8 +123,9 @@ class Kernels:
                       [*W.args(), *xs, bias, y, i32(rows), i32(W.cols), i32(ncols), i32(ldy), i32(mode)])
 
     def quantize(self, x: int, xq: int, xd: int, n_values: int) -> Launch:
+        """x fp32 [n_values] -> q8x2: xq int8 [2 * n_values], xd float4 [n_values / 32] (cuda/common.cuh)."""
         nblocks = n_values // QK
-        return Launch(self.k["quantize_q8_1"], ((nblocks + 3) // 4,), 128, [x, xq, xd, i64(nblocks)])
+        return Launch(self.k["quantize_q8x2"], ((nblocks + 3) // 4,), 128, [x, xq, xd, i64(nblocks)])
 
     def matmul(self, W: GpuMatrix, A: int, C: int, M: int, *, ldc: int, mode: int = MODE_STORE,
                bias: DeviceBuffer | None = None) -> Launch:

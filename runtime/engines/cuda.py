@@ -6,15 +6,15 @@ steps — token ids, positions, block tables, sampling parameters — lives in d
 host->device copy before the replay, so no graph node is ever patched; the only readback is the B sampled
 token ids. Per layer, for x [B, D] fp32 (the residual stream):
 
-    xq        = q8_1(rmsnorm(x) * attn_norm)
+    xq        = q8x2(rmsnorm(x) * attn_norm)               (int8 activations, two levels: kernels' common.cuh)
     qkv       = Wqkv · xq (+ bqkv)                         [B, (H + 2 Hkv) hd]
     q, k      = rope(q, k);  cache[pos] = k, v
     att       = combine(split-KV attention partials)      [B, H hd]
-    x        += Wo · q8_1(att)
-    xq        = q8_1(rmsnorm(x) * ffn_norm)
+    x        += Wo · q8x2(att)
+    xq        = q8x2(rmsnorm(x) * ffn_norm)
     h         = silu(Wgate · xq) * (Wup · xq)              [B, F]
-    x        += Wdown · q8_1(h)
-then logits = Whead · q8_1(rmsnorm(x) * out_norm) and a token per sequence is sampled on the GPU.
+    x        += Wdown · q8x2(h)
+then logits = Whead · q8x2(rmsnorm(x) * out_norm) and a token per sequence is sampled on the GPU.
 
 Prefill runs the same layers on up to PREFILL_CHUNK tokens of one sequence with tensor-core GEMMs (fp16
 activations) and flash attention; its launch list is built once per chunk length and replayed.
@@ -150,8 +150,8 @@ class CudaEngine:
         self.out_host = PinnedBuffer(4 * B)
         self.x = a(4 * B * D, "x")
         self.xf = a(4 * B * widest, "x fp32 normed")
-        self.xq = a(B * widest, "x q8")
-        self.xd = a(8 * B * widest // 32, "x q8 scales")
+        self.xq = a(2 * B * widest, "x q8x2")                  # two int8 levels per value
+        self.xd = a(16 * B * widest // 32, "x q8x2 scales")    # float4 per 32 values
         self.qkv = a(4 * B * Dqkv, "qkv")
         self.att = a(4 * B * Dq, "attention out")
         self.h = a(4 * B * F, "ffn hidden")
@@ -194,7 +194,7 @@ class CudaEngine:
     # --- the forward pass as launch lists --------------------------------------------------------
 
     def _quant_input(self, W, x_f32: int, n_values: int, launches: list) -> tuple | int:
-        """The activation a matvec with W reads: q8_1 (quantized from x_f32 here) or fp32 as is."""
+        """The activation a matvec with W reads: q8x2 (quantized from x_f32 here) or fp32 as is."""
         if not W.quantized:
             return x_f32
         launches.append(self.k.quantize(x_f32, self.xq.ptr, self.xd.ptr, n_values))
