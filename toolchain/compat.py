@@ -210,4 +210,16 @@ def modules_in(path: Path) -> list[Path]:
 
 
 def check_paths(paths: list[Path], cc: int, driver: Driver) -> list[Decision]:
-    return [decide(read_fatbin(p), cc, driver, module=p.name) for p in paths]
+    """One decision per fatbin; a bundle (.ingot) is verified and contributes each of its fatbins."""
+    from .bundle import is_bundle, open_bundle
+    from .fatbin import parse_fatbin
+
+    decisions = []
+    for p in paths:
+        if is_bundle(p):
+            for name, data in open_bundle(p).fatbins.items():
+                fat = parse_fatbin(data, name=f"{p}:kernels/{name}.fatbin")
+                decisions.append(decide(fat, cc, driver, module=f"{name}.fatbin"))
+        else:
+            decisions.append(decide(read_fatbin(p), cc, driver, module=p.name))
+    return decisions

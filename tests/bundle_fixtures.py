@@ -1,0 +1,218 @@
+"""Fixtures for the bundle tests (pack, verify, sign, rebuild, open_bundle, ci/release.sh).
+
+Kernels are built once per session for two archs (sm_90 SASS + compute_90 PTX) and reused through --kernels;
+models are small GGUFs written here with gguf.GGUFWriter. Bundles are made once and copied before tampering.
+"""
+from __future__ import annotations
+
+import io
+import shutil
+import sys
+import tarfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+TEST_ARCHS = "sm_90,compute_90"
+
+
+def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """Run `ingot ARGS` in-process through main() (the real exit-code mapping); returns (code, stdout, stderr)."""
+    from ingot.toolchain.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["ingot", *map(str, args)])
+    capsys.readouterr()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def write_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "toy") -> Path:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(path.stem)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable bytes map to themselves, the rest to U+0100 onwards."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], n = chr(256 + n), n + 1
+    return [chars[b] for b in range(256)]
+
+
+def write_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama (dim 64, 4 heads, 2 KV heads) with a byte-level BPE tokenizer: runs on the CPU engine."""
+    rng = np.random.default_rng(seed)
+    tokens = _byte_alphabet() + ["Ġt", "he", "<|endoftext|>"]
+    types = [1] * (len(tokens) - 1) + [3]
+    V, D, H, KV, F, L = len(tokens), 64, 4, 2, 128, 2
+    hd = D // H
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(128)
+    w.add_embedding_length(D)
+    w.add_block_count(L)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["Ġ t", "h e"])
+    w.add_bos_token_id(V - 1)
+    w.add_eos_token_id(V - 1)
+
+    def mat(rows, cols):
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", mat(V, D))
+    w.add_tensor("output_norm.weight", np.ones(D, dtype=np.float32))
+    for i in range(L):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", np.ones(D, dtype=np.float32))
+        w.add_tensor(b + "attn_q.weight", mat(H * hd, D))
+        w.add_tensor(b + "attn_k.weight", mat(KV * hd, D))
+        w.add_tensor(b + "attn_v.weight", mat(KV * hd, D))
+        w.add_tensor(b + "attn_output.weight", mat(D, H * hd))
+        w.add_tensor(b + "ffn_norm.weight", np.ones(D, dtype=np.float32))
+        w.add_tensor(b + "ffn_gate.weight", mat(F, D))
+        w.add_tensor(b + "ffn_up.weight", mat(F, D))
+        w.add_tensor(b + "ffn_down.weight", mat(D, F))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def member_offset(bundle: Path, name: str) -> tuple[int, int]:
+    """(data offset, size) of a member, read with tarfile (independently of ingot's own reader)."""
+    with tarfile.open(bundle) as tar:
+        m = tar.getmember(name)
+        return m.offset_data, m.size
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def craft_tar(src: Path, dst: Path, *, drop=(), replace=None, extra=()) -> Path:
+    """Rewrite a bundle by hand with tarfile: drop members, replace member bytes, append (TarInfo, bytes)."""
+    replace = replace or {}
+    with tarfile.open(src) as tin, tarfile.open(dst, "w", format=tarfile.PAX_FORMAT) as tout:
+        for m in tin.getmembers():
+            if m.name in drop:
+                continue
+            data = replace.get(m.name, tin.extractfile(m).read())
+            info = tarfile.TarInfo(m.name)
+            info.size = len(data)
+            tout.addfile(info, io.BytesIO(data))
+        for info, data in extra:
+            tout.addfile(info, io.BytesIO(data) if data is not None else None)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def kernel_dir(tmp_path_factory) -> Path:
+    """The real kernels, built once for sm_90 + compute_90 (the kernel cache makes repeat sessions fast)."""
+    from ingot.toolchain.archs import parse_arch_list
+    from ingot.toolchain.build import build
+    from ingot.toolchain.nvcc import find_toolkit
+
+    if find_toolkit() is None:
+        pytest.skip("needs nvcc to build the kernels that go into bundles")
+    out = tmp_path_factory.mktemp("kernels")
+    build(archs=parse_arch_list(TEST_ARCHS), out_dir=out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def toy_model(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(1)
+    return write_gguf(tmp_path_factory.mktemp("models") / "toy.gguf",
+                      {"tok.weight": rng.standard_normal((64, 32)).astype(np.float32),
+                       "norm.weight": np.ones(32, dtype=np.float32)})
+
+
+@pytest.fixture(scope="session")
+def big_model(tmp_path_factory) -> Path:
+    """Just over one 64 MiB chunk (68 MB): exercises per-chunk digests."""
+    data = np.arange(17 * 2**20, dtype=np.float32).reshape(-1, 1024)
+    return write_gguf(tmp_path_factory.mktemp("models") / "big.gguf", {"big.weight": data})
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def toy_bundle(tmp_path_factory, kernel_dir, toy_model) -> Path:
+    from ingot.toolchain.pack import pack
+    out = tmp_path_factory.mktemp("bundles") / "toy.ingot"
+    pack(toy_model, kernels=kernel_dir, out=out, selftest=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def big_bundle(tmp_path_factory, kernel_dir, big_model) -> Path:
+    from ingot.toolchain.pack import pack
+    out = tmp_path_factory.mktemp("bundles") / "big.ingot"
+    pack(big_model, kernels=kernel_dir, out=out, selftest=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory) -> dict:
+    from ingot.toolchain.sign import keygen
+    d = tmp_path_factory.mktemp("keys")
+    return {"a": keygen(d / "a"), "b": keygen(d / "b")}
+
+
+@pytest.fixture(scope="session")
+def signed_bundle(tmp_path_factory, toy_bundle, keys) -> Path:
+    from ingot.toolchain.sign import sign_bundle
+    out = tmp_path_factory.mktemp("bundles") / "toy-signed.ingot"
+    sign_bundle(toy_bundle, keys["a"]["key"], out)
+    return out
+
+
+@pytest.fixture
+def copy_of(tmp_path):
+    """copy_of(bundle) -> a private copy to tamper with."""
+    def copy(src: Path) -> Path:
+        dst = tmp_path / src.name
+        shutil.copyfile(src, dst)
+        return dst
+    return copy
+
+
+@pytest.fixture
+def stamp_cache(tmp_path, monkeypatch) -> Path:
+    """A private INGOT_CACHE_DIR: verify and open_bundle write verified-stamps, never into the user's cache."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("INGOT_CACHE_DIR", str(d))
+    return d / "verified"
+
