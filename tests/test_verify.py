@@ -61,6 +61,17 @@ def test_damage_in_a_large_member_names_the_chunk(monkeypatch, capsys, copy_of, 
     assert "chunk 1 of 2" in err
 
 
+def test_a_whole_digest_that_disagrees_with_its_chunks_is_refused(monkeypatch, capsys, tmp_path, big_bundle):
+    from ingot.toolchain.manifest import seal
+
+    m = _manifest(big_bundle)
+    m["model"]["sha256"] = "0" * 64
+    m["files"] = [f | {"digest": "0" * 64} if f["name"] == "model/big.gguf" else f for f in m["files"]]
+    bad = craft_tar(big_bundle, tmp_path / "bad.ingot", replace={MANIFEST: seal(m)})   # a consistent root
+    code, report, _ = _verify(monkeypatch, capsys, bad)
+    assert code == 4 and report["problems"][0]["chunk"] is None and "model/big.gguf" in report["error"]
+
+
 def test_truncated_bundle_is_refused(monkeypatch, capsys, copy_of, toy_bundle):
     bundle = copy_of(toy_bundle)
     offset, size = member_offset(bundle, "model/toy.gguf")

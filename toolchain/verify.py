@@ -74,10 +74,11 @@ def check_members(f, index: list[Member], manifest: dict, on_bytes=None) -> None
 
 
 def _locate(f, m: Member, entry: dict) -> list[dict]:
-    """Which 64 MiB chunks of a bad member differ (the whole member when it has no chunk digests)."""
+    """Which 64 MiB chunks of a bad member differ; the whole member when it has no chunk digests, or when
+    every chunk matches (then the manifest's digests disagree with each other, or the file just changed)."""
+    whole = [{"member": m.name, "chunk": None, "bytes": [0, m.size], "where": f"the whole member ({m.size:,} bytes)"}]
     if "chunks" not in entry:
-        return [{"member": m.name, "chunk": None, "bytes": [0, m.size],
-                 "where": f"the whole member ({m.size:,} bytes)"}]
+        return whole
     _, chunks = hash_range(f, m.offset, m.size, chunk_size=CHUNK_SIZE)
     n = len(chunks)
     out = []
@@ -86,7 +87,7 @@ def _locate(f, m: Member, entry: dict) -> list[dict]:
             lo, hi = i * CHUNK_SIZE, min((i + 1) * CHUNK_SIZE, m.size)
             out.append({"member": m.name, "chunk": i, "bytes": [lo, hi],
                         "where": f"chunk {i} of {n} (bytes {lo:,}-{hi - 1:,})"})
-    return out
+    return out or whole
 
 
 def check_signature(envelope: bytes | None, manifest: dict, pubkey) -> SignatureCheck | None:
