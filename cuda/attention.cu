@@ -1,14 +1,21 @@
 // Causal grouped-query attention over the paged fp16 KV cache (cache[page, kv_head, slot, hd], see rope.cu).
 //
-// Decode (one new token per sequence) uses split-KV flash-decoding so that a long context is spread over the
-// whole GPU rather than one block per head: attn_decode_f16 gives each of S splits a contiguous run of pages and
-// writes an unnormalized partial result (running max m, sum l, acc[hd]); attn_combine_f32 merges the S partials
-// per head. A block serves one kv head and all G = H/Hkv query heads that share it, so each K/V row is read once.
+// Decode (one new token per sequence) is one kernel per layer, attn_decode_f16, fusing what would otherwise
+// be three launches (decode is bound by launch count, not bytes, on small models):
+//   1. RoPE on the token's q heads (in shared memory) and, in the block whose split holds the new position,
+//      on its k head, and the fp16 write of k and v into the cache;
+//   2. split-KV flash-decoding: each of S splits takes a contiguous run of pages and computes an unnormalized
+//      partial (running max m, sum l, acc[hd]) so that a long context spreads over the whole GPU;
+//   3. the last block to finish for a (sequence, kv head) — found with an atomic counter — merges the S
+//      partials, writes the fp32 output [B, H*hd] and its q8x2 quantization for the output projection, and
+//      resets the counter for the next step.
+// A block serves one kv head and all G = H/Hkv query heads that share it, so each K/V row is read once.
 // Inside a block, LPK = hd/8 lanes share one key (16 bytes each), so a warp scores 32/LPK keys at a time.
 //
-// Prefill (T new tokens of one sequence at positions start..start+T-1) uses attn_prefill_f16: flash-attention
-// with an online softmax; a block holds 16 queries of one head and walks 32-key tiles (one page each) up to the
-// causal limit; lanes own keys for the scores and head dims for the output.
+// Prefill (T new tokens of one sequence at positions start..start+T-1) uses attn_prefill_f16 (after
+// rope_kv_f32 has rotated q, k and filled the cache): flash-attention with an online softmax; a block holds 16
+// queries of one head and walks 32-key tiles (one page each) up to the causal limit; lanes own keys for the
+// scores and head dims for the output.
 // Scores are scaled by `scale` (1/sqrt(hd)); everything accumulates in fp32.
 #include "common.cuh"
 
@@ -23,123 +30,172 @@ __device__ __forceinline__ void load8(const __half* p, float (&out)[8]) {
     for (int i = 0; i < 4; i++) { const float2 f = __half22float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
 }
 
+// Rotate the first rope_dim dims of one head in place (normal: pairs (2i, 2i+1); neox: (i, i + rope_dim/2)).
+// Called by all threads of the block; pairs are split among them.
+__device__ __forceinline__ void rope_head(float* x, const float2* cs, int rope_dim, int neox, int t, int nt) {
+    const int half_dim = rope_dim / 2;
+    for (int i = t; i < half_dim; i += nt) {
+        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half_dim : 2 * i + 1;
+        const float x0 = x[i0], x1 = x[i1];
+        x[i0] = x0 * cs[i].x - x1 * cs[i].y;
+        x[i1] = x0 * cs[i].y + x1 * cs[i].x;
+    }
+}
+
 template <int HD>
-__device__ void attn_decode(const float* __restrict__ qkv, int ldqkv, const __half* __restrict__ k_cache,
-                            const __half* __restrict__ v_cache, const int* __restrict__ block_table, int max_pages,
-                            const int* __restrict__ pos, float* __restrict__ part_acc, float2* __restrict__ part_ml,
+__device__ void attn_decode(const float* __restrict__ qkv, const float2* __restrict__ rope, int rope_dim, int neox,
+                            __half* __restrict__ k_cache, __half* __restrict__ v_cache,
+                            const int* __restrict__ block_table, int max_pages, const int* __restrict__ pos,
+                            float* __restrict__ part_acc, float2* __restrict__ part_ml, int* __restrict__ counters,
+                            float* __restrict__ out, int8_t* __restrict__ outq, float4* __restrict__ outd,
                             int H, int Hkv, int S, float scale) {
     constexpr int LPK = HD / 8, KPW = WARP / LPK, KPB = ATT_WARPS * KPW;
     __shared__ float sq[GMAX][HD];
+    __shared__ float sk[HD];
     __shared__ float sm_m[ATT_WARPS][GMAX], sm_l[ATT_WARPS][GMAX];
     __shared__ float sm_acc[ATT_WARPS][GMAX][HD];
+    __shared__ int is_last;
 
-    const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = H / Hkv;
-    const int len = pos[b] + 1, npages = (len + PAGE - 1) / PAGE, per_split = (npages + S - 1) / S;
+    const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = H / Hkv, tid = threadIdx.x;
+    const int p = pos[b], len = p + 1, npages = (len + PAGE - 1) / PAGE, per_split = (npages + S - 1) / S;
     const int k_begin = split * per_split * PAGE, k_end = min((split + 1) * per_split * PAGE, len);
     const size_t part = ((size_t)b * H + (size_t)kvh * G) * S + split;    // + g*S for query head kvh*G + g
+    const float* row = qkv + (size_t)b * (H + 2 * Hkv) * HD;
+    const float2* cs = rope + (size_t)p * (rope_dim / 2);
 
-    if (k_begin >= k_end) {                       // an empty split contributes nothing (l = 0)
-        if (threadIdx.x < G) part_ml[part + (size_t)threadIdx.x * S] = make_float2(NEG_BIG, 0.0f);
-        return;
+    // 1. q heads (rotated, scaled) into shared memory; the split holding position p writes its k, v to the cache.
+    for (int i = tid; i < G * HD; i += blockDim.x) sq[i / HD][i % HD] = row[(size_t)kvh * G * HD + i];
+    const bool owns_new = k_begin <= p && p < k_end;
+    if (owns_new) for (int d = tid; d < HD; d += blockDim.x) sk[d] = row[(size_t)(H + kvh) * HD + d];
+    __syncthreads();
+    for (int g = 0; g < G; g++) rope_head(sq[g], cs, rope_dim, neox, tid, blockDim.x);
+    if (owns_new) rope_head(sk, cs, rope_dim, neox, tid, blockDim.x);
+    __syncthreads();
+    for (int i = tid; i < G * HD; i += blockDim.x) sq[i / HD][i % HD] *= scale;
+    if (owns_new) {
+        const int page = block_table[(size_t)b * max_pages + p / PAGE];
+        const size_t o = (((size_t)page * Hkv + kvh) * PAGE + p % PAGE) * HD;
+        for (int d = tid; d < HD; d += blockDim.x) {
+            k_cache[o + d] = __float2half(sk[d]);
+            v_cache[o + d] = __float2half(row[(size_t)(H + Hkv + kvh) * HD + d]);
+        }
     }
-    for (int i = threadIdx.x; i < G * HD; i += blockDim.x)
-        sq[i / HD][i % HD] = qkv[(size_t)b * ldqkv + (size_t)kvh * G * HD + i] * scale;
     __syncthreads();
 
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, grp = lane / LPK, sub = lane % LPK;
-    float m[GMAX], l[GMAX], acc[GMAX][8];
+    // 2. this split's partial over keys [k_begin, k_end)
+    if (k_begin >= k_end) {                       // an empty split contributes nothing (l = 0)
+        if (tid < G) part_ml[part + (size_t)tid * S] = make_float2(NEG_BIG, 0.0f);
+    } else {
+        const int lane = tid % WARP, warp = tid / WARP, grp = lane / LPK, sub = lane % LPK;
+        float m[GMAX], l[GMAX], acc[GMAX][8];
 #pragma unroll
-    for (int g = 0; g < GMAX; g++) { m[g] = NEG_BIG; l[g] = 0.0f; for (int i = 0; i < 8; i++) acc[g][i] = 0.0f; }
+        for (int g = 0; g < GMAX; g++) { m[g] = NEG_BIG; l[g] = 0.0f; for (int i = 0; i < 8; i++) acc[g][i] = 0.0f; }
 
-    for (int kw = k_begin + warp * KPW; kw < k_end; kw += KPB) {     // uniform per warp: shuffles stay legal
-        const int j = kw + grp;
-        const bool valid = j < k_end;
-        float k8[8] = {}, v8[8] = {};
-        if (valid) {
-            const int page = block_table[(size_t)b * max_pages + j / PAGE];
-            const size_t o = (((size_t)page * Hkv + kvh) * PAGE + j % PAGE) * HD + sub * 8;
-            load8(k_cache + o, k8);
-            load8(v_cache + o, v8);
+        for (int kw = k_begin + warp * KPW; kw < k_end; kw += KPB) {     // uniform per warp: shuffles stay legal
+            const int j = kw + grp;
+            const bool valid = j < k_end;
+            float k8[8] = {}, v8[8] = {};
+            if (valid) {
+                const int page = block_table[(size_t)b * max_pages + j / PAGE];
+                const size_t o = (((size_t)page * Hkv + kvh) * PAGE + j % PAGE) * HD + sub * 8;
+                load8(k_cache + o, k8);
+                load8(v_cache + o, v8);
+            }
+#pragma unroll
+            for (int g = 0; g < GMAX; g++) {
+                if (g >= G) break;
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) s += k8[i] * sq[g][sub * 8 + i];
+#pragma unroll
+                for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+                s = valid ? s : -INFINITY;
+                const float m_new = fmaxf(m[g], s), corr = __expf(m[g] - m_new), pr = __expf(s - m_new);
+                l[g] = l[g] * corr + pr;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * corr + pr * v8[i];
+                m[g] = m_new;
+            }
         }
+        // Merge the KPW key groups of the warp (lanes with the same `sub` hold the same dims), then the warps.
 #pragma unroll
         for (int g = 0; g < GMAX; g++) {
             if (g >= G) break;
-            float s = 0.0f;
+            for (int o = LPK; o < WARP; o <<= 1) {
+                const float mo = __shfl_xor_sync(0xffffffff, m[g], o), lo = __shfl_xor_sync(0xffffffff, l[g], o);
+                const float M = fmaxf(m[g], mo), a = __expf(m[g] - M), c = __expf(mo - M);
+                l[g] = l[g] * a + lo * c;
 #pragma unroll
-            for (int i = 0; i < 8; i++) s += k8[i] * sq[g][sub * 8 + i];
+                for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * a + __shfl_xor_sync(0xffffffff, acc[g][i], o) * c;
+                m[g] = M;
+            }
+            if (grp == 0) {
 #pragma unroll
-            for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-            s = valid ? s : -INFINITY;
-            const float m_new = fmaxf(m[g], s), corr = __expf(m[g] - m_new), p = __expf(s - m_new);
-            l[g] = l[g] * corr + p;
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * corr + p * v8[i];
-            m[g] = m_new;
+                for (int i = 0; i < 8; i++) sm_acc[warp][g][sub * 8 + i] = acc[g][i];
+                if (sub == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+            }
+        }
+        __syncthreads();
+        for (int i = tid; i < G * HD; i += blockDim.x) {
+            const int g = i / HD, d = i % HD;
+            float M = NEG_BIG;
+            for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm_m[w][g]);
+            float L = 0.0f, A = 0.0f;
+            for (int w = 0; w < ATT_WARPS; w++) {
+                const float e = __expf(sm_m[w][g] - M);
+                L += sm_l[w][g] * e;
+                A += sm_acc[w][g][d] * e;
+            }
+            part_acc[(part + (size_t)g * S) * HD + d] = A;
+            if (d == 0) part_ml[part + (size_t)g * S] = make_float2(M, L);
         }
     }
-    // Merge the KPW key groups of the warp (lanes with the same `sub` hold the same dims), then the warps.
-#pragma unroll
-    for (int g = 0; g < GMAX; g++) {
-        if (g >= G) break;
-        for (int o = LPK; o < WARP; o <<= 1) {
-            const float mo = __shfl_xor_sync(0xffffffff, m[g], o), lo = __shfl_xor_sync(0xffffffff, l[g], o);
-            const float M = fmaxf(m[g], mo), a = __expf(m[g] - M), c = __expf(mo - M);
-            l[g] = l[g] * a + lo * c;
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * a + __shfl_xor_sync(0xffffffff, acc[g][i], o) * c;
-            m[g] = M;
-        }
-        if (grp == 0) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) sm_acc[warp][g][sub * 8 + i] = acc[g][i];
-            if (sub == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
-        }
-    }
+
+    // 3. the last of the S blocks of this (sequence, kv head) merges the partials
+    __threadfence();                              // partials visible device-wide before the count says so
     __syncthreads();
-    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-        const int g = i / HD, d = i % HD;
+    int* counter = counters + (size_t)b * Hkv + kvh;
+    if (tid == 0) is_last = atomicAdd(counter, 1) == S - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const int lane = tid % WARP;
+    for (int chunk = tid / WARP; chunk < G * HD / WARP; chunk += blockDim.x / WARP) {   // 32 dims per warp
+        const int g = chunk * WARP / HD, d = chunk * WARP % HD + lane;
+        const size_t ph = ((size_t)b * H + (size_t)kvh * G + g) * S;
         float M = NEG_BIG;
-        for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm_m[w][g]);
-        float L = 0.0f, A = 0.0f;
-        for (int w = 0; w < ATT_WARPS; w++) {
-            const float e = __expf(sm_m[w][g] - M);
-            L += sm_l[w][g] * e;
-            A += sm_acc[w][g][d] * e;
+        for (int s = 0; s < S; s++) {
+            const float2 ml = __ldcg(part_ml + ph + s);
+            if (ml.y > 0.0f) M = fmaxf(M, ml.x);
         }
-        part_acc[(part + (size_t)g * S) * HD + d] = A;
-        if (d == 0) part_ml[part + (size_t)g * S] = make_float2(M, L);
+        float L = 0.0f, A = 0.0f;
+        for (int s = 0; s < S; s++) {
+            const float2 ml = __ldcg(part_ml + ph + s);
+            if (ml.y <= 0.0f) continue;           // empty split: its acc was never written
+            const float e = __expf(ml.x - M);
+            L += ml.y * e;
+            A += __ldcg(part_acc + (ph + s) * HD + d) * e;
+        }
+        const float o = A / L;
+        const size_t i = (size_t)b * H * HD + ((size_t)kvh * G + g) * HD + d;
+        out[i] = o;
+        if (outq) warp_quantize_q8x2(o, outq + 2 * (i - lane), outd + i / QK);
     }
+    if (tid == 0) *counter = 0;                   // ready for the next step (stream order separates steps)
 }
 
+// grid (S, Hkv, B), 128 threads. qkv [B, (H + 2 Hkv) hd] as the qkv matvec wrote it (q, k not yet rotated);
+// pos[b] = the new token's position; counters [B * Hkv] zero-initialized once, left zeroed after each launch.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
-attn_decode_f16(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache, const int* block_table,
-                int max_pages, const int* pos, float* part_acc, float2* part_ml, int H, int Hkv, int hd, int S,
-                float scale) {
-    if (hd == 64) attn_decode<64>(qkv, ldqkv, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml, H, Hkv, S, scale);
-    else attn_decode<128>(qkv, ldqkv, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml, H, Hkv, S, scale);
-}
-
-// Merge the S partials of each (sequence, head): grid (H, B), hd threads. Writes fp32 out [B, H*hd] and, if
-// outq is given, its q8x2 quantization (common.cuh) for the output projection.
-extern "C" __global__ void attn_combine_f32(const float* __restrict__ part_acc, const float2* __restrict__ part_ml,
-                                            int S, float* __restrict__ out, int8_t* __restrict__ outq,
-                                            float4* __restrict__ outd, int H, int hd) {
-    const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
-    const size_t part = ((size_t)b * H + h) * S;
-    float M = NEG_BIG;
-    for (int s = 0; s < S; s++) if (part_ml[part + s].y > 0.0f) M = fmaxf(M, part_ml[part + s].x);
-    float L = 0.0f, A = 0.0f;
-    for (int s = 0; s < S; s++) {
-        const float2 ml = part_ml[part + s];
-        if (ml.y <= 0.0f) continue;              // empty split: its acc was never written
-        const float e = __expf(ml.x - M);
-        L += ml.y * e;
-        A += part_acc[(part + s) * hd + d] * e;
-    }
-    const float o = A / L;
-    const size_t i = (size_t)b * H * hd + (size_t)h * hd + d;
-    out[i] = o;
-    if (outq) warp_quantize_q8x2(o, outq + 2 * (i - d % WARP), outd + i / QK);
+attn_decode_f16(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache, __half* v_cache,
+                const int* block_table, int max_pages, const int* pos, float* part_acc, float2* part_ml,
+                int* counters, float* out, int8_t* outq, float4* outd, int H, int Hkv, int hd, int S, float scale) {
+    if (hd == 64)
+        attn_decode<64>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml,
+                        counters, out, outq, outd, H, Hkv, S, scale);
+    else
+        attn_decode<128>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml,
+                         counters, out, outq, outd, H, Hkv, S, scale);
 }
 
 template <int HD>

@@ -72,18 +72,17 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
         }
         __syncthreads();
     }
+    // 2. greedy: one pass over the logits (staging them in shared memory would only pay off for sampling)
+    const float temp = temperature[b];
     const float* z = row;
-    if (use_smem) {
+    if (use_smem && temp > 0.0f) {
         for (int i = tid; i < V; i += blockDim.x) staged[i] = row[i];
         __syncthreads();
         z = staged;
     }
-
-    // 2. greedy
     ArgMax best{-INFINITY, 0x7fffffff};
     for (int i = tid; i < V; i += blockDim.x) best = better(best, ArgMax{z[i], i});
     best = block_argmax(best, red_arg);
-    const float temp = temperature[b];
     if (temp <= 0.0f) {
         if (tid == 0) out_token[b] = best.i;
         return;

@@ -142,17 +142,15 @@ class Kernels:
                        i32(cfg.n_heads), i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(cfg.rope_dim),
                        i32(1 if cfg.rope_neox else 0)])
 
-    def attn_decode(self, qkv: int, ldqkv: int, k_cache: int, v_cache: int, block_table: int, max_pages: int,
-                    pos: int, part_acc: int, part_ml: int, B: int, splits: int, cfg) -> Launch:
-        """Split-KV partials [B, H, splits, hd] for one new token per sequence (length pos[b] + 1)."""
+    def attn_decode(self, qkv: int, rope: DeviceBuffer, k_cache: int, v_cache: int, block_table: int,
+                    max_pages: int, pos: int, part_acc: int, part_ml: int, counters: int, out: int, outq, outd,
+                    B: int, splits: int, cfg) -> Launch:
+        """One new token per sequence (at pos[b]): rope, KV write, split-KV attention and the merge, in one launch.
+        out [B, H*hd] fp32 (+ q8x2 in outq/outd when given); partials [B, H, splits, hd]; counters [B*Hkv] zeroed."""
         return Launch(self.k["attn_decode_f16"], (splits, cfg.n_kv_heads, B), 128,
-                      [qkv, i32(ldqkv), k_cache, v_cache, block_table, i32(max_pages), pos, part_acc, part_ml,
-                       i32(cfg.n_heads), i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(splits),
-                       f32(cfg.head_dim ** -0.5)])
-
-    def attn_combine(self, part_acc: int, part_ml: int, splits: int, out: int, outq, outd, B: int, cfg) -> Launch:
-        return Launch(self.k["attn_combine_f32"], (cfg.n_heads, B), cfg.head_dim,
-                      [part_acc, part_ml, i32(splits), out, outq, outd, i32(cfg.n_heads), i32(cfg.head_dim)])
+                      [qkv, rope, i32(cfg.rope_dim), i32(1 if cfg.rope_neox else 0), k_cache, v_cache, block_table,
+                       i32(max_pages), pos, part_acc, part_ml, counters, out, outq, outd, i32(cfg.n_heads),
+                       i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(splits), f32(cfg.head_dim ** -0.5)])
 
     @staticmethod
     def _prefill_smem(hd: int) -> int:

@@ -45,8 +45,10 @@ def cli():
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("dist/kernels"),
               show_default=True, help="Folder for the fatbins and build.json.")
 @click.option("--no-cache", is_flag=True, help="Recompile even if the kernel cache has this exact build.")
+@click.option("--jobs", "-j", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Archs nvcc compiles in parallel per module (0: one per CPU); the fatbins are the same bytes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def build(arch_list, out_dir, no_cache, as_json):
+def build(arch_list, out_dir, no_cache, jobs, as_json):
     """Compile cuda/*.cu into multi-arch fatbins (no GPU needed)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -59,7 +61,7 @@ def build(arch_list, out_dir, no_cache, as_json):
     with Progress(TextColumn("compiling {task.fields[module]:<12}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=err, transient=True, disable=as_json) as bar:
         task = bar.add_task("build", total=n, module="")
-        result = run_build(archs=archs, out_dir=out_dir, use_cache=not no_cache,
+        result = run_build(archs=archs, out_dir=out_dir, use_cache=not no_cache, threads=jobs,
                            on_module=lambda m, done: bar.update(task, completed=done, module=m))
     if as_json:
         emit_json(result.as_dict())
@@ -122,11 +124,13 @@ def doctor(as_json):
     out.print(f"  driver        {m['driver_version'] or '-'} (CUDA {m['driver_cuda']})" if m["driver_cuda"]
               else f"  driver        none ({m['problem']})")
     for g in m["gpus"]:
+        free = _mib(g["memory_free"]) if g["memory_free"] is not None else "?"
         out.print(f"  GPU {g['index']}         {g['name']}, compute capability {g['compute_capability']}, "
-                  f"{_mib(g['memory_free'])} free of {_mib(g['memory_total'])}")
+                  f"{free} free of {_mib(g['memory_total'])}")
     out.print(f"[b]Installed kernels[/b] ({r['kernel_dir']})")
     for k in r["kernels"]:
-        out.print(f"  {k['module']:<20} SASS {','.join(k['sass']) or '-'}  PTX {','.join(k['ptx']) or '-'}")
+        out.print(f"  {k['module']:<20} " + (f"unreadable: {k['problem']}" if k["problem"] else
+                                            f"SASS {','.join(k['sass']) or '-'}  PTX {','.join(k['ptx']) or '-'}"))
         for g in k["on_gpus"]:
             out.print(f"      GPU {g['gpu']}: {g['verdict']} ({g['reason']})" + (f"; fix: {g['fix']}" if g["fix"] else ""))
     if r["advice"]:
@@ -351,6 +355,8 @@ def _register_runtime_commands() -> None:
     except ImportError:
         return
     register(cli)
+    from ingot.runtime.bench import register as register_bench
+    register_bench(cli)
 
 
 _register_runtime_commands()

@@ -1,6 +1,6 @@
 """The GPU engine: the model's forward pass as kernel launches on one CUDA stream, driven from Python.
 
-Decode (one token for each of B sequences) is the hot path: its ~10 launches per layer are captured once per
+Decode (one token for each of B sequences) is the hot path: its 8 launches per layer are captured once per
 batch size B into a CUDA graph and replayed with one cuGraphLaunch per step. Everything that changes between
 steps — token ids, positions, block tables, sampling parameters — lives in device memory written by one
 host->device copy before the replay, so no graph node is ever patched; the only readback is the B sampled
@@ -8,8 +8,7 @@ token ids. Per layer, for x [B, D] fp32 (the residual stream):
 
     xq        = q8x2(rmsnorm(x) * attn_norm)               (int8 activations, two levels: kernels' common.cuh)
     qkv       = Wqkv · xq (+ bqkv)                         [B, (H + 2 Hkv) hd]
-    q, k      = rope(q, k);  cache[pos] = k, v
-    att       = combine(split-KV attention partials)      [B, H hd]
+    att       = attention(rope(q), cache + [rope(k), v])  [B, H hd]   (one fused launch, cuda/attention.cu)
     x        += Wo · q8x2(att)
     xq        = q8x2(rmsnorm(x) * ffn_norm)
     h         = silu(Wgate · xq) * (Wup · xq)              [B, F]
@@ -158,6 +157,8 @@ class CudaEngine:
         self.logits_buf = a(4 * B * V, "logits")
         self.part_acc = a(4 * B * c.n_heads * MAX_SPLITS * c.head_dim, "attention partials")
         self.part_ml = a(8 * B * c.n_heads * MAX_SPLITS, "attention partial m,l")
+        self.counters = a(4 * B * c.n_kv_heads, "attention split counters")    # zero between launches
+        self.stream.memset(self.counters.ptr, 0, self.counters.nbytes)
         # prefill, for up to T tokens of one sequence (block-table row 0 of its own table)
         self.pre = _HostDevice(self.pool, [
             ("tokens", np.int32, T), ("pos", np.int32, T), ("slots", np.int32, T),
@@ -217,14 +218,11 @@ class CudaEngine:
         for i, lw in enumerate(self.w.layers):
             xin = self._norm_input(lw.wqkv, self.x.ptr, lw.attn_norm, B, L)
             L.append(k.matvec(lw.wqkv, xin, self.qkv.ptr, B, ldy=Dqkv, bias=lw.bqkv))
-            L.append(k.rope_kv(self.qkv.ptr, self.rope, s.ptr["slots"], s.ptr["pos"], s.ptr["block_table"],
-                               self.max_pages, self.k_cache[i].ptr, self.v_cache[i].ptr, B, c))
-            L.append(k.attn_decode(self.qkv.ptr, Dqkv, self.k_cache[i].ptr, self.v_cache[i].ptr,
-                                   s.ptr["block_table"], self.max_pages, s.ptr["pos"], self.part_acc.ptr,
-                                   self.part_ml.ptr, B, splits, c))
             q8 = lw.wo.quantized
-            L.append(k.attn_combine(self.part_acc.ptr, self.part_ml.ptr, splits, self.att.ptr,
-                                    self.xq.ptr if q8 else None, self.xd.ptr if q8 else None, B, c))
+            L.append(k.attn_decode(self.qkv.ptr, self.rope, self.k_cache[i].ptr, self.v_cache[i].ptr,
+                                   s.ptr["block_table"], self.max_pages, s.ptr["pos"], self.part_acc.ptr,
+                                   self.part_ml.ptr, self.counters.ptr, self.att.ptr, self.xq.ptr if q8 else None,
+                                   self.xd.ptr if q8 else None, B, splits, c))
             L.append(k.matvec(lw.wo, (self.xq.ptr, self.xd.ptr) if q8 else self.att.ptr, self.x.ptr, B,
                               ldy=c.dim, mode=MODE_ADD))
             xin = self._norm_input(lw.wgu, self.x.ptr, lw.ffn_norm, B, L)

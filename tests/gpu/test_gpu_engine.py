@@ -37,6 +37,16 @@ def _models() -> list:
     return params
 
 
+def same_choice(out: np.ndarray, ref: np.ndarray, strict: bool) -> bool:
+    """Same argmax; for the random tiny models a different argmax is accepted only when the reference itself is
+    tied within the measured error (its top two logits closer than 4x the rms difference)."""
+    a, r = int(np.argmax(out)), int(np.argmax(ref))
+    if a == r:
+        return True
+    noise = float(np.sqrt(np.mean((np.asarray(out, np.float64) - ref) ** 2)))
+    return not strict and ref[r] - ref[a] <= 4 * noise
+
+
 @pytest.fixture(scope="module", params=_models())
 def engines(request, tmp_path_factory):
     from ingot.runtime.engines.cuda import CudaEngine
@@ -46,6 +56,7 @@ def engines(request, tmp_path_factory):
     model = load_model(path)
     cpu = CpuEngine(model, max_seqs=8, max_ctx=2048)
     gpu = CudaEngine(model, max_seqs=8, max_ctx=2048)
+    gpu.strict = kind == "file"                # real models: argmax must match exactly
     yield model, cpu, gpu
     gpu.close()
 
@@ -64,7 +75,7 @@ def test_prefill_logits_match_cpu(engines, n):
         out = gpu.logits(g, tokens)[-1]
         err = rel_err(out, ref)
         print(f"prefill {n}: rel err {err:.2e}")
-        assert err < TOL and int(np.argmax(out)) == int(np.argmax(ref))
+        assert err < TOL and same_choice(out, ref, gpu.strict)
     finally:
         cpu.release(c)
         gpu.release(g)
@@ -84,7 +95,7 @@ def test_decode_steps_match_cpu(engines):
             out = gpu.decode_logits([g], [nxt])[0]
             errs.append(rel_err(out, ref))
             assert errs[-1] < TOL, f"step {step}: rel err {errs[-1]:.2e}"
-            assert int(np.argmax(out)) == int(np.argmax(ref)), f"step {step}: argmax differs"
+            assert same_choice(out, ref, gpu.strict), f"step {step}: argmax differs"
             nxt = int(np.argmax(ref))
         print(f"decode: max rel err {max(errs):.2e}")
     finally:
@@ -133,9 +144,12 @@ def test_batched_decode_equals_single(engines):
 def test_seeded_sampling_is_reproducible(engines):
     model, _, gpu = engines
     tokens = _prompt(model, 10, seed=7)
+    probe = gpu.new_sequence(SamplingParams())
+    temperature = float(np.std(gpu.logits(probe, tokens)[-1]))   # a temperature at which sampling is not greedy
+    gpu.release(probe)
 
     def run(seed):
-        s = gpu.new_sequence(SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=seed))
+        s = gpu.new_sequence(SamplingParams(temperature=temperature, top_k=40, top_p=0.95, seed=seed))
         seq = [gpu.prefill(s, tokens)]
         for _ in range(20):
             seq.append(gpu.decode([s], [seq[-1]])[0])

@@ -95,7 +95,7 @@ def test_rmsnorm_all_outputs(gpu, rng, n, dim):
     assert rel_err(gpu.get(y, np.float32, (n, dim)), ref) < 1e-5
     assert rel_err(gpu.get(yh, np.float16, (n, dim)), ref) < 1e-3
     deq = dequant_q8x2(gpu.get(yq, np.int8, (n * dim // 32, 64)), gpu.get(yd, np.float32, (n * dim // 32, 4)))
-    assert rel_err(deq.reshape(n, dim), ref) < 3e-5
+    assert rel_err(deq.reshape(n, dim), ref) < 1e-4
 
 
 def test_quantize_q8x2(gpu, rng):
@@ -108,7 +108,7 @@ def test_quantize_q8x2(gpu, rng):
     d = gpu.get(xd, np.float32, (x.size // 32, 4))
     assert np.array_equal(q, q_ref)
     assert np.allclose(d[:, :2], d_ref[:, :2], rtol=1e-6) and np.allclose(d[:, 2], d_ref[:, 2], rtol=1e-5, atol=1e-7)
-    assert rel_err(dequant_q8x2(q, d).ravel(), x) < 3e-5
+    assert rel_err(dequant_q8x2(q, d).ravel(), x) < 1e-4
 
 
 def _activation(gpu, W, x):
@@ -222,33 +222,56 @@ def _attend(q, k, v):
     return (p / p.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)
 
 
-@pytest.mark.parametrize("hd,H,Hkv", [(64, 9, 3), (128, 32, 8), (64, 8, 8)])
+def _rope_table(hd, n_pos, theta=10000.0):
+    inv_freq = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    angle = np.arange(n_pos)[:, None] * inv_freq[None, :]
+    return inv_freq, np.stack([np.cos(angle), np.sin(angle)], axis=-1).astype(np.float32)
+
+
+@pytest.mark.parametrize("hd,H,Hkv,neox", [(64, 9, 3, False), (128, 32, 8, False), (64, 8, 8, True)])
 @pytest.mark.parametrize("splits", [1, 7, 32])
-def test_attention_decode_split_kv(gpu, rng, hd, H, Hkv, splits):
+def test_attention_decode_fused(gpu, rng, hd, H, Hkv, neox, splits):
+    """rope + KV write + split-KV attention + last-block merge, for sequences of very different lengths."""
     lens = np.array([1, 31, 33, 100, 1000], dtype=np.int32)
     B, max_pages = len(lens), 40
     n_pages = B * max_pages
     kh, vh, kc, vc = _random_cache(gpu, rng, n_pages, Hkv, hd)
     table = rng.permutation(n_pages).reshape(B, max_pages).astype(np.int32)
     qkv = rng.standard_normal((B, (H + 2 * Hkv) * hd)).astype(np.float32)
-    cfg = _Cfg(H, Hkv, hd)
+    inv_freq, rope_tab = _rope_table(hd, max_pages * K.PAGE)
+    cfg = _Cfg(H, Hkv, hd, neox)
     acc, ml = gpu.empty(4 * B * H * splits * hd), gpu.empty(8 * B * H * splits)
+    counters = gpu.empty(4 * B * Hkv, 0)
     out, outq, outd = gpu.empty(4 * B * H * hd), gpu.empty(2 * B * H * hd), gpu.empty(16 * B * H * hd // 32)
-    pos = gpu.put(lens - 1)
-    gpu.run(gpu.k.attn_decode(gpu.put(qkv).ptr, qkv.shape[1], kc.ptr, vc.ptr, gpu.put(table).ptr, max_pages,
-                              pos.ptr, acc.ptr, ml.ptr, B, splits, cfg))
-    gpu.run(gpu.k.attn_combine(acc.ptr, ml.ptr, splits, out.ptr, outq.ptr, outd.ptr, B, cfg))
+    launch = gpu.k.attn_decode(gpu.put(qkv).ptr, gpu.put(rope_tab), kc.ptr, vc.ptr, gpu.put(table).ptr, max_pages,
+                               gpu.put(lens - 1).ptr, acc.ptr, ml.ptr, counters.ptr, out.ptr, outq.ptr, outd.ptr,
+                               B, splits, cfg)
+    gpu.run(launch)
+    first = gpu.get(out, np.float32, (B, H, hd))
+    gpu.stream.memset(out.ptr, 0xFF, 4 * B * H * hd)
+    gpu.run(launch)                               # the counters were reset: a replay gives the same result
     got = gpu.get(out, np.float32, (B, H, hd))
+    assert np.array_equal(first, got)
+    assert not gpu.get(counters, np.int32, (B * Hkv,)).any()
+
+    kcache = gpu.get(kc, np.float16, kh.shape)
     G = H // Hkv
     for b, n in enumerate(lens):
+        p = n - 1
+        q = _rope_ref(qkv[b, :H * hd].reshape(1, H, hd), np.array([p]), inv_freq, neox)[0]
+        k_new = _rope_ref(qkv[b, H * hd:(H + Hkv) * hd].reshape(1, Hkv, hd), np.array([p]), inv_freq, neox)[0]
+        v_new = qkv[b, (H + Hkv) * hd:].reshape(Hkv, hd)
+        page, slot = table[b, p // K.PAGE], p % K.PAGE
+        assert rel_err(kcache[page, :, slot], k_new) < 1e-3           # the new key landed in its page
+        kh[page, :, slot], vh[page, :, slot] = k_new, v_new              # the reference cache, updated
         pages = table[b, :(n + K.PAGE - 1) // K.PAGE]
         for kvh in range(Hkv):
             k = kh[pages, kvh].reshape(-1, hd)[:n]
             v = vh[pages, kvh].reshape(-1, hd)[:n]
-            q = qkv[b, kvh * G * hd:(kvh + 1) * G * hd].reshape(G, hd)
-            assert rel_err(got[b, kvh * G:(kvh + 1) * G], _attend(q, k, v)) < 2e-3, (b, n, kvh)
+            ref = _attend(q[kvh * G:(kvh + 1) * G], k, v)
+            assert rel_err(got[b, kvh * G:(kvh + 1) * G], ref) < 2e-3, (b, n, kvh)
     deq = dequant_q8x2(gpu.get(outq, np.int8, (B * H * hd // 32, 64)), gpu.get(outd, np.float32, (B * H * hd // 32, 4)))
-    assert rel_err(deq.ravel(), got.ravel()) < 3e-5
+    assert rel_err(deq.ravel(), got.ravel()) < 1e-4
 
 
 @pytest.mark.parametrize("hd,H,Hkv", [(64, 9, 3), (128, 8, 2)])

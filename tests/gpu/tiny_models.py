@@ -57,7 +57,12 @@ def write_model(path: Path, variant: str, seed: int = 0) -> Path:
     def mat(rows, cols, scale=None):
         return rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)
 
-    _tensor(w, "token_embd.weight", mat(V, D, 1.0), eq)
+    def vocab_rows(scale):
+        # Row norms spread over a decade, as trained vocabularies have: the top logits then stand apart instead
+        # of tying (Gaussian logits of a purely random head leave top-2 gaps within rounding noise).
+        return mat(V, D, scale) * np.exp(rng.standard_normal((V, 1)) * 0.7)
+
+    _tensor(w, "token_embd.weight", vocab_rows(1.0), eq)
     for i in range(L):
         p = f"blk.{i}."
         _tensor(w, p + "attn_norm.weight", 1 + 0.1 * rng.standard_normal(D), "F32")
@@ -74,7 +79,7 @@ def write_model(path: Path, variant: str, seed: int = 0) -> Path:
         _tensor(w, p + "ffn_down.weight", mat(D, F), mq)
     _tensor(w, "output_norm.weight", 1 + 0.1 * rng.standard_normal(D), "F32")
     if not tied:
-        _tensor(w, "output.weight", mat(V, D), mq)
+        _tensor(w, "output.weight", vocab_rows(D ** -0.5), mq)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
