@@ -1,0 +1,140 @@
+"""The CPU reference engine: runs model.forward in numpy, one KV cache per sequence, samples with sampling.py.
+
+It is the oracle the GPU engine is tested against, so it favours clarity over speed; prefill still multiplies
+whole chunks of tokens at once so float32 BLAS does the work (perplexity runs hundreds of 512-token chunks).
+Weights are dequantized to float32 once and kept when the whole model fits the cache budget (4 GiB, or
+INGOT_CPU_WEIGHT_CACHE_MIB); a bigger model (an 8B) is dequantized matrix by matrix on every use instead.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ingot.toolchain.errors import IngotError, UsageError
+
+from ..model import KVCache, Model, expected_shapes, forward, logits
+from ..sampling import SamplingParams, sample
+
+DEFAULT_MAX_CTX = 8192           # KV capacity per sequence unless asked otherwise (capped by the training context)
+PREFILL_CHUNK = 512              # tokens per forward call: bounds the attention scores to chunk x context
+DEFAULT_CACHE_MIB = 4096
+
+
+def weight_cache_budget() -> int:
+    """Bytes of float32 weights the CPU engine may keep dequantized."""
+    return int(os.environ.get("INGOT_CPU_WEIGHT_CACHE_MIB", DEFAULT_CACHE_MIB)) * 2**20
+
+
+class DequantizedWeights:
+    """float32 weights by tensor name, for model.forward: cached when the model fits `budget` bytes as float32,
+    dequantized on each use otherwise. Embedding lookups dequantize only the rows asked for."""
+
+    def __init__(self, model: Model, budget: int):
+        self.tensors = model.tensors
+        f32_bytes = sum(4 * math.prod(shape) for shape in expected_shapes(model.config).values())
+        self.keep_all = f32_bytes <= budget
+        self._cache: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        w = self._cache.get(name)
+        if w is None:
+            w = self.tensors[name].dequantize()
+            if self.keep_all or w.ndim == 1:   # vectors (norms, biases) are tiny: always keep them
+                self._cache[name] = w
+        return w
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        cached = self._cache.get("token_embd.weight")
+        return cached[tokens] if cached is not None else self.tensors["token_embd.weight"].dequantize_rows(tokens)
+
+
+@dataclass
+class _Sequence:
+    params: SamplingParams
+    rng: np.random.Generator
+    cache: KVCache
+    tokens: list[int]
+
+
+class CpuEngine:
+    def __init__(self, model: Model, *, max_seqs: int = 4, max_ctx: int | None = None,
+                 weight_cache_bytes: int | None = None):
+        self.model = model
+        self.config = model.config
+        self.max_seqs = max_seqs
+        self.max_ctx = max_ctx or min(model.config.n_ctx_train, DEFAULT_MAX_CTX)
+        budget = weight_cache_budget() if weight_cache_bytes is None else weight_cache_bytes
+        self.weights = DequantizedWeights(model, budget)
+        self._seqs: dict[int, _Sequence] = {}
+        self._next_id = 0
+
+    # --- the Engine interface ---
+
+    def new_sequence(self, params: SamplingParams) -> int:
+        if len(self._seqs) >= self.max_seqs:
+            raise IngotError(f"all {self.max_seqs} sequences are in use", hint="release one first")
+        seq, self._next_id = self._next_id, self._next_id + 1
+        self._seqs[seq] = _Sequence(params, np.random.default_rng(params.seed),
+                                    KVCache.empty(self.config, self.max_ctx), [])
+        return seq
+
+    def prefill(self, seq: int, tokens: Sequence[int]) -> int:
+        s = self._admit(seq, tokens)
+        hidden = None
+        for i in range(0, len(tokens), PREFILL_CHUNK):
+            hidden = self._forward(s, tokens[i:i + PREFILL_CHUNK])
+        return self._sample(s, logits(self.config, self.weights, hidden[-1:])[0])
+
+    def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        if len(seqs) != len(tokens):
+            raise UsageError(f"decode got {len(seqs)} sequences but {len(tokens)} tokens")
+        batch = [self._admit(seq, [tok]) for seq, tok in zip(seqs, tokens)]
+        hidden = forward(self.config, self.weights, [(s.cache, [tok]) for s, tok in zip(batch, tokens)])
+        for s, tok in zip(batch, tokens):
+            s.tokens.append(int(tok))
+        rows = logits(self.config, self.weights, hidden)                    # [B, V]
+        return [self._sample(s, row) for s, row in zip(batch, rows)]
+
+    def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
+        s = self._admit(seq, tokens)
+        return np.concatenate([logits(self.config, self.weights, self._forward(s, tokens[i:i + PREFILL_CHUNK]))
+                               for i in range(0, len(tokens), PREFILL_CHUNK)])
+
+    def release(self, seq: int) -> None:
+        self._seqs.pop(seq, None)
+
+    def seq_len(self, seq: int) -> int:
+        return self._get(seq).cache.n
+
+    # --- helpers ---
+
+    def _get(self, seq: int) -> _Sequence:
+        s = self._seqs.get(seq)
+        if s is None:
+            raise UsageError(f"no live sequence {seq}")
+        return s
+
+    def _admit(self, seq: int, tokens: Sequence[int]) -> _Sequence:
+        """The sequence, after checking the tokens are valid ids and fit its KV capacity (before any work)."""
+        s = self._get(seq)
+        if len(tokens) == 0:
+            raise UsageError("no tokens to evaluate")
+        if s.cache.n + len(tokens) > self.max_ctx:
+            raise UsageError(f"{s.cache.n + len(tokens)} tokens do not fit the context of {self.max_ctx}",
+                             hint="shorten the prompt or ask for a larger context")
+        ids = np.asarray(tokens)
+        if ids.min() < 0 or ids.max() >= self.config.n_vocab:
+            raise UsageError(f"token id out of range 0..{self.config.n_vocab - 1}")
+        return s
+
+    def _forward(self, s: _Sequence, tokens: Sequence[int]) -> np.ndarray:
+        hidden = forward(self.config, self.weights, [(s.cache, tokens)])
+        s.tokens.extend(int(t) for t in tokens)
+        return hidden
+
+    def _sample(self, s: _Sequence, row: np.ndarray) -> int:
+        return sample(row, s.params, s.rng, s.tokens)

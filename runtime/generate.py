@@ -1,0 +1,158 @@
+"""Generation, independent of the engine: prompt tokens in, a stream of text chunks out.
+
+The engine samples tokens (runtime/engines/base.py); this module turns them into text:
+  - incremental detokenization that never emits half a UTF-8 character (a character split over byte tokens
+    is held until its last byte arrives),
+  - stop strings, never echoed, also when split across tokens (text that could still become a stop string
+    is held back until it cannot),
+  - finishing on an end-of-generation token ("eos": EOS, <|im_end|>, <|eot_id|>, ...), a stop string
+    ("stop"), or max_tokens / a full context ("length").
+
+`Generation` does this for one sequence, token by token, so a server can drive many sequences through one
+engine.decode call; `generate` drives a single request from prefill to the end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from ingot.toolchain.errors import UsageError
+
+from .engines.base import Engine
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+__all__ = ["Chunk", "Generation", "GenerationRequest", "SamplingParams", "generate"]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_tokens: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+    def check(self, max_ctx: int) -> None:
+        """UsageError, before any work, for a request that cannot run."""
+        if not self.prompt_tokens:
+            raise UsageError("the prompt is empty")
+        if len(self.prompt_tokens) > max_ctx:
+            raise UsageError(f"the prompt is {len(self.prompt_tokens)} tokens, longer than the context of {max_ctx}",
+                             hint="shorten the prompt")
+        if self.max_tokens < 1:
+            raise UsageError("max tokens must be at least 1")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str                       # new text since the previous chunk (may be empty while text is held back)
+    token_ids: tuple[int, ...]      # the generated token(s) this chunk accounts for; none for the final EOS
+    finish_reason: str | None = None  # on the last chunk: "eos", "stop" or "length"
+
+
+class IncrementalDecoder:
+    """Decodes a growing token list into text deltas.
+
+    Decoding token by token breaks characters split over byte tokens and loses the spaces that some decoders
+    derive from neighbouring tokens, so it decodes a short window: the text of ids[prefix:] minus the text of
+    ids[prefix:read] is new. While that ends in U+FFFD (an incomplete UTF-8 character), it waits for more.
+    The window starts with the prompt's last tokens, so the first generated word keeps its leading space."""
+
+    CONTEXT_TOKENS = 4
+
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids = list(context[-self.CONTEXT_TOKENS:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held (at the end of generation)."""
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
+class StopStrings:
+    """Cuts the text at the first stop string and holds back any tail that may be the start of one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """-> (text safe to emit, whether a stop string was found)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        hold = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Generation:
+    """The output side of one sequence: feed it each sampled token, get a Chunk back."""
+
+    def __init__(self, tokenizer: Tokenizer, request: GenerationRequest):
+        self.request = request
+        self.eog_ids = tokenizer.eog_ids
+        self.decoder = IncrementalDecoder(tokenizer, request.prompt_tokens)
+        self.stops = StopStrings(request.stop)
+        self.n_generated = 0
+        self.finish_reason: str | None = None
+
+    def accept(self, token: int, *, context_full: bool = False) -> Chunk:
+        """context_full: the sequence cannot take another token, so this one is the last."""
+        if token in self.eog_ids:
+            return self._finish("eos", (), "")
+        self.n_generated += 1
+        text, stopped = self.stops.push(self.decoder.push(token))
+        if stopped:
+            return self._finish("stop", (token,), text, flush=False)
+        if self.n_generated >= self.request.max_tokens or context_full:
+            return self._finish("length", (token,), text)
+        return Chunk(text, (token,))
+
+    def _finish(self, reason: str, tokens: tuple[int, ...], text: str, flush: bool = True) -> Chunk:
+        if flush:
+            tail, stopped = self.stops.push(self.decoder.flush())
+            text += tail if stopped else tail + self.stops.flush()
+            reason = "stop" if stopped else reason
+        self.finish_reason = reason
+        return Chunk(text, tokens, reason)
+
+
+def generate(engine: Engine, tokenizer: Tokenizer, prompt_tokens: Sequence[int],
+             params: SamplingParams | None = None, max_tokens: int = 256, stop: Sequence[str] = ()) -> Iterator[Chunk]:
+    """Run one request to its end, yielding a Chunk per generated token; the last has a finish_reason."""
+    request = GenerationRequest(tuple(int(t) for t in prompt_tokens), params or SamplingParams(), max_tokens,
+                                tuple(stop))
+    request.check(engine.max_ctx)
+    generation = Generation(tokenizer, request)
+    seq = engine.new_sequence(request.params)
+    try:
+        token = engine.prefill(seq, request.prompt_tokens)
+        while True:
+            chunk = generation.accept(token, context_full=engine.seq_len(seq) >= engine.max_ctx)
+            yield chunk
+            if chunk.finish_reason:
+                return
+            token = engine.decode([seq], [token])[0]
+    finally:
+        engine.release(seq)

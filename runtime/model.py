@@ -1,0 +1,502 @@
+"""Llama-family models from GGUF, and the reference forward pass every Ingot engine computes.
+
+This is the one place that reads GGUF metadata keys. Sections:
+  - Config: hyperparameters, read once into a frozen dataclass
+  - Vocab: the embedded tokenizer data (tokens, merges, scores, special ids, chat template)
+  - QTensor / Model / load_model: the opened GGUF, tensors mapped in place (zero-copy)
+  - the forward pass, in numpy, written like the math (llama2.c / gpt-fast style)
+
+Supported: architectures llama (SmolLM2, TinyLlama, Llama 2/3), mistral, qwen2 (QKV bias, NEOX rope); tensor
+types F32, F16, BF16, Q8_0, Q4_0, Q4_1. Anything else is refused with a ModelError naming what and where.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+from ingot.toolchain.errors import ModelError, UsageError
+
+from .quants import QUANT_TYPES, dequantize
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+NEOX_ROPE_ARCHITECTURES = ("qwen2",)   # rotate (x[i], x[i + rope_dim/2]); the others rotate (x[2i], x[2i+1])
+
+
+# --- Config ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Config:
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_dim: int                  # the first rope_dim dims of each head are rotated
+    rope_neox: bool
+    rope_freq_factors: tuple[float, ...] | None  # [rope_dim/2] divisors of the rope frequencies (Llama 3.1)
+    qkv_bias: bool
+    tied_embeddings: bool          # no output.weight: the output head is token_embd
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per KV head (grouped-query attention): query head h reads KV head h // n_rep."""
+        return self.n_heads // self.n_kv_heads
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"n_rep": self.n_rep}
+
+
+# --- Vocab ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Vocab:
+    model: str                      # "gpt2" (byte-level BPE) or "llama" (SentencePiece-style, scored)
+    pre: str                        # pre-tokenizer name, e.g. "smollm", "llama-bpe", "qwen2", "default"
+    tokens: list[str]
+    types: list[int]                # gguf.TokenType per token: 1 normal, 3 control, 4 user-defined, 6 byte...
+    scores: list[float] | None
+    merges: list[str] | None        # "left right" per merge, highest priority first
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    eom_id: int | None
+    unk_id: int | None
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    chat_template: str | None = field(repr=False)
+
+
+# --- tensors and the opened model -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class QTensor:
+    """One tensor, mapped in place. shape is in math order: (rows, cols) for a matrix (GGUF lists ne0=cols first)
+    and (n,) for a vector; a matrix multiplies as y = W @ x with x of length cols."""
+    name: str
+    qtype: str
+    shape: tuple[int, ...]
+    raw: np.ndarray = field(repr=False)  # uint8 view of the tensor's bytes in the file, [rows, row_bytes] or [bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        """float32 array of `shape`."""
+        return dequantize(self.raw, self.qtype, self.shape[-1])
+
+    def dequantize_rows(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+        """float32 [len(rows), cols]: only the rows asked for (embedding lookups)."""
+        return dequantize(self.raw[np.asarray(rows, dtype=np.int64)], self.qtype, self.shape[-1])
+
+
+@dataclass(frozen=True)
+class Model:
+    path: Path
+    offset: int                     # where the GGUF starts inside `path` (non-zero inside a bundle)
+    size: int
+    name: str
+    config: Config
+    vocab: Vocab
+    tensors: dict[str, QTensor] = field(repr=False)
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def quant_types(self) -> list[str]:
+        return sorted({t.qtype for t in self.tensors.values()})
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(t.shape) for t in self.tensors.values())
+
+
+class _Truncated(ValueError):
+    pass
+
+
+class _WindowReader(GGUFReader):
+    """A GGUFReader over bytes [offset, offset + size) of a file, so a GGUF stored uncompressed inside a bundle
+    (a tar) is parsed and mapped in place, without a copy.
+
+    GGUFReader.__init__ maps the whole file (`self.data = np.memmap(path)`) and parses from byte 0. Making
+    `data` a property lets us narrow that one map to the window as it is assigned; every offset the reader
+    computes is then relative to the GGUF's first byte. The reader also slices past the end of a truncated
+    file without noticing; `_get` turns that into one clear error instead.
+    """
+
+    def __init__(self, path: Path, offset: int, size: int | None):
+        self._window = (offset, size)
+        super().__init__(path, "r")
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, whole: np.memmap) -> None:
+        offset, size = self._window
+        # A plain ndarray view of the map: the reader slices it ~10 times per vocabulary entry, and np.memmap's
+        # per-slice bookkeeping would double the load time of a 128k-token vocabulary.
+        self._data = whole[offset:None if size is None else offset + size].view(np.ndarray)
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        end = offset + np.dtype(dtype).itemsize * int(count)
+        if end > len(self._data):
+            raise _Truncated(f"data ends at byte {len(self._data):,} but the file needs {end:,}")
+        return super()._get(offset, dtype, count, override_order)
+
+
+def load_model(path: str | Path, *, offset: int = 0, size: int | None = None) -> Model:
+    """Open a GGUF (or the GGUF stored at [offset, offset+size) of a bigger file), validate it, map its tensors."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"model file not found: {path}", hint="pass a .gguf path, a .ingot bundle, or 'smollm2'")
+    if not path.is_file():
+        raise UsageError(f"model path is not a file: {path}")
+    if path.stat().st_size == 0:
+        raise ModelError(f"{path} is empty, not a GGUF file")
+    try:
+        reader = _WindowReader(path, offset, size)
+    except _Truncated as e:
+        raise ModelError(f"{path} is truncated: {e}", hint="download or copy the file again") from None
+    except PermissionError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
+        magic = "GGUF magic invalid" in str(e)
+        raise ModelError(f"{path} is not a GGUF file" if magic else f"{path} is not a valid GGUF file ({e})") from None
+
+    meta = _Metadata(reader, path)
+    arch = meta.get_str("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelError(f"{path}: unsupported architecture {arch!r}",
+                         hint=f"Ingot runs Llama-family models: {', '.join(ARCHITECTURES)}")
+    if meta.get_int(f"{arch}.expert_count", 0) > 0:
+        raise ModelError(f"{path}: mixture-of-experts models are not supported")
+
+    tensors = {}
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # GGUF lists ne0 (cols) first
+        qtype = t.tensor_type.name
+        if qtype not in QUANT_TYPES:
+            raise ModelError(f"{path}: tensor {t.name} has unsupported type {qtype}",
+                             hint=f"supported types: {', '.join(QUANT_TYPES)}; requantize with llama-quantize")
+        raw = reader.data[t.data_offset:t.data_offset + t.n_bytes]
+        if len(shape) == 2:
+            raw = raw.reshape(shape[0], QUANT_TYPES[qtype].row_bytes(shape[1]))
+        tensors[t.name] = QTensor(t.name, qtype, shape, raw)
+
+    config = _read_config(meta, arch, tensors, path)
+    _check_tensors(config, tensors, path)
+    return Model(path=path, offset=offset, size=len(reader.data), name=meta.get_str("general.name", path.stem),
+                 config=config, vocab=_read_vocab(meta, path), tensors=tensors)
+
+
+class _Metadata:
+    """Typed access to GGUF key/values, with one-line errors for missing keys."""
+
+    def __init__(self, reader: GGUFReader, path: Path):
+        self.fields = reader.fields
+        self.path = path
+
+    def _value(self, key: str, default):
+        f = self.fields.get(key)
+        if f is None:
+            if default is _REQUIRED:
+                raise ModelError(f"{self.path}: missing metadata key {key}")
+            return default
+        return f
+
+    def get_str(self, key: str, default=None):
+        f = self._value(key, _REQUIRED if default is None else default)
+        return f if isinstance(f, str) else bytes(f.parts[-1]).decode("utf-8", errors="replace")
+
+    def get_int(self, key: str, default=None) -> int:
+        f = self._value(key, _REQUIRED if default is None else default)
+        return f if isinstance(f, int) else int(f.parts[-1][0])
+
+    def get_float(self, key: str, default=None) -> float:
+        f = self._value(key, _REQUIRED if default is None else default)
+        return f if isinstance(f, float) else float(f.parts[-1][0])
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        f = self.fields.get(key)
+        return default if f is None else bool(f.parts[-1][0])
+
+    def optional_int(self, key: str) -> int | None:
+        f = self.fields.get(key)
+        return None if f is None else int(f.parts[-1][0])
+
+    def strings(self, key: str) -> list[str] | None:
+        f = self.fields.get(key)
+        if f is None:
+            return None
+        return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
+
+    def numbers(self, key: str) -> np.ndarray | None:
+        f = self.fields.get(key)
+        if f is None:
+            return None
+        if f.types[-1] == GGUFValueType.STRING:
+            raise ModelError(f"{self.path}: metadata key {key} should hold numbers")
+        return np.concatenate([f.parts[i] for i in f.data]) if f.data else np.zeros(0)
+
+
+_REQUIRED = object()
+
+
+def _read_config(meta: _Metadata, arch: str, tensors: dict[str, QTensor], path: Path) -> Config:
+    if "token_embd.weight" not in tensors:
+        raise ModelError(f"{path}: missing tensor token_embd.weight")
+    dim = meta.get_int(f"{arch}.embedding_length")
+    n_heads = meta.get_int(f"{arch}.attention.head_count")
+    n_kv_heads = meta.get_int(f"{arch}.attention.head_count_kv", n_heads)
+    head_dim = meta.get_int(f"{arch}.attention.key_length", dim // n_heads)
+    if meta.get_int(f"{arch}.attention.value_length", head_dim) != head_dim:
+        raise ModelError(f"{path}: different key and value head sizes are not supported")
+    if n_heads % n_kv_heads:
+        raise ModelError(f"{path}: {n_heads} attention heads is not a multiple of {n_kv_heads} KV heads")
+    rope_dim = meta.get_int(f"{arch}.rope.dimension_count", head_dim)
+
+    scaling = meta.get_str(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "") and meta.get_float(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+        raise ModelError(f"{path}: rope scaling {scaling!r} is not supported",
+                         hint="Llama 3.1-style scaling via rope_freqs.weight is")
+    factors = None
+    if "rope_freqs.weight" in tensors:
+        factors = tuple(float(f) for f in tensors["rope_freqs.weight"].dequantize().reshape(-1))
+        if len(factors) != rope_dim // 2:
+            raise ModelError(f"{path}: rope_freqs.weight has {len(factors)} values, expected {rope_dim // 2}")
+
+    return Config(
+        arch=arch,
+        n_vocab=tensors["token_embd.weight"].shape[0],
+        n_ctx_train=meta.get_int(f"{arch}.context_length"),
+        dim=dim,
+        n_layers=meta.get_int(f"{arch}.block_count"),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=meta.get_int(f"{arch}.feed_forward_length"),
+        norm_eps=meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_theta=meta.get_float(f"{arch}.rope.freq_base", 10000.0),
+        rope_dim=rope_dim,
+        rope_neox=arch in NEOX_ROPE_ARCHITECTURES,
+        rope_freq_factors=factors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        tied_embeddings="output.weight" not in tensors,
+    )
+
+
+def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward pass reads, with its math-order shape."""
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {"token_embd.weight": (c.n_vocab, c.dim), "output_norm.weight": (c.dim,)}
+    if not c.tied_embeddings:
+        shapes["output.weight"] = (c.n_vocab, c.dim)
+    for i in range(c.n_layers):
+        b = f"blk.{i}."
+        shapes |= {
+            b + "attn_norm.weight": (c.dim,),
+            b + "attn_q.weight": (q_dim, c.dim),
+            b + "attn_k.weight": (kv_dim, c.dim),
+            b + "attn_v.weight": (kv_dim, c.dim),
+            b + "attn_output.weight": (c.dim, q_dim),
+            b + "ffn_norm.weight": (c.dim,),
+            b + "ffn_gate.weight": (c.ffn_dim, c.dim),
+            b + "ffn_up.weight": (c.ffn_dim, c.dim),
+            b + "ffn_down.weight": (c.dim, c.ffn_dim),
+        }
+        if c.qkv_bias:
+            shapes |= {b + "attn_q.bias": (q_dim,), b + "attn_k.bias": (kv_dim,), b + "attn_v.bias": (kv_dim,)}
+    return shapes
+
+
+def _check_tensors(c: Config, tensors: dict[str, QTensor], path: Path) -> None:
+    for name, shape in expected_shapes(c).items():
+        t = tensors.get(name)
+        if t is None:
+            raise ModelError(f"{path}: missing tensor {name}")
+        if t.shape != shape:
+            raise ModelError(f"{path}: tensor {name} has shape {t.shape}, expected {shape}")
+
+
+def _read_vocab(meta: _Metadata, path: Path) -> Vocab:
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelError(f"{path}: no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    types = meta.numbers("tokenizer.ggml.token_type")
+    scores = meta.numbers("tokenizer.ggml.scores")
+    model = meta.get_str("tokenizer.ggml.model")
+    return Vocab(
+        model=model,
+        pre=meta.get_str("tokenizer.ggml.pre", "default"),
+        tokens=tokens,
+        types=[1] * len(tokens) if types is None else [int(t) for t in types],
+        scores=None if scores is None else [float(s) for s in scores],
+        merges=meta.strings("tokenizer.ggml.merges"),
+        bos_id=meta.optional_int("tokenizer.ggml.bos_token_id"),
+        eos_id=meta.optional_int("tokenizer.ggml.eos_token_id"),
+        eot_id=meta.optional_int("tokenizer.ggml.eot_token_id"),
+        eom_id=meta.optional_int("tokenizer.ggml.eom_token_id"),
+        unk_id=meta.optional_int("tokenizer.ggml.unknown_token_id"),
+        # llama.cpp's defaults when the flags are absent: SentencePiece vocabularies add BOS and a space prefix
+        add_bos=meta.get_bool("tokenizer.ggml.add_bos_token", model == "llama"),
+        add_eos=meta.get_bool("tokenizer.ggml.add_eos_token", False),
+        add_space_prefix=meta.get_bool("tokenizer.ggml.add_space_prefix", model == "llama"),
+        chat_template=meta.get_str("tokenizer.chat_template", "") or None,
+    )
+
+
+# --- the forward pass -----------------------------------------------------------------------------
+#
+# Shapes: T tokens in a batch, D = dim, H = n_heads, KV = n_kv_heads, hd = head_dim, V = n_vocab.
+# Float32 throughout, with float64 for the two reductions where rounding matters (RMSNorm's mean of squares
+# and softmax's sum). Matrices are [out, in], so a layer is x @ W.T (`linear`), like torch.nn.Linear.
+
+class Weights(Protocol):
+    """Where the forward pass gets float32 weights from (the CPU engine caches them, or dequantizes on use)."""
+
+    def __getitem__(self, name: str) -> np.ndarray: ...
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray: ...   # [T] -> [T, D]
+
+
+@dataclass
+class KVCache:
+    """One sequence's keys and values: [n_layers, capacity, KV, hd] each, and how many positions are filled."""
+    k: np.ndarray
+    v: np.ndarray
+    n: int = 0
+
+    @classmethod
+    def empty(cls, c: Config, capacity: int) -> KVCache:
+        shape = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
+        # np.zeros maps fresh zero pages lazily: a long capacity costs memory only where it is written.
+        return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x * w / sqrt(mean(x^2) + eps) over the last axis."""
+    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    return x * (1.0 / np.sqrt(ms + eps)).astype(np.float32) * w
+
+
+def rope_inv_freq(c: Config) -> np.ndarray:
+    """[rope_dim/2] float64: theta_i = base^(-2i/rope_dim), divided by the freq factors when the model has them."""
+    inv = c.rope_theta ** (-np.arange(0, c.rope_dim, 2, dtype=np.float64) / c.rope_dim)
+    return inv if c.rope_freq_factors is None else inv / np.asarray(c.rope_freq_factors, dtype=np.float64)
+
+
+def rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool) -> np.ndarray:
+    """Rotate x [T, heads, hd] by angle pos * theta_i, pair i being (x[2i], x[2i+1]) (llama.cpp "normal" rope,
+    what GGUF's permuted llama q/k weights expect) or (x[i], x[i + rope_dim/2]) (NEOX). Dims past rope_dim pass."""
+    angle = pos[:, None].astype(np.float64) * inv_freq[None, :]           # [T, rope_dim/2]
+    cos = np.cos(angle).astype(np.float32)[:, None, :]                    # [T, 1, rope_dim/2]
+    sin = np.sin(angle).astype(np.float32)[:, None, :]
+    rd = 2 * inv_freq.shape[0]
+    out = x.copy()
+    if neox:
+        a, b = x[..., :rd // 2], x[..., rd // 2:rd]
+        out[..., :rd // 2] = a * cos - b * sin
+        out[..., rd // 2:rd] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:rd:2], x[..., 1:rd:2]
+        out[..., 0:rd:2] = a * cos - b * sin
+        out[..., 1:rd:2] = a * sin + b * cos
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal grouped-query attention of t new queries at positions start.. over the n = start + t cached keys.
+    q [t, H, hd], k/v [n, KV, hd] -> [t, H*hd]. Query head h reads KV head h // (H/KV)."""
+    t, n_heads, hd = q.shape
+    n, n_kv, _ = k.shape
+    rep = n_heads // n_kv
+    future = np.arange(n)[None, :] > (start + np.arange(t))[:, None]      # [t, n]: key after the query
+    scale = np.float32(1.0 / math.sqrt(hd))
+    out = np.empty((t, n_heads, hd), dtype=np.float32)
+    # One plain 2-D matmul per KV head and its `rep` query heads (numpy's broadcast batched matmul skips BLAS).
+    for g in range(n_kv):
+        heads = slice(g * rep, (g + 1) * rep)
+        qg = q[:, heads].transpose(1, 0, 2).reshape(rep * t, hd)             # [rep*t, hd]
+        scores = (qg @ k[:, g].T).reshape(rep, t, n) * scale                  # [rep, t, n]
+        scores = np.where(future, -np.inf, scores.astype(np.float64))
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        p = (p / p.sum(axis=-1, keepdims=True)).astype(np.float32)
+        out[:, heads] = (p.reshape(rep * t, n) @ v[:, g]).reshape(rep, t, hd).transpose(1, 0, 2)
+    return out.reshape(t, n_heads * hd)
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [T, in] @ w.T for w [out, in] -> [T, out]. Written as (w @ x.T).T: for one token that is a BLAS gemv,
+    which is ~8x faster than the M=1 gemm that x @ w.T becomes."""
+    return (w @ x.T).T
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def forward(c: Config, w: Weights, batch: Sequence[tuple[KVCache, Sequence[int]]]) -> np.ndarray:
+    """Run tokens through the model, appending their keys/values to each sequence's cache.
+
+    batch: (cache, tokens) per sequence; the tokens go at positions cache.n, cache.n + 1, ... Every matrix
+    multiply covers all tokens of all sequences at once; only attention is per sequence.
+    Returns the final-normed hidden states [T, D] of all tokens, in batch order (see `logits`).
+    """
+    tokens = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
+    pos = np.concatenate([np.arange(cache.n, cache.n + len(t)) for cache, t in batch])
+    spans = np.cumsum([0] + [len(t) for _, t in batch])
+    inv_freq = rope_inv_freq(c)
+    T = len(tokens)
+
+    x = w.embed(tokens)                                                    # [T, D]
+    for layer in range(c.n_layers):
+        b = f"blk.{layer}."
+        h = rms_norm(x, w[b + "attn_norm.weight"], c.norm_eps)
+        q, k, v = linear(h, w[b + "attn_q.weight"]), linear(h, w[b + "attn_k.weight"]), linear(h, w[b + "attn_v.weight"])
+        if c.qkv_bias:
+            q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
+        q = rope(q.reshape(T, c.n_heads, c.head_dim), pos, inv_freq, c.rope_neox)
+        k = rope(k.reshape(T, c.n_kv_heads, c.head_dim), pos, inv_freq, c.rope_neox)
+        v = v.reshape(T, c.n_kv_heads, c.head_dim)
+
+        att = np.empty((T, c.n_heads * c.head_dim), dtype=np.float32)
+        for (cache, _), s, e in zip(batch, spans[:-1], spans[1:]):
+            start = cache.n
+            cache.k[layer, start:start + e - s] = k[s:e]
+            cache.v[layer, start:start + e - s] = v[s:e]
+            att[s:e] = attention(q[s:e], cache.k[layer, :start + e - s], cache.v[layer, :start + e - s], start)
+        x = x + linear(att, w[b + "attn_output.weight"])
+
+        h = rms_norm(x, w[b + "ffn_norm.weight"], c.norm_eps)
+        x = x + linear(silu(linear(h, w[b + "ffn_gate.weight"])) * linear(h, w[b + "ffn_up.weight"]),
+                       w[b + "ffn_down.weight"])
+
+    for cache, t in batch:
+        cache.n += len(t)
+    return rms_norm(x, w["output_norm.weight"], c.norm_eps)
+
+
+def logits(c: Config, w: Weights, hidden: np.ndarray) -> np.ndarray:
+    """[T, D] final hidden states -> [T, V] float32 logits (output head, or token_embd when tied)."""
+    return np.ascontiguousarray(linear(hidden, w["token_embd.weight" if c.tied_embeddings else "output.weight"]))
