@@ -1,10 +1,17 @@
 """`ingot build`: compile every cuda/*.cu into one multi-arch fatbin, reproducibly and with a cache.
 
-One nvcc invocation per source file produces SASS for each requested arch plus PTX. The cache key covers
-everything that can change the bytes: the source, every header it includes (recursively), the nvcc build,
-the host compiler, the flags and the archs. After each compile the fatbin is read back and must hold exactly
-the archs that were asked for, so a silent fallback (a dropped arch, PTX where SASS was wanted) fails the
-build instead of failing on a user's GPU.
+One nvcc invocation per source file produces SASS for each requested arch plus PTX; `--threads` lets nvcc
+compile the archs in parallel (the output is byte-identical to a serial build). Same sources + toolkit + flags
+give the same bytes, wherever the checkout lives:
+  - nvcc runs in the source folder on the bare file name, so __FILE__ holds no absolute path;
+  - `-Xcicc=--orig_src_path_name=<name>.cu` replaces the absolute source path that cicc otherwise hashes into
+    the mangled names of anonymous-namespace kernels (`_GLOBAL__N__<hash>_...`);
+  - no -G / -lineinfo (they embed paths and temp names), and the environment variables that inject hidden
+    flags or include paths are removed (nvcc.HIDDEN_INPUT_VARS).
+The cache key covers everything that can change the bytes: the source, every local header it includes
+(recursively), the nvcc build, the host compiler, the flags and the archs. After each compile (and on each
+cache hit) the fatbin is read back and must hold exactly the archs that were asked for, so a silent fallback
+(a dropped arch, PTX where SASS was wanted) fails the build instead of failing on a user's GPU.
 """
 from __future__ import annotations
 
@@ -17,16 +24,17 @@ import re
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .archs import Arch, default_policy, kernel_source_dir
 from .errors import BuildError, UsageError
-from .fatbin import parse_fatbin
-from .nvcc import Toolkit, host_compiler, require_toolkit
+from .fatbin import Fatbin, parse_fatbin
+from .nvcc import HIDDEN_INPUT_VARS, Toolkit, host_compiler, require_toolkit
 
-CACHE_SCHEMA = "ingot-kernel-cache-v1"
+CACHE_SCHEMA = "ingot-kernel-cache-v2"
 
 
 @dataclass
@@ -34,7 +42,8 @@ class ArchStat:
     arch: str
     kind: str           # "sass" or "ptx"
     bytes: int          # size of this arch's image in the fatbin (stored, i.e. compressed if compressed)
-    seconds: float      # nvcc's own per-arch time (front end + ptxas), from `nvcc --time`
+    seconds: float      # nvcc's own time for this target (`nvcc --time`): front end (shared by sm_XY and
+                        # compute_XY) + ptxas; with --threads these overlap, so they do not add up to wall time
 
 
 @dataclass
@@ -46,7 +55,8 @@ class ModuleBuild:
     archs: dict
     kernels: list[str]
     per_arch: list[ArchStat]
-    command: list[str]
+    command: list[str]      # the exact nvcc argv that produced these bytes (run in `cwd`)
+    cwd: str
     cached: bool
     seconds: float
     inputs: dict = field(default_factory=dict)   # file name -> sha256 of the source and each included header
@@ -85,28 +95,36 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def included_headers(src: Path) -> dict[str, bytes]:
-    """Local headers (#include "x.cuh") reachable from src, recursively, keyed by name."""
+    """Local headers (#include "x.cuh") reachable from src, recursively, keyed by path relative to src's folder.
+
+    A quoted include is looked up next to the file that includes it, then in src's folder (nvcc's own order
+    for the folders we use; we pass no -I)."""
+    root = src.parent
     seen: dict[str, bytes] = {}
     todo = [src]
     while todo:
-        text = todo.pop().read_text()
-        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.M):
-            path = src.parent / name
-            if name not in seen and path.is_file():
-                seen[name] = path.read_bytes()
-                todo.append(path)
+        current = todo.pop()
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', current.read_text(errors="replace"), re.M):
+            for path in (current.parent / name, root / name):
+                if path.is_file():
+                    key = os.path.relpath(path.resolve(), root.resolve())
+                    if key not in seen:
+                        seen[key] = path.read_bytes()
+                        todo.append(path)
+                    break
     return dict(sorted(seen.items()))
 
 
 def nvcc_args(archs: list[Arch], flags: list[str], name: str) -> list[str]:
-    """The exact nvcc argument list (after the nvcc path) for one module, run with cwd = the cuda/ folder."""
+    """The nvcc arguments that decide the bytes of one module, run in the source folder on `<name>.cu`."""
     gencode = [f"-gencode={a.gencode()}" for a in archs]
-    return ["-fatbin", *flags, *gencode, "-o", f"{name}.fatbin", f"{name}.cu"]
+    return ["-fatbin", *flags, f"-Xcicc=--orig_src_path_name={name}.cu", *gencode]
 
 
 def _cache_key(src: Path, headers: dict[str, bytes], tk: Toolkit, args: list[str]) -> str:
     h = hashlib.sha256()
-    for part in (CACHE_SCHEMA, tk.version_text, tk.build, str(host_compiler().get("version")), json.dumps(args)):
+    for part in (CACHE_SCHEMA, tk.version_text, tk.build, str(host_compiler().get("version")), json.dumps(args),
+                 src.name):
         h.update(part.encode() + b"\0")
     h.update(src.read_bytes() + b"\0")
     for name, data in headers.items():
@@ -115,7 +133,7 @@ def _cache_key(src: Path, headers: dict[str, bytes], tk: Toolkit, args: list[str
 
 
 def _per_arch_seconds(time_csv: str) -> dict[str, float]:
-    """Sum nvcc --time phases per target: compute_XY front-end phases count towards sm_XY too."""
+    """Sum nvcc --time phases per target ("compute_90", "sm_90", ...)."""
     out: dict[str, float] = {}
     for row in csv.reader(io.StringIO(time_csv)):
         if len(row) < 8 or row[7].strip() != "ms":
@@ -126,13 +144,17 @@ def _per_arch_seconds(time_csv: str) -> dict[str, float]:
     return out
 
 
-def _check_archs(name: str, fat, archs: list[Arch]) -> None:
-    want_sass = sorted(a.name for a in archs if not a.ptx)
-    want_ptx = sorted(a.name for a in archs if a.ptx)
-    if sorted(fat.sass) != want_sass or sorted(fat.ptx) != want_ptx:
+def check_archs(name: str, fat: Fatbin, archs: list[Arch]) -> None:
+    """The fatbin must hold one image per requested arch, and nothing else."""
+    want = Counter(a.name for a in archs)
+    have = Counter(e.arch for e in fat.entries)
+    if have != want:
+        missing = sorted((want - have).elements())
+        extra = sorted((have - want).elements())
         raise BuildError(
-            f"{name}.fatbin holds SASS {fat.sass} and PTX {fat.ptx}, but SASS {want_sass} and PTX {want_ptx} "
-            "were requested", hint="nvcc fell back silently; check the --arch list against `nvcc --list-gpu-code`")
+            f"{name}.fatbin does not hold exactly the requested archs: missing {missing or 'none'}, "
+            f"unexpected {extra or 'none'}",
+            hint="nvcc dropped or added an image; check the --arch list against `nvcc --list-gpu-code`")
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -147,36 +169,53 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _read_cache(key: str) -> tuple[bytes, dict] | None:
+    """A cached build, if present and intact (its recorded sha256 matches)."""
+    bin_path, meta_path = cache_dir() / f"{key}.fatbin", cache_dir() / f"{key}.json"
+    try:
+        data, meta = bin_path.read_bytes(), json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return (data, meta) if meta.get("sha256") == sha256_bytes(data) else None
+
+
+def _compile(src: Path, args: list[str], tk: Toolkit, threads: int) -> tuple[bytes, dict, list[str]]:
+    """Run nvcc; returns the fatbin bytes, seconds per target and the exact argv."""
+    env = {k: v for k, v in os.environ.items() if k not in HIDDEN_INPUT_VARS}
+    with tempfile.TemporaryDirectory(prefix="ingot-nvcc-") as tmp:
+        out, timing = Path(tmp) / f"{src.stem}.fatbin", Path(tmp) / "time.csv"
+        argv = [str(tk.nvcc), *args, "--threads", str(threads), "--time", str(timing), "-o", str(out), src.name]
+        try:
+            proc = subprocess.run(argv, cwd=src.parent, capture_output=True, text=True, env=env)
+        except OSError as e:
+            raise BuildError(f"cannot run {tk.nvcc}: {e.strerror}", hint="check the CUDA toolkit install") from None
+        if proc.returncode != 0:
+            lines = proc.stderr.splitlines()
+            errors = [ln for ln in lines if "error" in ln or "fatal" in ln] or lines
+            raise BuildError(f"nvcc failed on {src.name}: {errors[0].strip() if errors else 'no output'}",
+                             hint=f"{len(errors)} error line(s); run `{' '.join(argv)}` in {src.parent}")
+        return out.read_bytes(), _per_arch_seconds(timing.read_text()), argv
+
+
 def build_module(src: Path, archs: list[Arch], flags: list[str], tk: Toolkit, out_dir: Path,
-                 use_cache: bool = True) -> ModuleBuild:
+                 use_cache: bool = True, threads: int = 0) -> ModuleBuild:
     name = src.stem
     headers = included_headers(src)
     args = nvcc_args(archs, flags, name)
     key = _cache_key(src, headers, tk, args)
-    cached_bin = cache_dir() / f"{key}.fatbin"
-    cached_meta = cache_dir() / f"{key}.json"
     t0 = time.perf_counter()
-    if use_cache and cached_bin.is_file() and cached_meta.is_file():
-        data, meta = cached_bin.read_bytes(), json.loads(cached_meta.read_text())
-        cached, secs_by_arch = True, meta["seconds_by_arch"]
+    hit = _read_cache(key) if use_cache else None
+    if hit:
+        data, meta = hit
+        secs_by_arch, argv = meta["seconds_by_arch"], meta["command"]
     else:
-        with tempfile.TemporaryDirectory(prefix="ingot-nvcc-") as tmp:
-            out = Path(tmp) / f"{name}.fatbin"
-            timing = Path(tmp) / "time.csv"
-            run = [str(tk.nvcc), *args[:-3], "-o", str(out), "--time", str(timing), f"{name}.cu"]
-            proc = subprocess.run(run, cwd=src.parent, capture_output=True, text=True)
-            if proc.returncode != 0:
-                errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines()
-                raise BuildError(f"nvcc failed on {src.name}: {errors[0].strip() if errors else 'no output'}",
-                                 hint=f"{len(errors)} error line(s); run `nvcc {' '.join(args)}` in {src.parent}")
-            data = out.read_bytes()
-            secs_by_arch = _per_arch_seconds(timing.read_text())
-        cached = False
+        data, secs_by_arch, argv = _compile(src, args, tk, threads or _cpus())
     fat = parse_fatbin(data, name=f"{name}.fatbin")
-    _check_archs(name, fat, archs)
-    if not cached and use_cache:
-        _write_atomic(cached_bin, data)
-        _write_atomic(cached_meta, json.dumps({"seconds_by_arch": secs_by_arch, "args": args}).encode())
+    check_archs(name, fat, archs)
+    if not hit and use_cache:
+        meta = {"sha256": sha256_bytes(data), "seconds_by_arch": secs_by_arch, "command": argv}
+        _write_atomic(cache_dir() / f"{key}.fatbin", data)
+        _write_atomic(cache_dir() / f"{key}.json", json.dumps(meta).encode())
 
     per_arch = []
     for e in fat.entries:
@@ -188,27 +227,44 @@ def build_module(src: Path, archs: list[Arch], flags: list[str], tk: Toolkit, ou
     inputs = {src.name: sha256_bytes(src.read_bytes())} | {n: sha256_bytes(b) for n, b in headers.items()}
     return ModuleBuild(name=name, path=str(path), sha256=sha256_bytes(data), size=len(data),
                        archs={"sass": fat.sass, "ptx": fat.ptx}, kernels=list(fat.kernels), per_arch=per_arch,
-                       command=["nvcc", *args], cached=cached, seconds=round(time.perf_counter() - t0, 3),
-                       inputs=dict(sorted(inputs.items())))
+                       command=argv, cwd=str(src.parent), cached=bool(hit),
+                       seconds=round(time.perf_counter() - t0, 3), inputs=dict(sorted(inputs.items())))
+
+
+def _cpus() -> int:
+    """CPUs this process may use (the affinity mask, not the host's count: CI containers get a share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _check_targets(archs: list[Arch], tk: Toolkit) -> None:
+    unsupported = [a.name for a in archs if tk.targets and a.cc not in tk.targets]
+    if unsupported:
+        raise UsageError(f"nvcc {tk.version} cannot target {', '.join(unsupported)}",
+                         hint=f"it targets sm_{', sm_'.join(map(str, tk.targets))}")
 
 
 def build(archs: list[Arch] | None = None, out_dir: Path | str = "dist/kernels", sources: list[Path] | None = None,
-          use_cache: bool = True, on_module: Callable[[str, int], None] | None = None) -> BuildResult:
-    """Build every source; on_module(name, n_done) is called before each module (for progress bars)."""
+          use_cache: bool = True, on_module: Callable[[str, int], None] | None = None,
+          threads: int = 0) -> BuildResult:
+    """Build every source (default: cuda/*.cu). threads: nvcc --threads per module (0 = one per CPU).
+    on_module(name, n_done) is called before each module (for progress bars)."""
     tk = require_toolkit()
     policy = default_policy()
     archs = list(archs or policy.archs)
+    _check_targets(archs, tk)
     flags = list(policy.flags)
-    src_dir = kernel_source_dir()
-    sources = sorted(sources or src_dir.glob("*.cu"))
+    sources = sorted(Path(s) for s in sources) if sources else sorted(kernel_source_dir().glob("*.cu"))
     if not sources:
-        raise UsageError(f"no kernel sources (*.cu) in {src_dir}")
+        raise UsageError(f"no kernel sources (*.cu) in {kernel_source_dir()}")
+    dupes = sorted(n for n, c in Counter(s.stem for s in sources).items() if c > 1)
+    if dupes:
+        raise UsageError(f"two kernel sources would both build {dupes[0]}.fatbin", hint="rename one of them")
     out_dir = Path(out_dir)
     modules = []
     for i, src in enumerate(sources):
         if on_module:
             on_module(src.stem, i)
-        modules.append(build_module(src, archs, flags, tk, out_dir, use_cache=use_cache))
+        modules.append(build_module(src, archs, flags, tk, out_dir, use_cache=use_cache, threads=threads))
     result = BuildResult(toolkit=tk, host_compiler=host_compiler(), archs=[a.name for a in archs], flags=flags,
                          out_dir=out_dir, modules=modules)
     _write_atomic(out_dir / "build.json", (json.dumps(result.as_dict(), indent=2, sort_keys=True) + "\n").encode())

@@ -1,10 +1,13 @@
-"""`ingot doctor`: what this machine can build and run, and why not where it cannot."""
+"""`ingot doctor`: what this machine can build and run, and why not where it cannot.
+
+Never fails on a machine without nvcc, driver or GPU: each missing piece is reported with what to do."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from .archs import installed_kernel_dir
 from .compat import decide, driver_from_cuda_int
+from .errors import UsageError
 from .fatbin import read_fatbin
 from .nvcc import cmake_version, find_toolkit, host_compiler
 from .probe import probe
@@ -13,26 +16,28 @@ from .probe import probe
 def report(kernel_dir: Path | None = None) -> dict:
     tk = find_toolkit()
     machine = probe()
+    driver = driver_from_cuda_int(machine.driver_version, machine.driver_cuda) if machine.driver_cuda else None
     kdir = Path(kernel_dir) if kernel_dir else installed_kernel_dir()
     fatbins = sorted(kdir.glob("*.fatbin")) if kdir.is_dir() else []
 
-    kernels = []
+    kernels, advice = [], []
     for path in fatbins:
-        fat = read_fatbin(path)
-        entry = {"module": path.name, "sass": fat.sass, "ptx": fat.ptx, "on_gpus": []}
-        if machine.driver_cuda:
-            driver = driver_from_cuda_int(machine.driver_version, machine.driver_cuda)
-            for gpu in machine.gpus:
-                d = decide(fat, gpu.cc, driver, module=path.name)
-                entry["on_gpus"].append({"gpu": gpu.index} | d.as_dict())
-        kernels.append(entry)
+        try:
+            fat = read_fatbin(path)
+        except UsageError as e:
+            kernels.append({"module": path.name, "sass": [], "ptx": [], "on_gpus": [], "problem": str(e)})
+            advice.append(f"{path.name} is unreadable ({e}); reinstall ingot-llm")
+            continue
+        on_gpus = [{"gpu": g.index} | decide(fat, g.cc, driver, module=path.name).as_dict()
+                   for g in machine.gpus] if driver else []
+        kernels.append({"module": path.name, "sass": fat.sass, "ptx": fat.ptx, "on_gpus": on_gpus, "problem": None})
 
-    advice = []
     if tk is None:
         advice.append("no nvcc: kernels cannot be built here (install the CUDA toolkit or `pip install "
                       "nvidia-cuda-nvcc`); prebuilt bundles still run")
     if not fatbins:
-        advice.append(f"no installed kernels in {kdir}: reinstall with nvcc present, or use `ingot build`")
+        advice.append(f"no installed kernels in {kdir}: reinstall with nvcc present (`pip install -v .` shows "
+                      "why they were skipped), or build them with `ingot build`")
     if machine.problem:
         advice.append(f"cannot run on a GPU here: {machine.problem}; CPU inference (--device cpu) still works")
     for k in kernels:
@@ -40,6 +45,7 @@ def report(kernel_dir: Path | None = None) -> dict:
             if g["verdict"] == "incompatible":
                 advice.append(f"{k['module']} cannot run on GPU {g['gpu']}: {g['reason']}; fix: {g['fix']}")
 
+    runnable = [g for k in kernels for g in k["on_gpus"]]
     return {
         "toolkit": tk.as_dict() if tk else None,
         "host_compiler": host_compiler(),
@@ -49,6 +55,6 @@ def report(kernel_dir: Path | None = None) -> dict:
         "kernels": kernels,
         "advice": advice,
         "ready": {"build": tk is not None,
-                  "gpu": bool(machine.gpus) and bool(kernels)
-                  and all(g["verdict"] != "incompatible" for k in kernels for g in k["on_gpus"])},
+                  "gpu": bool(runnable) and all(k["problem"] is None for k in kernels)
+                  and all(g["verdict"] != "incompatible" for g in runnable)},
     }

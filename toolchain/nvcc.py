@@ -1,7 +1,7 @@
 """Finding the CUDA compiler and the tools around it, and reading their versions.
 
-Search order for nvcc: $CUDACXX, `nvcc` on PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, and the
-`nvidia-cuda-nvcc` wheel (site-packages/nvidia/cuda_nvcc/bin or nvidia/cu13/bin).
+Search order for nvcc: $CUDACXX, `nvcc` on PATH, $CUDA_HOME/bin ($CUDA_PATH/bin), the `nvidia-cuda-nvcc` wheel
+(site-packages/nvidia/cu13/bin for 13.x wheels, nvidia/cuda_nvcc/bin for 12.x), then /usr/local/cuda/bin.
 """
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ from pathlib import Path
 
 from .errors import IncompatibleError
 
+# Environment variables that change what nvcc compiles without showing on its command line. A release build
+# runs nvcc without them, so the recorded command line is the whole story (NVCC_CCBIN stays: it picks the host
+# compiler, which is recorded and part of the cache key).
+HIDDEN_INPUT_VARS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH")
+
 
 @dataclass(frozen=True)
 class Toolkit:
@@ -24,6 +29,7 @@ class Toolkit:
     version: str           # "13.0"
     build: str             # "V13.0.88"
     version_text: str      # nvcc --version's release line, recorded in provenance
+    targets: tuple[int, ...] = ()   # compute capabilities it can compile SASS for (nvcc --list-gpu-code): 75, 80, ...
 
     @property
     def major(self) -> int:
@@ -31,7 +37,8 @@ class Toolkit:
 
     def as_dict(self) -> dict:
         return {"nvcc": str(self.nvcc), "found_via": self.found_via, "version": self.version,
-                "build": self.build, "version_text": self.version_text}
+                "build": self.build, "version_text": self.version_text,
+                "targets": [f"sm_{cc}" for cc in self.targets]}
 
 
 def _candidates() -> list[tuple[Path, str]]:
@@ -44,27 +51,43 @@ def _candidates() -> list[tuple[Path, str]]:
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
             out.append((Path(os.environ[var]) / "bin" / "nvcc", var))
-    out.append((Path("/usr/local/cuda/bin/nvcc"), "/usr/local/cuda"))
+    # A wheel in this environment was installed on purpose; /usr/local/cuda is only the system default.
     for base in map(Path, sys.path):
-        for sub in ("nvidia/cuda_nvcc/bin/nvcc", "nvidia/cu13/bin/nvcc", "nvidia/cu12/bin/nvcc"):
+        for sub in ("nvidia/cu13/bin/nvcc", "nvidia/cuda_nvcc/bin/nvcc", "nvidia/cu12/bin/nvcc"):
             out.append((base / sub, "nvidia-cuda-nvcc wheel"))
+    out.append((Path("/usr/local/cuda/bin/nvcc"), "/usr/local/cuda"))
     return out
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def probe_nvcc(path: Path, found_via: str) -> Toolkit | None:
+    """The toolkit behind this nvcc, or None if it is not a working nvcc."""
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        return None
+    text = _run([str(path), "--version"]) or ""
+    m = re.search(r"release (\d+\.\d+), (V[\d.]+)", text)
+    if not m:
+        return None
+    line = next(ln for ln in text.splitlines() if "release" in ln)
+    codes = _run([str(path), "--list-gpu-code"]) or ""
+    targets = tuple(sorted({int(c) for c in re.findall(r"\bsm_(\d+)\b", codes)}))
+    return Toolkit(nvcc=path, found_via=found_via, version=m.group(1), build=m.group(2),
+                   version_text=line.strip(), targets=targets)
 
 
 @cache
 def find_toolkit() -> Toolkit | None:
     for path, how in _candidates():
-        if path.is_file() and os.access(path, os.X_OK):
-            try:
-                text = subprocess.run([str(path), "--version"], capture_output=True, text=True,
-                                      timeout=60, check=True).stdout
-            except (OSError, subprocess.SubprocessError):
-                continue
-            m = re.search(r"release (\d+\.\d+), (V[\d.]+)", text)
-            if m:
-                line = next(ln for ln in text.splitlines() if "release" in ln)
-                return Toolkit(nvcc=path, found_via=how, version=m.group(1), build=m.group(2),
-                               version_text=line.strip())
+        tk = probe_nvcc(path, how)
+        if tk:
+            return tk
     return None
 
 
@@ -78,18 +101,14 @@ def require_toolkit() -> Toolkit:
 
 
 def _first_line(cmd: list[str]) -> str | None:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    text = (out.stdout or out.stderr).strip()
-    return text.splitlines()[0] if out.returncode == 0 and text else None
+    text = (_run(cmd) or "").strip()
+    return text.splitlines()[0] if text else None
 
 
 @cache
 def host_compiler() -> dict:
-    """The host C++ compiler nvcc will use: $NVCC_CCBIN / $CUDAHOSTCXX, else g++ on PATH."""
-    cxx = os.environ.get("NVCC_CCBIN") or os.environ.get("CUDAHOSTCXX") or shutil.which("g++") or shutil.which("c++")
+    """The host compiler nvcc runs (it preprocesses device code too): $NVCC_CCBIN, else gcc on PATH."""
+    cxx = os.environ.get("NVCC_CCBIN") or shutil.which("gcc")
     if not cxx:
         return {"path": None, "version": None}
     return {"path": cxx, "version": _first_line([cxx, "--version"])}

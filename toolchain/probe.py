@@ -2,16 +2,16 @@
 that, the CUDA driver API. A machine with no driver or no GPU is a normal answer, not an error."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
 class Gpu:
     index: int
     name: str
-    cc: int                 # compute capability as an int, 90 for 9.0
-    memory_total: int       # bytes
-    memory_free: int        # bytes
+    cc: int                     # compute capability as an int, 90 for 9.0
+    memory_total: int           # bytes
+    memory_free: int | None     # bytes (None where only the driver API answered: it needs a context for that)
 
     def as_dict(self) -> dict:
         return asdict(self) | {"compute_capability": f"{self.cc // 10}.{self.cc % 10}"}
@@ -24,13 +24,16 @@ class Machine:
     gpus: tuple[Gpu, ...] = ()
     problem: str | None = None      # why no driver/GPU could be read
     source: str | None = None       # "nvml" or "cuda driver API"
-    notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         cuda = self.driver_cuda
         return {"driver_version": self.driver_version,
                 "driver_cuda": f"{cuda // 1000}.{(cuda % 1000) // 10}" if cuda else None,
                 "gpus": [g.as_dict() for g in self.gpus], "problem": self.problem, "source": self.source}
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else v
 
 
 def _nvml() -> Machine | None:
@@ -40,20 +43,22 @@ def _nvml() -> Machine | None:
     except Exception:  # no libnvidia-ml.so, or no driver loaded: NVMLError_LibraryNotFound / DriverNotLoaded
         return None
     try:
-        version = pynvml.nvmlSystemGetDriverVersion()
-        version = version.decode() if isinstance(version, bytes) else version
+        version = _text(pynvml.nvmlSystemGetDriverVersion())
         cuda = pynvml.nvmlSystemGetCudaDriverVersion()
         gpus = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            gpus.append(Gpu(i, name.decode() if isinstance(name, bytes) else name, major * 10 + minor,
-                            int(mem.total), int(mem.free)))
+            gpus.append(Gpu(i, _text(pynvml.nvmlDeviceGetName(h)), major * 10 + minor, int(mem.total), int(mem.free)))
         return Machine(version, cuda, tuple(gpus), None if gpus else "the driver reports no GPU", "nvml")
+    except Exception:  # NVMLError subclasses (a GPU fell off the bus, no permission): ask the driver API instead
+        return None
     finally:
-        pynvml.nvmlShutdown()
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
 
 
 def _cuda_driver() -> Machine:
@@ -63,23 +68,22 @@ def _cuda_driver() -> Machine:
         return Machine(None, None, (), "cuda-bindings is not installed (pip install cuda-bindings)")
     try:
         err, = cu.cuInit(0)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            return Machine(None, None, (), f"cuInit failed: {err.name}")
-        err, version = cu.cuDriverGetVersion()
-        err, count = cu.cuDeviceGetCount()
-        gpus = []
-        for i in range(count):
-            _, dev = cu.cuDeviceGet(i)
-            _, name = cu.cuDeviceGetName(64, dev)
-            attr = cu.CUdevice_attribute
-            _, major = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
-            _, minor = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
-            _, total = cu.cuDeviceTotalMem(dev)
-            gpus.append(Gpu(i, name.split(b"\0")[0].decode(), major * 10 + minor, int(total), int(total)))
-        return Machine(None, int(version), tuple(gpus), None if gpus else "the driver reports no GPU",
-                       "cuda driver API")
-    except RuntimeError as e:  # cuda.pathfinder: libcuda.so not found (no driver installed)
-        return Machine(None, None, (), f"no NVIDIA driver: {e}".splitlines()[0][:200])
+    except RuntimeError:  # cuda.pathfinder: libcuda.so not found
+        return Machine(None, None, (), "no NVIDIA driver installed (libcuda.so not found)")
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return Machine(None, None, (), f"the NVIDIA driver does not initialise (cuInit: {err.name})")
+    _, version = cu.cuDriverGetVersion()
+    _, count = cu.cuDeviceGetCount()
+    gpus = []
+    attr = cu.CUdevice_attribute
+    for i in range(count):
+        _, dev = cu.cuDeviceGet(i)
+        _, name = cu.cuDeviceGetName(64, dev)
+        _, major = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+        _, minor = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+        _, total = cu.cuDeviceTotalMem(dev)
+        gpus.append(Gpu(i, name.split(b"\0")[0].decode(), major * 10 + minor, int(total), None))
+    return Machine(None, int(version), tuple(gpus), None if gpus else "the driver reports no GPU", "cuda driver API")
 
 
 def probe() -> Machine:
