@@ -1,7 +1,8 @@
 """Fixtures for the bundle tests (pack, verify, sign, rebuild, open_bundle, ci/release.sh).
 
 Kernels are built once per session for two archs (sm_90 SASS + compute_90 PTX) and reused through --kernels;
-models are small GGUFs written here with gguf.GGUFWriter. Bundles are made once and copied before tampering.
+models are small GGUFs written with gguf.GGUFWriter, or the runtime's tiny Llama (`ingot model synth`) where
+the CPU engine must run them. Bundles are made once and copied before tampering.
 """
 from __future__ import annotations
 
@@ -38,64 +39,6 @@ def write_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "toy") ->
     w.add_name(path.stem)
     for name, t in tensors.items():
         w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte-level alphabet: the printable bytes map to themselves, the rest to U+0100 onwards."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, n = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in chars:
-            chars[b], n = chr(256 + n), n + 1
-    return [chars[b] for b in range(256)]
-
-
-def write_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama (dim 64, 4 heads, 2 KV heads) with a byte-level BPE tokenizer: runs on the CPU engine."""
-    rng = np.random.default_rng(seed)
-    tokens = _byte_alphabet() + ["Ġt", "he", "<|endoftext|>"]
-    types = [1] * (len(tokens) - 1) + [3]
-    V, D, H, KV, F, L = len(tokens), 64, 4, 2, 128, 2
-    hd = D // H
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
-    w.add_context_length(128)
-    w.add_embedding_length(D)
-    w.add_block_count(L)
-    w.add_feed_forward_length(F)
-    w.add_head_count(H)
-    w.add_head_count_kv(KV)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(["Ġ t", "h e"])
-    w.add_bos_token_id(V - 1)
-    w.add_eos_token_id(V - 1)
-
-    def mat(rows, cols):
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-
-    w.add_tensor("token_embd.weight", mat(V, D))
-    w.add_tensor("output_norm.weight", np.ones(D, dtype=np.float32))
-    for i in range(L):
-        b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", np.ones(D, dtype=np.float32))
-        w.add_tensor(b + "attn_q.weight", mat(H * hd, D))
-        w.add_tensor(b + "attn_k.weight", mat(KV * hd, D))
-        w.add_tensor(b + "attn_v.weight", mat(KV * hd, D))
-        w.add_tensor(b + "attn_output.weight", mat(D, H * hd))
-        w.add_tensor(b + "ffn_norm.weight", np.ones(D, dtype=np.float32))
-        w.add_tensor(b + "ffn_gate.weight", mat(F, D))
-        w.add_tensor(b + "ffn_up.weight", mat(F, D))
-        w.add_tensor(b + "ffn_down.weight", mat(D, F))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -165,7 +108,9 @@ def big_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
+    """A runnable tiny Llama (random weights, real tokenizer), from `ingot model synth --shape tiny`."""
+    synth = pytest.importorskip("ingot.runtime.synth", reason="the runtime's model synthesizer is not here")
+    return synth.synthesize("tiny", "Q8_0", tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
 
 
 @pytest.fixture(scope="session")
