@@ -48,7 +48,7 @@ __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restr
                             const int* __restrict__ block_table, int max_pages, const int* __restrict__ pos,
                             float* __restrict__ part_acc, float2* __restrict__ part_ml, int* __restrict__ counters,
                             float* __restrict__ out, int8_t* __restrict__ outq, float4* __restrict__ outd,
-                            int H, int Hkv, int S, float scale) {
+                            __half* __restrict__ outh, int H, int Hkv, int S, float scale) {
     constexpr int LPK = HD / 8, KPW = WARP / LPK, KPB = ATT_WARPS * KPW;
     __shared__ float sq[GMAX][HD];
     __shared__ float sk[HD];
@@ -151,7 +151,7 @@ __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restr
         }
     }
 
-    // 3. the last of the S blocks of this (sequence, kv head) merges the partials
+    // 3. the last of the S blocks of this (sequence, kv head) merges the partials of the non-empty splits
     __threadfence();                              // partials visible device-wide before the count says so
     __syncthreads();
     int* counter = counters + (size_t)b * Hkv + kvh;
@@ -159,43 +159,39 @@ __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restr
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    const int lane = tid % WARP;
+    const int lane = tid % WARP, active = (npages + per_split - 1) / per_split;   // splits that hold keys
     for (int chunk = tid / WARP; chunk < G * HD / WARP; chunk += blockDim.x / WARP) {   // 32 dims per warp
         const int g = chunk * WARP / HD, d = chunk * WARP % HD + lane;
         const size_t ph = ((size_t)b * H + (size_t)kvh * G + g) * S;
-        float M = NEG_BIG;
-        for (int s = 0; s < S; s++) {
-            const float2 ml = __ldcg(part_ml + ph + s);
-            if (ml.y > 0.0f) M = fmaxf(M, ml.x);
-        }
-        float L = 0.0f, A = 0.0f;
-        for (int s = 0; s < S; s++) {
-            const float2 ml = __ldcg(part_ml + ph + s);
-            if (ml.y <= 0.0f) continue;           // empty split: its acc was never written
-            const float e = __expf(ml.x - M);
-            L += ml.y * e;
-            A += __ldcg(part_acc + (ph + s) * HD + d) * e;
-        }
+        // lane s holds split s's (m, l) (splits are at most MAX 32 = WARP); the warp agrees on M and L
+        const float2 ml = lane < active ? __ldcg(part_ml + ph + lane) : make_float2(NEG_BIG, 0.0f);
+        const float M = warp_max(ml.x), e = __expf(ml.x - M), L = warp_sum(ml.y * e);
+        float A = 0.0f;
+#pragma unroll 8
+        for (int s = 0; s < active; s++) A += __ldcg(part_acc + (ph + s) * HD + d) * __shfl_sync(0xffffffff, e, s);
         const float o = A / L;
         const size_t i = (size_t)b * H * HD + ((size_t)kvh * G + g) * HD + d;
         out[i] = o;
+        if (outh) outh[i] = __float2half(o);
         if (outq) warp_quantize_q8x2(o, outq + 2 * (i - lane), outd + i / QK);
     }
     if (tid == 0) *counter = 0;                   // ready for the next step (stream order separates steps)
 }
 
-// grid (S, Hkv, B), 128 threads. qkv [B, (H + 2 Hkv) hd] as the qkv matvec wrote it (q, k not yet rotated);
-// pos[b] = the new token's position; counters [B * Hkv] zero-initialized once, left zeroed after each launch.
+// grid (S <= 32, Hkv, B), 128 threads. qkv [B, (H + 2 Hkv) hd] as the qkv product wrote it (q, k not yet
+// rotated); pos[b] = the new token's position; counters [B * Hkv] zero-initialized once, left zeroed after each
+// launch. Outputs: out fp32 [B, H*hd], and when non-null its q8x2 (outq, outd) and fp16 (outh) forms.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 attn_decode_f16(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache, __half* v_cache,
                 const int* block_table, int max_pages, const int* pos, float* part_acc, float2* part_ml,
-                int* counters, float* out, int8_t* outq, float4* outd, int H, int Hkv, int hd, int S, float scale) {
+                int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H, int Hkv, int hd, int S,
+                float scale) {
     if (hd == 64)
         attn_decode<64>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml,
-                        counters, out, outq, outd, H, Hkv, S, scale);
+                        counters, out, outq, outd, outh, H, Hkv, S, scale);
     else
         attn_decode<128>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml,
-                         counters, out, outq, outd, H, Hkv, S, scale);
+                         counters, out, outq, outd, outh, H, Hkv, S, scale);
 }
 
 template <int HD>

@@ -7,7 +7,8 @@
 // value) and the inner products are integer (dp4a), as in ggml's mmvq but with a second int8 level that
 // carries the first level's rounding error: 32 weights cost ~20 integer instructions and the result matches
 // fp32 activations to ~1e-5 (ggml's single int8 level costs ~0.5% per product, which compounds over layers).
-// A block (4 warps) serves up to 8 columns at once; blockIdx.y picks the group of 8 columns.
+// A block (4 warps) serves up to 4 columns at once; blockIdx.y picks the group of 4 columns. (Wider decode
+// batches use the tensor-core GEMM of matmul.cu instead: there the weights are read once for all columns.)
 //
 // Epilogue modes:
 //   MODE_STORE   y[c*ldy + r]  = dot (+ bias[r])
@@ -19,7 +20,7 @@
 #define MODE_ADD 1
 #define MODE_SWIGLU 2
 #define MV_WARPS 4
-#define MV_COLS 8
+#define MV_COLS 4
 
 // One q8x2 activation block: coarse and fine int8 levels (16 bytes each half) and (d1, d2, sum).
 struct XBlock { int4 c0, c1, f0, f1; float4 d; };
@@ -45,6 +46,7 @@ __device__ __forceinline__ float2 q4_dot(const uint4& q, const XBlock& x) {
 }
 
 struct Q4_0W {
+    static constexpr int UNROLL = 4;              // 16-byte blocks: 4 in flight per row per lane
     const uint8_t* qs; const __half* d; int nb;
     struct Block { uint4 q; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -58,6 +60,7 @@ struct Q4_0W {
 };
 
 struct Q4_1W {
+    static constexpr int UNROLL = 4;
     const uint8_t* qs; const __half* d; const __half* m; int nb;
     struct Block { uint4 q; float d, m; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -71,6 +74,7 @@ struct Q4_1W {
 };
 
 struct Q8_0W {
+    static constexpr int UNROLL = 2;              // 32-byte blocks: the same bytes in flight as Q4's 4
     const int8_t* qs; const __half* d; int nb;
     struct Block { int4 q0, q1; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -127,15 +131,26 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
     long long r[2], out_row; bool ok[2];
     warp_rows(mode, rows, r, ok, &out_row);
     float acc[2][NC] = {};
-    for (int kb = lane; kb < nb; kb += WARP) {
-        typename W::Block wb[2];
+    // U blocks per row in flight per lane before the first use: decode is bound by how many bytes are in
+    // flight to DRAM, not by arithmetic (fewer for wide batches, whose activation loads take the registers).
+    constexpr int U = NC <= 2 ? W::UNROLL : (W::UNROLL > 1 ? W::UNROLL / 2 : 1);
+    for (int kb0 = lane; kb0 < nb; kb0 += U * WARP) {
+        typename W::Block wb[U][2];
 #pragma unroll
-        for (int s = 0; s < 2; s++) if (ok[s]) wb[s] = w.load(r[s], kb);
+        for (int u = 0; u < U; u++)
 #pragma unroll
-        for (int c = 0; c < NC; c++) {
-            const XBlock x = load_x(xq, xd, cols, c0 + c, kb);
+            for (int s = 0; s < 2; s++)
+                if (ok[s] && kb0 + u * WARP < nb) wb[u][s] = w.load(r[s], kb0 + u * WARP);
 #pragma unroll
-            for (int s = 0; s < 2; s++) if (ok[s]) acc[s][c] += W::dot(wb[s], x);
+        for (int u = 0; u < U; u++) {
+            const int kb = kb0 + u * WARP;
+            if (kb >= nb) break;
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                const XBlock x = load_x(xq, xd, cols, c0 + c, kb);
+#pragma unroll
+                for (int s = 0; s < 2; s++) if (ok[s]) acc[s][c] += W::dot(wb[u][s], x);
+            }
         }
     }
     write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy);
@@ -144,9 +159,7 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
 #define DISPATCH_NC(CALL)                                                    \
     switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {               \
         case 1: CALL(1); break; case 2: CALL(2); break;                      \
-        case 3: CALL(3); break; case 4: CALL(4); break;                      \
-        case 5: CALL(5); break; case 6: CALL(6); break;                      \
-        case 7: CALL(7); break; default: CALL(8); break;                     \
+        case 3: CALL(3); break; default: CALL(4); break;                     \
     }
 
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
@@ -185,6 +198,7 @@ __device__ __forceinline__ void matvec_h(const __half* __restrict__ w, const flo
     long long r[2], out_row; bool ok[2];
     warp_rows(mode, rows, r, ok, &out_row);
     float acc[2][NC] = {};
+#pragma unroll 2
     for (int k = lane * 8; k < cols; k += WARP * 8) {
         uint4 wv[2];
 #pragma unroll

@@ -21,7 +21,8 @@ PAGE = 32                      # tokens per KV-cache page: PAGE in cuda/common.c
 QK = 32                        # values per quantization block
 MODE_STORE, MODE_ADD, MODE_SWIGLU = 0, 1, 2
 MATVEC_ROWS_PER_BLOCK = 8      # 4 warps x 2 rows (matvec.cu)
-MATVEC_COLS = 8                # batch columns per block (matvec.cu MV_COLS)
+MATVEC_COLS = 4                # batch columns per block (matvec.cu MV_COLS)
+MAX_SPLITS = 32                # split-KV partials per (sequence, head): one per lane in the merge (attention.cu)
 MATMUL_TILE = 64               # matmul.cu BM = BN
 PREFILL_QUERIES = 16           # attention.cu: queries per prefill block
 SAMPLE_THREADS = 1024
@@ -143,13 +144,15 @@ class Kernels:
                        i32(1 if cfg.rope_neox else 0)])
 
     def attn_decode(self, qkv: int, rope: DeviceBuffer, k_cache: int, v_cache: int, block_table: int,
-                    max_pages: int, pos: int, part_acc: int, part_ml: int, counters: int, out: int, outq, outd,
-                    B: int, splits: int, cfg) -> Launch:
+                    max_pages: int, pos: int, part_acc: int, part_ml: int, counters: int, out: int, B: int,
+                    splits: int, cfg, *, outq=None, outd=None, outh=None) -> Launch:
         """One new token per sequence (at pos[b]): rope, KV write, split-KV attention and the merge, in one launch.
-        out [B, H*hd] fp32 (+ q8x2 in outq/outd when given); partials [B, H, splits, hd]; counters [B*Hkv] zeroed."""
+        out [B, H*hd] fp32, also as q8x2 (outq, outd) and/or fp16 (outh) when given; partials [B, H, splits, hd];
+        counters [B*Hkv] zeroed. splits <= MAX_SPLITS."""
+        assert 1 <= splits <= MAX_SPLITS
         return Launch(self.k["attn_decode_f16"], (splits, cfg.n_kv_heads, B), 128,
                       [qkv, rope, i32(cfg.rope_dim), i32(1 if cfg.rope_neox else 0), k_cache, v_cache, block_table,
-                       i32(max_pages), pos, part_acc, part_ml, counters, out, outq, outd, i32(cfg.n_heads),
+                       i32(max_pages), pos, part_acc, part_ml, counters, out, outq, outd, outh, i32(cfg.n_heads),
                        i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(splits), f32(cfg.head_dim ** -0.5)])
 
     @staticmethod

@@ -29,7 +29,7 @@ import numpy as np
 from ingot.toolchain.errors import IncompatibleError, IngotError, UsageError
 
 from ..driver import Device, DeviceBuffer, DevicePool, Graph, Launch, PinnedBuffer, Stream
-from ..kernels import HEAD_DIMS, MODE_ADD, MODE_STORE, MODE_SWIGLU, PAGE, Kernels, kernel_images
+from ..kernels import HEAD_DIMS, MAX_SPLITS, MODE_ADD, MODE_SWIGLU, PAGE, Kernels, kernel_images
 from ..kvcache import PagePool
 from ..model import Model, rope_inv_freq
 from ..sampling import SamplingParams
@@ -38,7 +38,9 @@ from .cuda_weights import LAYOUT, upload_weights
 PREFILL_CHUNK = 512          # tokens per prefill pass: bounds the prefill buffers (a 1000-token prompt = 2 passes)
 DEFAULT_MAX_CTX = 8192
 HIST_CAP = 256               # repetition-penalty window kept on the device (repeat_last_n is clamped to it)
-MAX_SPLITS = 32              # split-KV partials per (sequence, head) in decode attention
+# Decode batches at least this wide use the tensor-core GEMMs (weights read once for all sequences) instead of
+# the dp4a matrix-vector kernels (which serve up to 4 sequences per pass over the weights).
+GEMM_MIN_BATCH = int(os.environ.get("INGOT_DECODE_GEMM_MIN_BATCH", "5"))
 
 
 @dataclass
@@ -154,6 +156,8 @@ class CudaEngine:
         self.qkv = a(4 * B * Dqkv, "qkv")
         self.att = a(4 * B * Dq, "attention out")
         self.h = a(4 * B * F, "ffn hidden")
+        self.xh = a(2 * B * widest, "x fp16 (wide-batch decode)")
+        self.gu = a(4 * B * 2 * F, "gate/up (wide-batch decode)")
         self.logits_buf = a(4 * B * V, "logits")
         self.part_acc = a(4 * B * c.n_heads * MAX_SPLITS * c.head_dim, "attention partials")
         self.part_ml = a(8 * B * c.n_heads * MAX_SPLITS, "attention partial m,l")
@@ -210,19 +214,24 @@ class CudaEngine:
         launches.append(self.k.rmsnorm(x, w, n, c.dim, c.norm_eps, y=self.xf))
         return self.xf.ptr
 
+    def _attention(self, layer: int, B: int, splits: int, **outs) -> Launch:
+        s = self.step
+        return self.k.attn_decode(self.qkv.ptr, self.rope, self.k_cache[layer].ptr, self.v_cache[layer].ptr,
+                                  s.ptr["block_table"], self.max_pages, s.ptr["pos"], self.part_acc.ptr,
+                                  self.part_ml.ptr, self.counters.ptr, self.att.ptr, B, splits, self.config, **outs)
+
     def _decode_launches(self, B: int) -> list[Launch]:
         c, k, s = self.config, self.k, self.step
         Dq, Dqkv, F = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.ffn_dim
         splits = max(1, min(MAX_SPLITS, -(-2 * self.dev.info.sm_count // (B * c.n_kv_heads))))
+        if B >= GEMM_MIN_BATCH:
+            return self._decode_launches_gemm(B, splits)
         L: list[Launch] = [k.embed(self.w.embed, s.ptr["tokens"], self.x, B)]
         for i, lw in enumerate(self.w.layers):
             xin = self._norm_input(lw.wqkv, self.x.ptr, lw.attn_norm, B, L)
             L.append(k.matvec(lw.wqkv, xin, self.qkv.ptr, B, ldy=Dqkv, bias=lw.bqkv))
             q8 = lw.wo.quantized
-            L.append(k.attn_decode(self.qkv.ptr, self.rope, self.k_cache[i].ptr, self.v_cache[i].ptr,
-                                   s.ptr["block_table"], self.max_pages, s.ptr["pos"], self.part_acc.ptr,
-                                   self.part_ml.ptr, self.counters.ptr, self.att.ptr, self.xq.ptr if q8 else None,
-                                   self.xd.ptr if q8 else None, B, splits, c))
+            L.append(self._attention(i, B, splits, outq=self.xq.ptr if q8 else None, outd=self.xd.ptr if q8 else None))
             L.append(k.matvec(lw.wo, (self.xq.ptr, self.xd.ptr) if q8 else self.att.ptr, self.x.ptr, B,
                               ldy=c.dim, mode=MODE_ADD))
             xin = self._norm_input(lw.wgu, self.x.ptr, lw.ffn_norm, B, L)
@@ -231,6 +240,25 @@ class CudaEngine:
             L.append(k.matvec(lw.wdown, hin, self.x.ptr, B, ldy=c.dim, mode=MODE_ADD))
         xin = self._norm_input(self.w.head, self.x.ptr, self.w.out_norm, B, L)
         L.append(k.matvec(self.w.head, xin, self.logits_buf.ptr, B, ldy=c.n_vocab))
+        L.append(k.sample(self.logits_buf.ptr, c.n_vocab, c.n_vocab, B, self._sample_args(s), self.out_tokens.ptr))
+        return L
+
+    def _decode_launches_gemm(self, B: int, splits: int) -> list[Launch]:
+        """Decode for wide batches: the prefill layer structure (fp16 activations, tensor-core GEMMs)."""
+        c, k, s = self.config, self.k, self.step
+        Dqkv, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.ffn_dim
+        L: list[Launch] = [k.embed(self.w.embed, s.ptr["tokens"], self.x, B)]
+        for i, lw in enumerate(self.w.layers):
+            L.append(k.rmsnorm(self.x.ptr, lw.attn_norm, B, c.dim, c.norm_eps, yh=self.xh))
+            L.append(k.matmul(lw.wqkv, self.xh.ptr, self.qkv.ptr, B, ldc=Dqkv, bias=lw.bqkv))
+            L.append(self._attention(i, B, splits, outh=self.xh.ptr))
+            L.append(k.matmul(lw.wo, self.xh.ptr, self.x.ptr, B, ldc=c.dim, mode=MODE_ADD))
+            L.append(k.rmsnorm(self.x.ptr, lw.ffn_norm, B, c.dim, c.norm_eps, yh=self.xh))
+            L.append(k.matmul(lw.wgu, self.xh.ptr, self.gu.ptr, B, ldc=2 * F))
+            L.append(k.swiglu(self.gu.ptr, self.xh.ptr, F, B))
+            L.append(k.matmul(lw.wdown, self.xh.ptr, self.x.ptr, B, ldc=c.dim, mode=MODE_ADD))
+        L.append(k.rmsnorm(self.x.ptr, self.w.out_norm, B, c.dim, c.norm_eps, yh=self.xh))
+        L.append(k.matmul(self.w.head, self.xh.ptr, self.logits_buf.ptr, B, ldc=c.n_vocab))
         L.append(k.sample(self.logits_buf.ptr, c.n_vocab, c.n_vocab, B, self._sample_args(s), self.out_tokens.ptr))
         return L
 

@@ -185,8 +185,8 @@ def test_rope_and_kv_write(gpu, rng, neox, hd):
     H, Hkv, n, n_pages, max_pages = 6, 2, 9, 40, 8
     cfg = _Cfg(H, Hkv, hd, neox)
     qkv = rng.standard_normal((n, (H + 2 * Hkv) * hd)).astype(np.float32)
-    pos = rng.integers(0, max_pages * K.PAGE, size=n).astype(np.int32)
-    seq = rng.integers(0, 3, size=n).astype(np.int32)
+    slot = rng.choice(3 * max_pages * K.PAGE, size=n, replace=False)     # distinct (sequence, position) pairs
+    seq, pos = (slot // (max_pages * K.PAGE)).astype(np.int32), (slot % (max_pages * K.PAGE)).astype(np.int32)
     table = rng.permutation(n_pages)[:3 * max_pages].reshape(3, max_pages).astype(np.int32)
     inv_freq = 10000.0 ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
     angle = np.arange(max_pages * K.PAGE)[:, None] * inv_freq[None, :]
@@ -243,9 +243,10 @@ def test_attention_decode_fused(gpu, rng, hd, H, Hkv, neox, splits):
     acc, ml = gpu.empty(4 * B * H * splits * hd), gpu.empty(8 * B * H * splits)
     counters = gpu.empty(4 * B * Hkv, 0)
     out, outq, outd = gpu.empty(4 * B * H * hd), gpu.empty(2 * B * H * hd), gpu.empty(16 * B * H * hd // 32)
+    outh = gpu.empty(2 * B * H * hd)
     launch = gpu.k.attn_decode(gpu.put(qkv).ptr, gpu.put(rope_tab), kc.ptr, vc.ptr, gpu.put(table).ptr, max_pages,
-                               gpu.put(lens - 1).ptr, acc.ptr, ml.ptr, counters.ptr, out.ptr, outq.ptr, outd.ptr,
-                               B, splits, cfg)
+                               gpu.put(lens - 1).ptr, acc.ptr, ml.ptr, counters.ptr, out.ptr, B, splits, cfg,
+                               outq=outq.ptr, outd=outd.ptr, outh=outh.ptr)
     gpu.run(launch)
     first = gpu.get(out, np.float32, (B, H, hd))
     gpu.stream.memset(out.ptr, 0xFF, 4 * B * H * hd)
@@ -272,6 +273,7 @@ def test_attention_decode_fused(gpu, rng, hd, H, Hkv, neox, splits):
             assert rel_err(got[b, kvh * G:(kvh + 1) * G], ref) < 2e-3, (b, n, kvh)
     deq = dequant_q8x2(gpu.get(outq, np.int8, (B * H * hd // 32, 64)), gpu.get(outd, np.float32, (B * H * hd // 32, 4)))
     assert rel_err(deq.ravel(), got.ravel()) < 1e-4
+    assert rel_err(gpu.get(outh, np.float16, got.shape), got) < 1e-3
 
 
 @pytest.mark.parametrize("hd,H,Hkv", [(64, 9, 3), (128, 8, 2)])
