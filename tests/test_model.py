@@ -1,0 +1,238 @@
+"""GGUF loading (config, tensors, windows inside bigger files, bad input) and the reference forward pass."""
+import tarfile
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFWriter
+
+from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.model import load_model
+from ingot.runtime.sampling import SamplingParams
+from ingot.toolchain.errors import ModelError, UsageError
+from model_fixtures import rewrite_gguf
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+def test_real_model_config_matches_smollm2_135m(real_model):
+    c = real_model.config
+    # SmolLM2-135M per its model card: 30 layers of width 576, 9 heads sharing 3 KV heads, SwiGLU 1536,
+    # 49152-token vocabulary, rope theta 100000, tied embeddings.
+    assert (c.arch, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.n_vocab) == \
+        ("llama", 576, 30, 9, 3, 1536, 49152)
+    assert (c.head_dim, c.n_rep, c.rope_dim, c.rope_theta, c.n_ctx_train) == (64, 3, 64, 100000.0, 8192)
+    assert c.tied_embeddings and not c.qkv_bias and not c.rope_neox and c.rope_freq_factors is None
+    assert c.norm_eps == pytest.approx(1e-5)
+    assert real_model.quant_types == ["F32", "Q4_1", "Q8_0"]
+    assert real_model.n_tensors == 2 + 9 * 30
+    assert c.as_dict()["n_rep"] == 3
+
+
+def test_tensors_are_zero_copy_views_in_math_order(real_model, real_model_path):
+    reader = GGUFReader(real_model_path)
+    ref = {t.name: t for t in reader.tensors}
+    k = real_model.tensors["blk.3.attn_k.weight"]
+    assert k.shape == (192, 576)                                     # (rows = KV dim, cols = model dim)
+    assert tuple(ref[k.name].shape) == (576, 192)                    # GGUF lists ne0 (cols) first
+    assert k.raw.dtype == np.uint8 and not k.raw.flags.owndata
+    assert k.raw.tobytes() == ref[k.name].data.tobytes()
+    assert real_model.tensors["blk.3.ffn_down.weight"].shape == (576, 1536)
+
+
+def test_model_inside_a_bigger_file_maps_in_place(tiny_model_path, tmp_path):
+    # A bundle stores the GGUF as an uncompressed tar member: load it where it lies.
+    bundle = tmp_path / "model.tar"
+    with tarfile.open(bundle, "w") as tar:
+        tar.add(tiny_model_path, arcname="model.gguf")
+        tar.add(tiny_model_path, arcname="again.gguf")
+    with tarfile.open(bundle) as tar:
+        member = tar.getmember("model.gguf")
+    inner = load_model(bundle, offset=member.offset_data, size=member.size)
+    whole = load_model(tiny_model_path)
+    assert inner.config == whole.config and inner.vocab == whole.vocab
+    assert inner.offset == member.offset_data and inner.size == member.size
+    for name, t in whole.tensors.items():
+        np.testing.assert_array_equal(inner.tensors[name].dequantize(), t.dequantize())
+
+
+def test_mistral_architecture_runs_like_llama(tiny_model_path, tiny_model, tmp_path):
+    mistral = load_model(rewrite_gguf(tiny_model_path, tmp_path / "m.gguf", arch="mistral"))
+    assert mistral.config.arch == "mistral"
+    tokens = [5, 9, 200, 3]
+    np.testing.assert_array_equal(_all_logits(mistral, tokens), _all_logits(tiny_model, tokens))
+
+
+def _all_logits(model, tokens):
+    engine = CpuEngine(model)
+    return engine.logits(engine.new_sequence(SamplingParams()), tokens)
+
+
+def test_missing_file_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="not found"):
+        load_model(tmp_path / "nope.gguf")
+    with pytest.raises(UsageError, match="not a file"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty"),
+    (b"hello, I am a text file and not a model\n" * 10, "not a GGUF"),
+    (b"GGUF", "truncated"),
+])
+def test_not_a_gguf_is_a_model_error(tmp_path, content, message):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(content)
+    with pytest.raises(ModelError, match=message):
+        load_model(p)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 0.01])
+def test_truncated_gguf_is_a_model_error(tiny_model_path, tmp_path, keep):
+    data = tiny_model_path.read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(ModelError, match="truncated"):
+        load_model(p)
+
+
+def test_unsupported_architecture_is_a_model_error(tiny_model_path, tmp_path):
+    with pytest.raises(ModelError, match="unsupported architecture 'gpt2'"):
+        load_model(rewrite_gguf(tiny_model_path, tmp_path / "gpt2.gguf", arch="gpt2"))
+
+
+def test_unsupported_quant_type_names_the_tensor(tiny_model_path, tmp_path):
+    # Q4_K: 144 bytes per 256 weights
+    q4k = ("Q4_K", (512, 256), bytes(512 * 144))
+    p = rewrite_gguf(tiny_model_path, tmp_path / "k.gguf", replace={"token_embd.weight": q4k})
+    with pytest.raises(ModelError, match="tensor token_embd.weight has unsupported type Q4_K"):
+        load_model(p)
+
+
+def test_missing_tensor_is_a_model_error(tiny_model_path, tmp_path):
+    p = rewrite_gguf(tiny_model_path, tmp_path / "drop.gguf", drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(ModelError, match="missing tensor blk.1.ffn_up.weight"):
+        load_model(p)
+
+
+def test_wrong_tensor_shape_is_a_model_error(tiny_model_path, tmp_path):
+    wrong = ("F32", (64, 32), bytes(64 * 32 * 4))      # attn_k should be (2 KV heads * 16, 64) = (32, 64)
+    p = rewrite_gguf(tiny_model_path, tmp_path / "shape.gguf", replace={"blk.0.attn_k.weight": wrong})
+    with pytest.raises(ModelError, match="blk.0.attn_k.weight has shape"):
+        load_model(p)
+
+
+def test_model_without_metadata_is_a_model_error(tmp_path):
+    p = tmp_path / "bare.gguf"
+    w = GGUFWriter(str(p), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="missing metadata key llama.embedding_length"):
+        load_model(p)
+
+
+# --- the forward pass against an independent float64 reference -------------------------------------
+
+def _naive_logits(model, tokens):
+    """Llama written out position by position and head by head in float64: rope as complex multiplication
+    (Meta's reference) for adjacent pairs, rotate-half (HF) for NEOX."""
+    c, W = model.config, (lambda n: model.tensors[n].dequantize().astype(np.float64))
+    rd = c.rope_dim
+    freqs = c.rope_theta ** (-np.arange(0, rd, 2) / rd)
+    if c.rope_freq_factors:
+        freqs = freqs / np.array(c.rope_freq_factors)
+
+    def rotate(v, pos):                                  # v [heads, hd]
+        v = v.copy()
+        if c.rope_neox:
+            cos, sin = np.cos(pos * np.concatenate([freqs, freqs])), np.sin(pos * np.concatenate([freqs, freqs]))
+            half = np.concatenate([-v[:, rd // 2:rd], v[:, :rd // 2]], axis=1)
+            v[:, :rd] = v[:, :rd] * cos + half * sin
+        else:
+            z = (v[:, 0:rd:2] + 1j * v[:, 1:rd:2]) * np.exp(1j * pos * freqs)
+            v[:, 0:rd:2], v[:, 1:rd:2] = z.real, z.imag
+        return v
+
+    def norm(v, w):
+        return v / np.sqrt(np.mean(v * v) + c.norm_eps) * w
+
+    x = [W("token_embd.weight")[t] for t in tokens]
+    for layer in range(c.n_layers):
+        b = f"blk.{layer}."
+        keys, values = [], []
+        for i in range(len(tokens)):
+            h = norm(x[i], W(b + "attn_norm.weight"))
+            q, k, v = W(b + "attn_q.weight") @ h, W(b + "attn_k.weight") @ h, W(b + "attn_v.weight") @ h
+            if c.qkv_bias:
+                q, k, v = q + W(b + "attn_q.bias"), k + W(b + "attn_k.bias"), v + W(b + "attn_v.bias")
+            q = rotate(q.reshape(c.n_heads, c.head_dim), i)
+            keys.append(rotate(k.reshape(c.n_kv_heads, c.head_dim), i))
+            values.append(v.reshape(c.n_kv_heads, c.head_dim))
+            out = []
+            for head in range(c.n_heads):
+                g = head // (c.n_heads // c.n_kv_heads)
+                s = np.array([q[head] @ keys[j][g] for j in range(i + 1)]) / np.sqrt(c.head_dim)
+                p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+                out.append(sum(p[j] * values[j][g] for j in range(i + 1)))
+            x[i] = x[i] + W(b + "attn_output.weight") @ np.concatenate(out)
+            h = norm(x[i], W(b + "ffn_norm.weight"))
+            gate = W(b + "ffn_gate.weight") @ h
+            x[i] = x[i] + W(b + "ffn_down.weight") @ (gate / (1 + np.exp(-gate)) * (W(b + "ffn_up.weight") @ h))
+    head = W("token_embd.weight" if c.tied_embeddings else "output.weight")
+    return np.stack([head @ norm(v, W("output_norm.weight")) for v in x])
+
+
+@pytest.mark.parametrize("shape, qtype", [("tiny", "Q4_1"), ("tiny", "Q8_0"), ("tiny-qwen2", "Q4_0"),
+                                          ("tiny-llama3", "BF16"), ("tiny-llama3", "F16")])
+def test_forward_matches_naive_float64_reference(synth_model, shape, qtype):
+    model = load_model(synth_model(shape, qtype))
+    tokens = [1, 300, 17, 42, 42, 511, 0, 256, 99, 7, 123]
+    np.testing.assert_allclose(_all_logits(model, tokens), _naive_logits(model, tokens), atol=2e-4, rtol=1e-4)
+
+
+def test_decoding_token_by_token_equals_prefill(tiny_model):
+    tokens = [3, 77, 300, 12, 12, 5, 480, 64]
+    whole = _all_logits(tiny_model, tokens)
+    engine = CpuEngine(tiny_model)
+    seq = engine.new_sequence(SamplingParams())
+    steps = np.concatenate([engine.logits(seq, [t]) for t in tokens])
+    np.testing.assert_allclose(steps, whole, atol=1e-5)
+    assert engine.seq_len(seq) == len(tokens)
+
+
+def test_batched_decode_equals_separate_sequences(tiny_model):
+    engine = CpuEngine(tiny_model, max_seqs=3)
+    a, b = engine.new_sequence(SamplingParams()), engine.new_sequence(SamplingParams())
+    next_a, next_b = engine.prefill(a, [5, 6, 7]), engine.prefill(b, [300, 301])
+    batched = engine.decode([a, b], [next_a, next_b])
+    for prompt, first, expect in (([5, 6, 7], next_a, batched[0]), ([300, 301], next_b, batched[1])):
+        solo = CpuEngine(tiny_model)
+        s = solo.new_sequence(SamplingParams())
+        assert solo.prefill(s, prompt) == first
+        assert solo.decode([s], [first]) == [expect]
+
+
+def test_weights_dequantized_on_use_give_the_same_logits(tiny_model):
+    tokens = [10, 20, 30, 40]
+    cached = CpuEngine(tiny_model)
+    streaming = CpuEngine(tiny_model, weight_cache_bytes=0)
+    np.testing.assert_array_equal(streaming.logits(streaming.new_sequence(SamplingParams()), tokens),
+                                  cached.logits(cached.new_sequence(SamplingParams()), tokens))
+    assert cached.weights.keep_all and not streaming.weights.keep_all
+    assert all(w.ndim == 1 for w in streaming.weights._cache.values())
+
+
+def test_engine_refuses_what_does_not_fit(tiny_model):
+    engine = CpuEngine(tiny_model, max_seqs=1, max_ctx=8)
+    seq = engine.new_sequence(SamplingParams())
+    with pytest.raises(UsageError, match="do not fit the context of 8"):
+        engine.prefill(seq, list(range(9)))
+    assert engine.seq_len(seq) == 0                      # refused before any work
+    with pytest.raises(UsageError, match="out of range"):
+        engine.prefill(seq, [512])
+    with pytest.raises(Exception, match="all 1 sequences are in use"):
+        engine.new_sequence(SamplingParams())
+    engine.release(seq)
+    engine.new_sequence(SamplingParams())
