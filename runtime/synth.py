@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -169,8 +168,7 @@ def synthesize(shape_name: str, qtype: str, out: str | Path, *, seed: int = 0,
         specs = {"rope_freqs.weight": (c.rope_dim // 2,)} | specs
     rng = np.random.default_rng(seed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
-    os.close(fd)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.part"
     try:
         w = GGUFWriter(tmp, shape.arch)
         _write_metadata(w, shape_name, shape, c)
