@@ -123,7 +123,8 @@ def run(model_spec, prompt, chat, max_tokens, temperature, top_k, top_p, min_p, 
         _emit_json({"model": str(model.path), "text": "".join(texts)} | stats)
         return
     sys.stdout.write("\n")
-    err.print(f"[dim]{n_generated} tokens, {decode_tps:.3g} tok/s; prompt {len(prompt_tokens)} tokens in "
+    rate = f"{decode_tps:.1f}" if decode_tps >= 1 else f"{decode_tps:.3g}"    # an 8B on the CPU: 0.04 tok/s
+    err.print(f"[dim]{n_generated} tokens, {rate} tok/s; prompt {len(prompt_tokens)} tokens in "
               f"{prefill_s:.2f} s; finish: {finish}; {stats['engine']}[/]")
 
 

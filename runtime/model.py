@@ -453,7 +453,8 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):     # exp(-x) overflows to inf for x < -88: silu is then -0, as it should be
+        return x / (1.0 + np.exp(-x))
 
 
 def forward(c: Config, w: Weights, batch: Sequence[tuple[KVCache, Sequence[int]]]) -> np.ndarray:
@@ -473,7 +474,9 @@ def forward(c: Config, w: Weights, batch: Sequence[tuple[KVCache, Sequence[int]]
     for layer in range(c.n_layers):
         b = f"blk.{layer}."
         h = rms_norm(x, w[b + "attn_norm.weight"], c.norm_eps)
-        q, k, v = linear(h, w[b + "attn_q.weight"]), linear(h, w[b + "attn_k.weight"]), linear(h, w[b + "attn_v.weight"])
+        q = linear(h, w[b + "attn_q.weight"])                             # [T, H*hd]
+        k = linear(h, w[b + "attn_k.weight"])                             # [T, KV*hd]
+        v = linear(h, w[b + "attn_v.weight"])
         if c.qkv_bias:
             q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
         q = rope(q.reshape(T, c.n_heads, c.head_dim), pos, inv_freq, c.rope_neox)

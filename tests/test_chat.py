@@ -32,7 +32,8 @@ def test_chat_prompt_tokens_use_the_control_tokens(real_tokenizer):
 
 
 def test_bos_is_added_once(tiny_tokenizer):
-    vocab = dataclasses.replace(tiny_tokenizer.vocab, add_bos=True, chat_template="{{ bos_token }}{{ messages[0]['content'] }}")
+    vocab = dataclasses.replace(tiny_tokenizer.vocab, add_bos=True,
+                                chat_template="{{ bos_token }}{{ messages[0]['content'] }}")
     with_bos_in_template = chat_prompt(Tokenizer(vocab), USER)
     assert with_bos_in_template[0] == 1 and with_bos_in_template[1] != 1
     vocab = dataclasses.replace(vocab, chat_template="{{ messages[0]['content'] }}")

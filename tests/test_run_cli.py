@@ -136,6 +136,19 @@ def test_bad_arguments_are_usage_errors(ingot, tiny_model_path, args, message):
     assert code == 2 and message in err and "Traceback" not in err
 
 
+def test_devices(ingot, tiny_model_path, tiny_model):
+    from ingot.runtime.engines import open_engine
+    from ingot.runtime.engines.cpu import CpuEngine
+    from ingot.toolchain.probe import probe
+
+    assert isinstance(open_engine(tiny_model, "cpu"), CpuEngine)
+    if not probe().gpus:
+        assert isinstance(open_engine(tiny_model, "auto"), CpuEngine)
+    # head_dim 16 is not one the GPU kernels take: refused as incompatible, with or without a GPU
+    code, _, err = ingot("run", tiny_model_path, "-p", "hi", "--device", "cuda")
+    assert code == 3 and "--device cpu" in _one_line_error(err)
+
+
 def test_perplexity_bad_input(ingot, tiny_model_path, tmp_path):
     code, _, err = ingot("perplexity", tiny_model_path, "-f", tmp_path / "none.txt")
     assert code == 2 and "text file not found" in _one_line_error(err)
