@@ -166,3 +166,36 @@ def test_errors_through_a_real_process(tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == code and p.stdout == ""
         _one_line_error(p.stderr)
+
+
+# --- bundles (packed with the bundle tests' kernels) ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory, kernel_dir, tiny_model_path):
+    from ingot.toolchain.pack import pack
+
+    out = tmp_path_factory.mktemp("bundles") / "tiny.ingot"
+    pack(tiny_model_path, kernels=kernel_dir, out=out, selftest=False)
+    return out
+
+
+def test_run_a_bundle_like_its_gguf(ingot, tiny_bundle, tiny_model_path, stamp_cache):
+    args = ["-p", "the capital of", "-n", "8", "--device", "cpu", "--json"]
+    code, out, err = ingot("run", tiny_bundle, *args)
+    assert code == 0, err
+    assert json.loads(out)["text"] == json.loads(ingot("run", tiny_model_path, *args)[1])["text"]
+
+
+def test_tampered_bundle_is_refused_unless_allowed(ingot, tiny_bundle, copy_of, stamp_cache):
+    import tarfile
+
+    from bundle_fixtures import flip_byte
+
+    bad = copy_of(tiny_bundle)
+    with tarfile.open(bad) as tar:
+        gguf_member = next(m for m in tar.getmembers() if m.name.endswith(".gguf"))
+    flip_byte(bad, gguf_member.offset_data + gguf_member.size - 10)      # a weight byte
+    code, _, err = ingot("run", bad, "-p", "hi", "-n", "2", "--device", "cpu")
+    assert code == 4 and "Traceback" not in err
+    code, _, err = ingot("run", bad, "-p", "hi", "-n", "2", "--device", "cpu", "--allow-unverified")
+    assert code == 0 and "WARNING" in err
