@@ -63,29 +63,29 @@ __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restr
     const float* row = qkv + (size_t)b * (H + 2 * Hkv) * HD;
     const float2* cs = rope + (size_t)p * (rope_dim / 2);
 
-    // 1. q heads (rotated, scaled) into shared memory; the split holding position p writes its k, v to the cache.
-    for (int i = tid; i < G * HD; i += blockDim.x) sq[i / HD][i % HD] = row[(size_t)kvh * G * HD + i];
     const bool owns_new = k_begin <= p && p < k_end;
-    if (owns_new) for (int d = tid; d < HD; d += blockDim.x) sk[d] = row[(size_t)(H + kvh) * HD + d];
-    __syncthreads();
-    for (int g = 0; g < G; g++) rope_head(sq[g], cs, rope_dim, neox, tid, blockDim.x);
-    if (owns_new) rope_head(sk, cs, rope_dim, neox, tid, blockDim.x);
-    __syncthreads();
-    for (int i = tid; i < G * HD; i += blockDim.x) sq[i / HD][i % HD] *= scale;
-    if (owns_new) {
-        const int page = block_table[(size_t)b * max_pages + p / PAGE];
-        const size_t o = (((size_t)page * Hkv + kvh) * PAGE + p % PAGE) * HD;
-        for (int d = tid; d < HD; d += blockDim.x) {
-            k_cache[o + d] = __float2half(sk[d]);
-            v_cache[o + d] = __float2half(row[(size_t)(H + Hkv + kvh) * HD + d]);
-        }
-    }
-    __syncthreads();
-
-    // 2. this split's partial over keys [k_begin, k_end)
-    if (k_begin >= k_end) {                       // an empty split contributes nothing (l = 0)
+    if (k_begin >= k_end) {                       // an empty split (short context): nothing to read or write
         if (tid < G) part_ml[part + (size_t)tid * S] = make_float2(NEG_BIG, 0.0f);
-    } else {
+    } else {                                      // (block-uniform branch: the barriers inside are safe)
+        // 1. q heads (rotated, scaled) into shared memory; the split holding position p writes its k, v to the cache.
+        for (int i = tid; i < G * HD; i += blockDim.x) sq[i / HD][i % HD] = row[(size_t)kvh * G * HD + i];
+        if (owns_new) for (int d = tid; d < HD; d += blockDim.x) sk[d] = row[(size_t)(H + kvh) * HD + d];
+        __syncthreads();
+        for (int g = 0; g < G; g++) rope_head(sq[g], cs, rope_dim, neox, tid, blockDim.x);
+        if (owns_new) rope_head(sk, cs, rope_dim, neox, tid, blockDim.x);
+        __syncthreads();
+        for (int i = tid; i < G * HD; i += blockDim.x) sq[i / HD][i % HD] *= scale;
+        if (owns_new) {
+            const int page = block_table[(size_t)b * max_pages + p / PAGE];
+            const size_t o = (((size_t)page * Hkv + kvh) * PAGE + p % PAGE) * HD;
+            for (int d = tid; d < HD; d += blockDim.x) {
+                k_cache[o + d] = __float2half(sk[d]);
+                v_cache[o + d] = __float2half(row[(size_t)(H + Hkv + kvh) * HD + d]);
+            }
+        }
+        __syncthreads();
+
+        // 2. this split's partial over keys [k_begin, k_end)
         const int lane = tid % WARP, warp = tid / WARP, grp = lane / LPK, sub = lane % LPK;
         float m[GMAX], l[GMAX], acc[GMAX][8];
 #pragma unroll

@@ -60,15 +60,16 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // v ~= d1*q1 + d2*q2 with d1 = amax/127, d2 = d1/254 (the second level quantizes the first level's rounding
 // error, so the pair carries ~15 bits: integer dot products stay exact and the result matches float
 // activations to ~1e-5). Block layout: xq[0..31] = q1, xq[32..63] = q2; xd = (d1, d2, d1*sum(q1) + d2*sum(q2)).
-// Exact division (__fdiv_rn) even under --use_fast_math: q1 must be the true rounding for |r| <= d1/2.
+// The reciprocals are correctly rounded (__frcp_rn): q1 may differ from round(v/d1) only at an exact .5 tie,
+// which leaves |v - q1*d1| <= d1/2 (plus one rounding), still inside the fine level's +-127 range.
 __device__ __forceinline__ void warp_quantize_q8x2(float v, int8_t* xq, float4* xd) {
     const int lane = threadIdx.x % WARP;
     const float amax = warp_max(fabsf(v));
     const float d1 = amax / 127.0f, d2 = d1 / 254.0f;
     float q1 = 0.0f, q2 = 0.0f;
     if (amax > 0.0f) {
-        q1 = rintf(__fdiv_rn(v, d1));
-        q2 = fminf(fmaxf(rintf(__fdiv_rn(fmaf(-q1, d1, v), d2)), -127.0f), 127.0f);
+        q1 = rintf(v * __frcp_rn(d1));
+        q2 = fminf(fmaxf(rintf(fmaf(-q1, d1, v) * __frcp_rn(d2)), -127.0f), 127.0f);
     }
     const float s = d1 * warp_sum(q1) + d2 * warp_sum(q2);
     xq[lane] = (int8_t)q1;

@@ -6,6 +6,9 @@
 // Tiles: a block of 4 warps computes a 64x64 tile of C, each warp a 32x32 quarter (2x2 fragments); K advances
 // by one quantization block (32) per step. Epilogue modes as in matvec.cu: MODE_STORE (C = AW^T + bias) and
 // MODE_ADD (C += AW^T + bias, the residual). M, N arbitrary; K a multiple of 32.
+// Split-K (gridDim.z > 1): for few rows of A (decode batches) there are too few tiles to fill the GPU, so each
+// z-slice takes a range of K and adds its part into C atomically (C must then hold the addend: the residual for
+// MODE_ADD, zeros for MODE_STORE). Atomic order makes the low bits run-dependent, so prefill does not split.
 #include <mma.h>
 #include "common.cuh"
 
@@ -102,7 +105,8 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
     __shared__ __align__(32) float sC[BM][LDC];
     const int tid = threadIdx.x, warp = tid / WARP, wm = warp / 2, wn = warp % 2;
     const long long m0 = (long long)blockIdx.y * BM, n0 = (long long)blockIdx.x * BN;
-    const int nb = K / BK;
+    const int nb = K / BK, per = (nb + gridDim.z - 1) / gridDim.z;
+    const int kb_begin = blockIdx.z * per, kb_end = min(nb, kb_begin + per);
 
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
 #pragma unroll
@@ -110,7 +114,7 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
 #pragma unroll
         for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
 
-    for (int kb = 0; kb < nb; kb++) {
+    for (int kb = kb_begin; kb < kb_end; kb++) {
 #pragma unroll
         for (int r = 0; r < 2; r++) {                         // A tile: 64 rows x 4 chunks of 8 halfs
             const int idx = tid + r * 128, row = idx / 4, c = (idx % 4) * 8;
@@ -145,13 +149,15 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
         const int r = e / BN, c = e % BN;
         const long long gr = m0 + r, gc = n0 + c;
         if (gr >= M || gc >= N) continue;
-        const float v = sC[r][c] + (bias ? bias[gc] : 0.0f);
+        const float v = sC[r][c] + (bias && blockIdx.z == 0 ? bias[gc] : 0.0f);
         float* out = C + gr * ldc + gc;
-        if (mode == MODE_ADD) *out += v; else *out = v;
+        if (gridDim.z > 1) atomicAdd(out, v);
+        else if (mode == MODE_ADD) *out += v;
+        else *out = v;
     }
 }
 
-// All four: grid (ceil(N/64), ceil(M/64)), 128 threads.
+// All four: grid (ceil(N/64), ceil(M/64), split-K slices), 128 threads.
 extern "C" __global__ void __launch_bounds__(128)
 matmul_q4_0(const uint8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
             int ldc, int mode) {

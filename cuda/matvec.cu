@@ -21,6 +21,11 @@
 #define MODE_SWIGLU 2
 #define MV_WARPS 4
 #define MV_COLS 4
+#ifndef MV_UNROLL_Q4
+// 16-byte Q4 blocks loaded per row per lane before the first use. Measured on the H200 (cuda/PERF.md): 1 beats
+// 2 and 4, the extra registers cost more occupancy than the deeper per-warp pipeline buys.
+#define MV_UNROLL_Q4 1
+#endif
 
 // One q8x2 activation block: coarse and fine int8 levels (16 bytes each half) and (d1, d2, sum).
 struct XBlock { int4 c0, c1, f0, f1; float4 d; };
@@ -46,7 +51,7 @@ __device__ __forceinline__ float2 q4_dot(const uint4& q, const XBlock& x) {
 }
 
 struct Q4_0W {
-    static constexpr int UNROLL = 4;              // 16-byte blocks: 4 in flight per row per lane
+    static constexpr int UNROLL = MV_UNROLL_Q4;
     const uint8_t* qs; const __half* d; int nb;
     struct Block { uint4 q; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -60,7 +65,7 @@ struct Q4_0W {
 };
 
 struct Q4_1W {
-    static constexpr int UNROLL = 4;
+    static constexpr int UNROLL = MV_UNROLL_Q4;
     const uint8_t* qs; const __half* d; const __half* m; int nb;
     struct Block { uint4 q; float d, m; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -74,7 +79,7 @@ struct Q4_1W {
 };
 
 struct Q8_0W {
-    static constexpr int UNROLL = 2;              // 32-byte blocks: the same bytes in flight as Q4's 4
+    static constexpr int UNROLL = (MV_UNROLL_Q4 + 1) / 2;   // 32-byte blocks: the bytes in flight of Q4's
     const int8_t* qs; const __half* d; int nb;
     struct Block { int4 q0, q1; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {

@@ -317,6 +317,18 @@ class Launch:
                                  self._params.ctypes.data, 0), f"cuLaunchKernel({self.kernel.name})")
 
 
+class Memset:
+    """A capturable fill of `count` 32-bit words with `value` (e.g. zeroing a split-K GEMM's output)."""
+
+    __slots__ = ("ptr", "value", "count")
+
+    def __init__(self, ptr: int, value: int, count: int):
+        self.ptr, self.value, self.count = int(ptr), value, count
+
+    def __call__(self, stream: Stream) -> None:
+        _check(cu.cuMemsetD32Async(self.ptr, self.value, self.count, stream.handle), "cuMemsetD32Async")
+
+
 class Graph:
     """A captured sequence of stream work, instantiated once and replayed with one cuGraphLaunch."""
 

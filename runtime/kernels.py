@@ -14,7 +14,7 @@ import numpy as np
 
 from ingot.toolchain.errors import IncompatibleError
 
-from .driver import DeviceBuffer, Kernel, Launch, Module
+from .driver import DeviceBuffer, Kernel, Launch, Memset, Module
 
 MODULES = ("activation", "attention", "embed", "matmul", "matvec", "norm", "repack", "rope", "sample")
 PAGE = 32                      # tokens per KV-cache page: PAGE in cuda/common.cuh
@@ -109,8 +109,9 @@ class Kernels:
     def rmsnorm(self, x: int, w: DeviceBuffer, n: int, dim: int, eps: float, *, y=None, yq=None, yd=None,
                 yh=None) -> Launch:
         """x[n, dim] -> normalized rows in any of: y fp32, (yq, yd) q8x2, yh fp16."""
-        return Launch(self.k["rmsnorm_f32"], (n,), 256 if dim >= 1024 else 128,
-                      [x, w, y, yq, yd, yh, i32(dim), f32(eps)])
+        # One warp per 32-value block when the row allows (decode is latency-bound: one row, one block).
+        threads = min(1024, dim)
+        return Launch(self.k["rmsnorm_f32"], (n,), threads, [x, w, y, yq, yd, yh, i32(dim), f32(eps)])
 
     def matvec(self, W: GpuMatrix, x, y: int, ncols: int, *, ldy: int, mode: int = MODE_STORE,
                bias: DeviceBuffer | None = None) -> Launch:
@@ -129,11 +130,22 @@ class Kernels:
         return Launch(self.k["quantize_q8x2"], ((nblocks + 3) // 4,), 128, [x, xq, xd, i64(nblocks)])
 
     def matmul(self, W: GpuMatrix, A: int, C: int, M: int, *, ldc: int, mode: int = MODE_STORE,
-               bias: DeviceBuffer | None = None) -> Launch:
-        """C[M, N] (op)= A[M, K] fp16 · W[N, K]^T, C fp32 with row stride ldc."""
-        grid = ((W.rows + MATMUL_TILE - 1) // MATMUL_TILE, (M + MATMUL_TILE - 1) // MATMUL_TILE)
-        return Launch(self.k[f"matmul_{W.qtype.lower()}"], grid, 128,
-                      [*W.args(), A, bias, C, i32(M), i32(W.rows), i32(W.cols), i32(ldc), i32(mode)])
+               bias: DeviceBuffer | None = None, split_k: bool = False) -> list:
+        """C[M, N] (op)= A[M, K] fp16 · W[N, K]^T, C fp32 with row stride ldc. Returns the steps to run.
+        split_k: when the tiles alone would not fill the GPU twice over, slice K too (decode batches; the sums
+        then go through atomics, so leave it off where bit-reproducibility matters)."""
+        tiles = -(-W.rows // MATMUL_TILE) * -(-M // MATMUL_TILE)
+        nb = W.cols // QK
+        splits = min(nb, 16, -(-2 * self.device.info.sm_count // tiles)) if split_k else 1
+        grid = (-(-W.rows // MATMUL_TILE), -(-M // MATMUL_TILE), max(1, splits))
+        steps: list = []
+        if splits > 1 and mode == MODE_STORE:
+            if ldc != W.rows:
+                raise ValueError("split-K MODE_STORE needs a dense output (ldc == N)")
+            steps.append(Memset(C, 0, M * W.rows))          # the slices add into zeros
+        steps.append(Launch(self.k[f"matmul_{W.qtype.lower()}"], grid, 128,
+                            [*W.args(), A, bias, C, i32(M), i32(W.rows), i32(W.cols), i32(ldc), i32(mode)]))
+        return steps
 
     def rope_kv(self, qkv: int, rope: DeviceBuffer, tok_seq: int, tok_pos: int, block_table: int, max_pages: int,
                 k_cache: int, v_cache: int, n: int, cfg) -> Launch:

@@ -38,9 +38,9 @@ from .cuda_weights import LAYOUT, upload_weights
 PREFILL_CHUNK = 512          # tokens per prefill pass: bounds the prefill buffers (a 1000-token prompt = 2 passes)
 DEFAULT_MAX_CTX = 8192
 HIST_CAP = 256               # repetition-penalty window kept on the device (repeat_last_n is clamped to it)
-# Decode batches at least this wide use the tensor-core GEMMs (weights read once for all sequences) instead of
-# the dp4a matrix-vector kernels (which serve up to 4 sequences per pass over the weights).
-GEMM_MIN_BATCH = int(os.environ.get("INGOT_DECODE_GEMM_MIN_BATCH", "5"))
+# Decode batches at least this wide use the tensor-core GEMMs (weights read once for all sequences, split-K for
+# parallelism) instead of the dp4a matrix-vector kernels (up to 4 sequences per pass over the weights).
+GEMM_MIN_BATCH = int(os.environ.get("INGOT_DECODE_GEMM_MIN_BATCH", "16"))
 
 
 @dataclass
@@ -250,15 +250,15 @@ class CudaEngine:
         L: list[Launch] = [k.embed(self.w.embed, s.ptr["tokens"], self.x, B)]
         for i, lw in enumerate(self.w.layers):
             L.append(k.rmsnorm(self.x.ptr, lw.attn_norm, B, c.dim, c.norm_eps, yh=self.xh))
-            L.append(k.matmul(lw.wqkv, self.xh.ptr, self.qkv.ptr, B, ldc=Dqkv, bias=lw.bqkv))
+            L += k.matmul(lw.wqkv, self.xh.ptr, self.qkv.ptr, B, ldc=Dqkv, bias=lw.bqkv, split_k=True)
             L.append(self._attention(i, B, splits, outh=self.xh.ptr))
-            L.append(k.matmul(lw.wo, self.xh.ptr, self.x.ptr, B, ldc=c.dim, mode=MODE_ADD))
+            L += k.matmul(lw.wo, self.xh.ptr, self.x.ptr, B, ldc=c.dim, mode=MODE_ADD, split_k=True)
             L.append(k.rmsnorm(self.x.ptr, lw.ffn_norm, B, c.dim, c.norm_eps, yh=self.xh))
-            L.append(k.matmul(lw.wgu, self.xh.ptr, self.gu.ptr, B, ldc=2 * F))
+            L += k.matmul(lw.wgu, self.xh.ptr, self.gu.ptr, B, ldc=2 * F, split_k=True)
             L.append(k.swiglu(self.gu.ptr, self.xh.ptr, F, B))
-            L.append(k.matmul(lw.wdown, self.xh.ptr, self.x.ptr, B, ldc=c.dim, mode=MODE_ADD))
+            L += k.matmul(lw.wdown, self.xh.ptr, self.x.ptr, B, ldc=c.dim, mode=MODE_ADD, split_k=True)
         L.append(k.rmsnorm(self.x.ptr, self.w.out_norm, B, c.dim, c.norm_eps, yh=self.xh))
-        L.append(k.matmul(self.w.head, self.xh.ptr, self.logits_buf.ptr, B, ldc=c.n_vocab))
+        L += k.matmul(self.w.head, self.xh.ptr, self.logits_buf.ptr, B, ldc=c.n_vocab, split_k=True)
         L.append(k.sample(self.logits_buf.ptr, c.n_vocab, c.n_vocab, B, self._sample_args(s), self.out_tokens.ptr))
         return L
 
@@ -275,19 +275,19 @@ class CudaEngine:
         L: list[Launch] = [k.embed(self.w.embed, p.ptr["tokens"], self.px, T)]
         for i, lw in enumerate(self.w.layers):
             L.append(k.rmsnorm(self.px.ptr, lw.attn_norm, T, c.dim, c.norm_eps, yh=self.pxh))
-            L.append(k.matmul(lw.wqkv, self.pxh.ptr, self.pqkv.ptr, T, ldc=Dqkv, bias=lw.bqkv))
+            L += k.matmul(lw.wqkv, self.pxh.ptr, self.pqkv.ptr, T, ldc=Dqkv, bias=lw.bqkv)
             L.append(k.rope_kv(self.pqkv.ptr, self.rope, p.ptr["slots"], p.ptr["pos"], p.ptr["block_table"],
                                self.max_pages, self.k_cache[i].ptr, self.v_cache[i].ptr, T, c))
             L.append(k.attn_prefill(self.pqkv.ptr, Dqkv, self.k_cache[i].ptr, self.v_cache[i].ptr,
                                     p.ptr["block_table"], p.ptr["pos"], T, self.pxh.ptr, c))
-            L.append(k.matmul(lw.wo, self.pxh.ptr, self.px.ptr, T, ldc=c.dim, mode=MODE_ADD))
+            L += k.matmul(lw.wo, self.pxh.ptr, self.px.ptr, T, ldc=c.dim, mode=MODE_ADD)
             L.append(k.rmsnorm(self.px.ptr, lw.ffn_norm, T, c.dim, c.norm_eps, yh=self.pxh))
-            L.append(k.matmul(lw.wgu, self.pxh.ptr, self.pgu.ptr, T, ldc=2 * F))
+            L += k.matmul(lw.wgu, self.pxh.ptr, self.pgu.ptr, T, ldc=2 * F)
             L.append(k.swiglu(self.pgu.ptr, self.pxh.ptr, F, T))
-            L.append(k.matmul(lw.wdown, self.pxh.ptr, self.px.ptr, T, ldc=c.dim, mode=MODE_ADD))
+            L += k.matmul(lw.wdown, self.pxh.ptr, self.px.ptr, T, ldc=c.dim, mode=MODE_ADD)
         if all_logits:
             L.append(k.rmsnorm(self.px.ptr, self.w.out_norm, T, c.dim, c.norm_eps, yh=self.pxh))
-            L.append(k.matmul(self.w.head, self.pxh.ptr, self.plogits.ptr, T, ldc=c.n_vocab))
+            L += k.matmul(self.w.head, self.pxh.ptr, self.plogits.ptr, T, ldc=c.n_vocab)
             return L
         last = self.px.ptr + 4 * (T - 1) * c.dim
         xin = self._norm_input(self.w.head, last, self.w.out_norm, 1, L)

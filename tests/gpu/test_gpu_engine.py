@@ -53,9 +53,11 @@ def engines(request, tmp_path_factory):
 
     kind, what = request.param
     path = write_model(tmp_path_factory.mktemp("m") / f"{what}.gguf", what) if kind == "tiny" else Path(what)
+    from ingot.runtime.engines.cuda import GEMM_MIN_BATCH
+
     model = load_model(path)
-    cpu = CpuEngine(model, max_seqs=8, max_ctx=2048)
-    gpu = CudaEngine(model, max_seqs=8, max_ctx=2048)
+    cpu = CpuEngine(model, max_seqs=max(8, GEMM_MIN_BATCH), max_ctx=2048)
+    gpu = CudaEngine(model, max_seqs=max(8, GEMM_MIN_BATCH), max_ctx=2048)
     gpu.strict = kind == "file"                # real models: argmax must match exactly
     yield model, cpu, gpu
     gpu.close()
@@ -146,7 +148,7 @@ def test_wide_batch_decode_matches_cpu(engines):
     from ingot.runtime.engines.cuda import GEMM_MIN_BATCH
 
     model, cpu, gpu = engines
-    B = max(GEMM_MIN_BATCH, 6)
+    B = GEMM_MIN_BATCH
     prompts = [_prompt(model, 2 + 9 * i, seed=300 + i) for i in range(B)]
     cs = [cpu.new_sequence(SamplingParams()) for _ in range(B)]
     gs = [gpu.new_sequence(SamplingParams()) for _ in range(B)]

@@ -151,21 +151,29 @@ def test_matvec_add_and_swiglu(gpu, rng, qtype):
     assert rel_err(gpu.get(y, np.float32, (ncols, 2 * F)), resid + xref @ Wref.T) < 1e-5
 
 
+def _run_steps(gpu, steps):
+    for step in steps:
+        step(gpu.stream)
+    gpu.stream.synchronize()
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("M,N,K_", [(1, 70, 64), (37, 130, 576), (200, 64, 1536)])
-def test_matmul(gpu, rng, qtype, M, N, K_):
+@pytest.mark.parametrize("split_k", [False, True])
+def test_matmul(gpu, rng, qtype, M, N, K_, split_k):
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = rng.standard_normal((M, K_)).astype(np.float16)
     bias = rng.standard_normal(N).astype(np.float32)
     C = gpu.empty(4 * M * N)
-    gpu.run(gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias)))
+    _run_steps(gpu, gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias), split_k=split_k))
     Wh = Wref.astype(np.float16).astype(np.float64)           # the kernel multiplies fp16-rounded weights
     ref = A.astype(np.float64) @ Wh.T + bias
     assert rel_err(gpu.get(C, np.float32, (M, N)), ref) < 1e-3
     resid = rng.standard_normal((M, N)).astype(np.float32)
     Cb = gpu.put(resid)
-    gpu.run(gpu.k.matmul(W, gpu.put(A).ptr, Cb.ptr, M, ldc=N, mode=K.MODE_ADD))
-    assert rel_err(gpu.get(Cb, np.float32, (M, N)), resid + A.astype(np.float64) @ Wh.T) < 1e-3
+    _run_steps(gpu, gpu.k.matmul(W, gpu.put(A).ptr, Cb.ptr, M, ldc=N, mode=K.MODE_ADD, bias=gpu.put(bias),
+                                 split_k=split_k))
+    assert rel_err(gpu.get(Cb, np.float32, (M, N)), resid + A.astype(np.float64) @ Wh.T + bias) < 1e-3
 
 
 class _Cfg:

@@ -1,0 +1,172 @@
+"""Kernel lab: device time of each decode-step kernel at real model shapes, against the bytes it must move.
+
+    python3 tests/gpu/kernel_bench.py            # needs a GPU; INGOT_KERNELS may point at a build of cuda/
+
+Each kernel is captured in a CUDA graph of `reps` back-to-back launches and timed with events (median of 5
+graph replays), so launch gaps of the real decode graph are included but Python overhead is not. Inputs are
+random; weight matrices are generated directly in the GPU layout (the repack kernels are tested elsewhere).
+GB/s counts the weight bytes each launch must read once; the decode step is bound by this number.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import Gpu  # noqa: E402
+
+from ingot.runtime import kernels as K  # noqa: E402
+from ingot.runtime.driver import Event, Graph  # noqa: E402
+from ingot.runtime.engines.cuda_weights import _alloc_matrix  # noqa: E402
+
+BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "F16": 2.0}
+
+
+def timed(gpu: Gpu, launch, reps: int = 20) -> float:
+    """Median microseconds per launch."""
+    graph = Graph(gpu.stream, lambda: [launch(gpu.stream) for _ in range(reps)])
+    graph.launch(gpu.stream)
+    start, end = Event(), Event()
+    times = []
+    for _ in range(5):
+        start.record(gpu.stream)
+        graph.launch(gpu.stream)
+        end.record(gpu.stream)
+        end.synchronize()
+        times.append(end.elapsed_ms(start) * 1000 / reps)
+    graph.close()
+    return statistics.median(times)
+
+
+def random_matrix(gpu: Gpu, rng, qtype: str, rows: int, cols: int):
+    W = _alloc_matrix(gpu.pool, qtype, rows, cols, "w")
+    for buf in (W.qs, W.d, W.m, W.w):
+        if buf is not None:
+            raw = rng.integers(0, 256, size=buf.nbytes, dtype=np.uint8)
+            if buf in (W.d, W.m) or buf is W.w:
+                raw = (rng.standard_normal(buf.nbytes // 2) * 0.01).astype(np.float16).view(np.uint8)
+            gpu.stream.upload(buf.ptr, raw)
+    gpu.stream.synchronize()
+    return W
+
+
+def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=K.MODE_STORE):
+    W = random_matrix(gpu, rng, qtype, rows, cols)
+    out_rows = rows // 2 if mode == K.MODE_SWIGLU else rows
+    y = gpu.empty(4 * B * out_rows, 0)
+    if W.quantized:
+        x = (gpu.empty(2 * B * cols, 1).ptr, gpu.put(np.tile([0.01, 0.0001, 0.0, 0.0], B * cols // 32).astype(np.float32)).ptr)
+    else:
+        x = gpu.put(rng.standard_normal(B * cols).astype(np.float32)).ptr
+    us = timed(gpu, gpu.k.matvec(W, x, y.ptr, B, ldy=out_rows, mode=mode))
+    gb = rows * cols * BYTES_PER_WEIGHT[qtype] / 1e9
+    print(f"{name:<34} {qtype:<5} B={B:<3} {us:9.1f} us  {gb / (us * 1e-6):7.0f} GB/s")
+    return us
+
+
+def matmul_row(gpu, rng, name, qtype, rows, cols, M):
+    W = random_matrix(gpu, rng, qtype, rows, cols)
+    A = gpu.put((rng.standard_normal(M * cols) * 0.1).astype(np.float16))
+    C = gpu.empty(4 * M * rows, 0)
+    steps = gpu.k.matmul(W, A.ptr, C.ptr, M, ldc=rows, split_k=M <= 64)
+    us = timed(gpu, lambda stream: [step(stream) for step in steps], reps=5)
+    tflops = 2 * M * rows * cols / (us * 1e-6) / 1e12
+    gb = rows * cols * BYTES_PER_WEIGHT[qtype] / 1e9
+    print(f"{name:<34} {qtype:<5} M={M:<3} {us:9.1f} us  {gb / (us * 1e-6):7.0f} GB/s {tflops:6.1f} TFLOP/s")
+
+
+def small_kernels(gpu, rng, name, D, H, Hkv, hd, V, ctx):
+    """The per-token kernels that are not weight-bound: norm, attention at `ctx`, quantize, greedy sampling."""
+    class Cfg:
+        n_heads, n_kv_heads, head_dim, rope_dim, rope_neox = H, Hkv, hd, hd, False
+    x, w = gpu.put(rng.standard_normal(D).astype(np.float32)), gpu.put(np.ones(D, np.float32))
+    xq, xd = gpu.empty(2 * 8192), gpu.empty(16 * 8192 // 32)
+    norm = timed(gpu, gpu.k.rmsnorm(x.ptr, w, 1, D, 1e-5, yq=xq, yd=xd))
+    pages = (ctx + K.PAGE) // K.PAGE
+    kc = gpu.put((rng.standard_normal(pages * Hkv * K.PAGE * hd) * 0.1).astype(np.float16))
+    vc = gpu.put((rng.standard_normal(pages * Hkv * K.PAGE * hd) * 0.1).astype(np.float16))
+    qkv = gpu.put(rng.standard_normal((H + 2 * Hkv) * hd).astype(np.float32))
+    angle = np.arange(ctx + 1)[:, None] * (10000.0 ** (-np.arange(0, hd, 2) / hd))[None, :]
+    rope = gpu.put(np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32))
+    splits = min(32, -(-264 // Hkv))
+    att = gpu.k.attn_decode(qkv.ptr, rope, kc.ptr, vc.ptr, gpu.put(np.arange(pages, dtype=np.int32)).ptr, pages,
+                            gpu.put(np.array([ctx], np.int32)).ptr, gpu.empty(4 * H * 32 * hd).ptr,
+                            gpu.empty(8 * H * 32).ptr, gpu.empty(4 * Hkv, 0).ptr, gpu.empty(4 * H * hd).ptr, 1,
+                            splits, Cfg, outq=xq.ptr, outd=xd.ptr)
+    attn = timed(gpu, att)
+    quant = timed(gpu, gpu.k.quantize(gpu.empty(4 * 8192, 0).ptr, xq.ptr, xd.ptr, 8192))
+    logits = gpu.put(rng.standard_normal(V).astype(np.float32))
+    zeros = lambda dt: gpu.put(np.zeros(1, dt)).ptr  # noqa: E731
+    p = {"temperature": zeros(np.float32), "top_k": zeros(np.int32), "top_p": gpu.put(np.ones(1, np.float32)).ptr,
+         "min_p": zeros(np.float32), "penalty": gpu.put(np.ones(1, np.float32)).ptr, "hist": zeros(np.int32),
+         "hist_len": zeros(np.int32), "hist_cap": 1, "seed": zeros(np.uint64), "counter": zeros(np.int32)}
+    samp = timed(gpu, gpu.k.sample(logits.ptr, V, V, 1, p, gpu.empty(4).ptr))
+    print(f"{name}: rmsnorm {norm:.1f} us, attention@{ctx} ({splits} splits) {attn:.1f} us, quantize {quant:.1f} us, "
+          f"greedy sample {samp:.1f} us")
+
+
+def engine_step(path: str) -> None:
+    """Device time of one whole decode-step graph (B=1) vs the wall time of engine.decode: the host's share."""
+    import time
+
+    from ingot.runtime.engines.cuda import CudaEngine
+    from ingot.runtime.model import load_model
+    from ingot.runtime.sampling import SamplingParams
+
+    eng = CudaEngine(load_model(path), max_seqs=1, max_ctx=512)
+    s = eng.new_sequence(SamplingParams())
+    tok = eng.prefill(s, [1, 2, 3])
+    for _ in range(3):
+        tok = eng.decode([s], [tok])[0]
+    graph = eng._graphs[1]
+    start, end = Event(), Event()
+    start.record(eng.stream)
+    for _ in range(50):
+        graph.launch(eng.stream)
+    end.record(eng.stream)
+    end.synchronize()
+    gpu_ms = end.elapsed_ms(start) / 50
+    t0 = time.perf_counter()
+    for _ in range(50):
+        tok = eng.decode([s], [tok])[0]
+    wall_ms = (time.perf_counter() - t0) * 1000 / 50
+    print(f"{Path(path).name}: decode step B=1: device {gpu_ms:.3f} ms, engine.decode wall {wall_ms:.3f} ms "
+          f"({len(eng._decode_launches(1))} kernels)")
+    eng.close()
+
+
+def main():
+    if len(sys.argv) > 1:
+        for path in sys.argv[1:]:
+            engine_step(path)
+    gpu = Gpu()
+    rng = np.random.default_rng(0)
+    small_kernels(gpu, rng, "8B", 4096, 32, 8, 128, 128256, 128)
+    small_kernels(gpu, rng, "SmolLM2", 576, 9, 3, 64, 49152, 128)
+    print("8B-shaped decode (Q4_0), per layer x32:")
+    matvec_row(gpu, rng, "qkv 6144x4096", "Q4_0", 6144, 4096)
+    matvec_row(gpu, rng, "o 4096x4096", "Q4_0", 4096, 4096)
+    matvec_row(gpu, rng, "gate+up 28672x4096 (swiglu)", "Q4_0", 28672, 4096, mode=K.MODE_SWIGLU)
+    matvec_row(gpu, rng, "down 4096x14336", "Q4_0", 4096, 14336)
+    matvec_row(gpu, rng, "head 128256x4096", "Q4_0", 128256, 4096)
+    matvec_row(gpu, rng, "gate+up B=4", "Q4_0", 28672, 4096, B=4, mode=K.MODE_SWIGLU)
+    print("SmolLM2-shaped decode (Q4_1), per layer x30:")
+    matvec_row(gpu, rng, "qkv 960x576", "Q4_1", 960, 576)
+    matvec_row(gpu, rng, "o 576x576", "Q4_1", 576, 576)
+    matvec_row(gpu, rng, "gate+up 3072x576 (swiglu)", "Q4_1", 3072, 576, mode=K.MODE_SWIGLU)
+    matvec_row(gpu, rng, "down 576x1536", "Q4_1", 576, 1536)
+    matvec_row(gpu, rng, "head 49152x576 (Q8_0 tied)", "Q8_0", 49152, 576)
+    print("GEMMs (prefill and wide decode):")
+    for M in (16, 64, 512):
+        matmul_row(gpu, rng, "8B gate+up 28672x4096", "Q4_0", 28672, 4096, M)
+        matmul_row(gpu, rng, "8B down 4096x14336", "Q4_0", 4096, 14336, M)
+    for M in (16, 64):
+        matmul_row(gpu, rng, "smol gate+up 3072x576", "Q4_1", 3072, 576, M)
+    gpu.close()
+
+
+if __name__ == "__main__":
+    main()
