@@ -94,6 +94,10 @@ def run(model_spec, prompt, chat, max_tokens, temperature, top_k, top_p, min_p, 
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repeat_penalty, seed=seed)
+    if device != "cpu":
+        from .driver import prewarm
+
+        prewarm()                      # CUDA's start-up overlaps opening the model (cold start)
     model = _open_model(model_spec, allow_unverified, as_json)
     tokenizer = Tokenizer.from_model(model)
     if chat:
@@ -242,6 +246,9 @@ def info(model_spec, allow_unverified, as_json):
 
 
 def register(cli: click.Group) -> None:
+    from .server import serve       # `ingot serve` lives with the server (runtime/server/)
+
     cli.add_command(run)
     cli.add_command(perplexity_command)
     cli.add_command(model)
+    cli.add_command(serve)

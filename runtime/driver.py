@@ -89,11 +89,39 @@ class DeviceInfo:
     driver_cuda: int             # cuDriverGetVersion: 13000 for CUDA 13.0
 
 
+_prewarm_thread = None
+
+
+def prewarm(index: int = 0) -> None:
+    """Start cuInit and the primary context's creation (~0.3 s) on a background thread, so they overlap the
+    work a command does before it needs the GPU (opening and verifying the model). Device() then finds them
+    done. Failures are ignored here: Device() reports them."""
+    import threading
+
+    global _prewarm_thread
+    if cu is None or _prewarm_thread is not None:
+        return
+
+    def work():
+        try:
+            if cu.cuInit(0)[0] == cu.CUresult.CUDA_SUCCESS:
+                err, dev = cu.cuDeviceGet(index)
+                if err == cu.CUresult.CUDA_SUCCESS:
+                    cu.cuDevicePrimaryCtxRetain(dev)   # held for the process: the engine retains it again
+        except Exception:  # noqa: BLE001 - no driver: Device() will say so with the right error
+            pass
+
+    _prewarm_thread = threading.Thread(target=work, name="cuda-prewarm", daemon=True)
+    _prewarm_thread.start()
+
+
 class Device:
     """One GPU with its primary context made current on this thread."""
 
     def __init__(self, index: int = 0):
         _require_driver()
+        if _prewarm_thread is not None:
+            _prewarm_thread.join()
         try:
             _check(cu.cuInit(0), "cuInit")
         except RuntimeError as e:  # cuda.pathfinder: libcuda.so is not there at all

@@ -11,13 +11,13 @@ types F32, F16, BF16, Q8_0, Q4_0, Q4_1. Anything else is refused with a ModelErr
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
 
 from ingot.toolchain.errors import ModelError, UsageError
 
@@ -130,40 +130,52 @@ class _Truncated(ValueError):
     pass
 
 
-class _WindowReader(GGUFReader):
-    """A GGUFReader over bytes [offset, offset + size) of a file, so a GGUF stored uncompressed inside a bundle
-    (a tar) is parsed and mapped in place, without a copy.
+@functools.cache
+def _window_reader_class():
+    """gguf is imported only when a file is actually parsed: a model found in the index cache (below) never
+    needs it, which keeps `ingot run`'s cold start short."""
+    from gguf import GGUFReader
 
-    GGUFReader.__init__ maps the whole file (`self.data = np.memmap(path)`) and parses from byte 0. Making
-    `data` a property lets us narrow that one map to the window as it is assigned; every offset the reader
-    computes is then relative to the GGUF's first byte. The reader also slices past the end of a truncated
-    file without noticing; `_get` turns that into one clear error instead.
-    """
+    class _WindowReader(GGUFReader):
+        """A GGUFReader over bytes [offset, offset + size) of a file, so a GGUF stored uncompressed inside a bundle
+        (a tar) is parsed and mapped in place, without a copy.
 
-    def __init__(self, path: Path, offset: int, size: int | None):
-        self._window = (offset, size)
-        super().__init__(path, "r")
+        GGUFReader.__init__ maps the whole file (`self.data = np.memmap(path)`) and parses from byte 0. Making
+        `data` a property lets us narrow that one map to the window as it is assigned; every offset the reader
+        computes is then relative to the GGUF's first byte. The reader also slices past the end of a truncated
+        file without noticing; `_get` turns that into one clear error instead.
+        """
 
-    @property
-    def data(self) -> np.ndarray:
-        return self._data
+        def __init__(self, path: Path, offset: int, size: int | None):
+            self._window = (offset, size)
+            super().__init__(path, "r")
 
-    @data.setter
-    def data(self, whole: np.memmap) -> None:
-        offset, size = self._window
-        # A plain ndarray view of the map: the reader slices it ~10 times per vocabulary entry, and np.memmap's
-        # per-slice bookkeeping would double the load time of a 128k-token vocabulary.
-        self._data = whole[offset:None if size is None else offset + size].view(np.ndarray)
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
 
-    def _get(self, offset, dtype, count=1, override_order=None):
-        end = offset + np.dtype(dtype).itemsize * int(count)
-        if end > len(self._data):
-            raise _Truncated(f"data ends at byte {len(self._data):,} but the file needs {end:,}")
-        return super()._get(offset, dtype, count, override_order)
+        @data.setter
+        def data(self, whole: np.memmap) -> None:
+            offset, size = self._window
+            # A plain ndarray view of the map: the reader slices it ~10 times per vocabulary entry, and np.memmap's
+            # per-slice bookkeeping would double the load time of a 128k-token vocabulary.
+            self._data = whole[offset:None if size is None else offset + size].view(np.ndarray)
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = offset + np.dtype(dtype).itemsize * int(count)
+            if end > len(self._data):
+                raise _Truncated(f"data ends at byte {len(self._data):,} but the file needs {end:,}")
+            return super()._get(offset, dtype, count, override_order)
+
+    return _WindowReader
 
 
 def load_model(path: str | Path, *, offset: int = 0, size: int | None = None) -> Model:
-    """Open a GGUF (or the GGUF stored at [offset, offset+size) of a bigger file), validate it, map its tensors."""
+    """Open a GGUF (or the GGUF stored at [offset, offset+size) of a bigger file), validate it, map its tensors.
+
+    The first open parses the file with gguf's reader (about a second for a 49k-token vocabulary); what it
+    learned (config, vocabulary, tensor table) is kept in an index cache keyed by the file's identity, so the
+    next process maps the same file in a few milliseconds. Any change to the file invalidates its entry."""
     path = Path(path)
     if not path.exists():
         raise UsageError(f"model file not found: {path}", hint="pass a .gguf path, a .ingot bundle, or 'smollm2'")
@@ -171,8 +183,18 @@ def load_model(path: str | Path, *, offset: int = 0, size: int | None = None) ->
         raise UsageError(f"model path is not a file: {path}")
     if path.stat().st_size == 0:
         raise ModelError(f"{path} is empty, not a GGUF file")
+    index = _index_file(path, offset, size)
+    model = _load_indexed(path, offset, index)
+    if model is None:
+        model, starts = _parse_model(path, offset, size)
+        _save_index(model, starts, index)
+    return model
+
+
+def _parse_model(path: Path, offset: int, size: int | None) -> tuple[Model, dict[str, int]]:
+    """Parse with gguf's reader. Returns the model and each tensor's byte offset from the GGUF's start."""
     try:
-        reader = _WindowReader(path, offset, size)
+        reader = _window_reader_class()(path, offset, size)
     except _Truncated as e:
         raise ModelError(f"{path} is truncated: {e}", hint="download or copy the file again") from None
     except PermissionError as e:
@@ -189,7 +211,7 @@ def load_model(path: str | Path, *, offset: int = 0, size: int | None = None) ->
     if meta.get_int(f"{arch}.expert_count", 0) > 0:
         raise ModelError(f"{path}: mixture-of-experts models are not supported")
 
-    tensors = {}
+    tensors, starts = {}, {}
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # GGUF lists ne0 (cols) first
         qtype = t.tensor_type.name
@@ -200,11 +222,79 @@ def load_model(path: str | Path, *, offset: int = 0, size: int | None = None) ->
         if len(shape) == 2:
             raw = raw.reshape(shape[0], QUANT_TYPES[qtype].row_bytes(shape[1]))
         tensors[t.name] = QTensor(t.name, qtype, shape, raw)
+        starts[t.name] = int(t.data_offset)
 
     config = _read_config(meta, arch, tensors, path)
     _check_tensors(config, tensors, path)
-    return Model(path=path, offset=offset, size=len(reader.data), name=meta.get_str("general.name", path.stem),
-                 config=config, vocab=_read_vocab(meta, path), tensors=tensors)
+    model = Model(path=path, offset=offset, size=len(reader.data), name=meta.get_str("general.name", path.stem),
+                  config=config, vocab=_read_vocab(meta, path), tensors=tensors)
+    return model, starts
+
+
+# --- the index cache ---------------------------------------------------------------------------------------
+#
+# One JSON file per opened GGUF under $INGOT_CACHE_DIR/index (or $XDG_CACHE_HOME/ingot/index): the Config and
+# Vocab this module read, and each tensor's type, shape and byte range. Keyed by (realpath, offset, size, file
+# size, mtime_ns, ctime_ns, inode, device), so a rewritten or replaced file misses and is parsed again. Only
+# this module writes or reads it; the GGUF keys are still read nowhere else.
+
+_INDEX_SCHEMA = "ingot-model-index-v1"
+
+
+def _index_file(path: Path, offset: int, size: int | None) -> Path:
+    import hashlib
+    import json
+    import os
+
+    st = path.stat()
+    key = json.dumps([_INDEX_SCHEMA, str(path.resolve()), offset, size, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                      st.st_ino, st.st_dev])
+    base = os.environ.get("INGOT_CACHE_DIR")
+    root = Path(base) if base else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ingot"
+    return root / "index" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def _save_index(model: Model, starts: dict[str, int], index: Path) -> None:
+    import json
+    import os
+    import tempfile
+
+    data = {
+        "schema": _INDEX_SCHEMA, "name": model.name, "size": model.size,
+        "config": asdict(model.config), "vocab": asdict(model.vocab),
+        "tensors": [[t.name, t.qtype, list(t.shape), starts[t.name], t.raw.nbytes] for t in model.tensors.values()],
+    }
+    try:                                       # a cache: failing to write it must not fail the load
+        index.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=index.parent, prefix=".index.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, index)
+    except OSError:
+        pass
+
+
+def _load_indexed(path: Path, offset: int, index: Path) -> Model | None:
+    import json
+
+    try:
+        data = json.loads(index.read_text())
+        if data.get("schema") != _INDEX_SCHEMA:
+            return None
+        window = np.memmap(path, mode="r")[offset:offset + data["size"]].view(np.ndarray)
+        tensors = {}
+        for name, qtype, shape, start, nbytes in data["tensors"]:
+            raw = window[start:start + nbytes]
+            if len(shape) == 2:
+                raw = raw.reshape(shape[0], QUANT_TYPES[qtype].row_bytes(shape[1]))
+            tensors[name] = QTensor(name, qtype, tuple(shape), raw)
+        c = data["config"]
+        if c.get("rope_freq_factors") is not None:
+            c["rope_freq_factors"] = tuple(c["rope_freq_factors"])
+        return Model(path=path, offset=offset, size=data["size"], name=data["name"], config=Config(**c),
+                     vocab=Vocab(**data["vocab"]), tensors=tensors)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class _Metadata:
@@ -252,6 +342,8 @@ class _Metadata:
         f = self.fields.get(key)
         if f is None:
             return None
+        from gguf import GGUFValueType
+
         if f.types[-1] == GGUFValueType.STRING:
             raise ModelError(f"{self.path}: metadata key {key} should hold numbers")
         return np.concatenate([f.parts[i] for i in f.data]) if f.data else np.zeros(0)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
 
 from ingot.toolchain.errors import UsageError
 
@@ -170,6 +169,8 @@ def synthesize(shape_name: str, qtype: str, out: str | Path, *, seed: int = 0,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{os.getpid()}.part"
     try:
+        from gguf import GGMLQuantizationType, GGUFWriter   # only when writing (keeps CLI start-up light)
+
         w = GGUFWriter(tmp, shape.arch)
         _write_metadata(w, shape_name, shape, c)
         for name, s in specs.items():
