@@ -241,10 +241,15 @@ def pack(model, kernel_dir, name, out_file, no_selftest, as_json):
 @click.option("--pubkey", type=click.Path(dir_okay=False, path_type=Path),
               help="Require a valid signature by this public key (PREFIX.pub from `ingot keygen`).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (also on failure).")
-def verify(bundle, pubkey, as_json):
+@click.option("--device", "on_device", is_flag=True,
+              help="Also run the on-GPU self-test: the bundle's kernels on this GPU must reproduce the CPU "
+                   "reference logits recorded at pack time.")
+@click.option("--gpu", "gpu_index", default=0, show_default=True, type=int, help="GPU for --device.")
+def verify(bundle, pubkey, as_json, on_device, gpu_index):
     """Recompute every digest of a bundle, check its root digest and signature, and refuse unsafe members.
 
-    Exit 0 if it verifies, 4 naming the bad member (and 64 MiB chunk) otherwise.
+    Exit 0 if it verifies, 4 naming the bad member (and 64 MiB chunk) otherwise; with --device, 4 also when
+    the GPU self-test disagrees with the CPU reference, 3 when there is no GPU to run it on.
     """
     from .errors import VerificationError
     from .verify import verify_bundle
@@ -259,6 +264,10 @@ def verify(bundle, pubkey, as_json):
             emit_json({"ok": False, "bundle": str(bundle), "error": e.message, "hint": e.hint,
                        "problems": getattr(e, "problems", [])})
         raise
+    if on_device:
+        from ingot.runtime.selftest import run_selftest
+
+        report["selftest"] = run_selftest(bundle, gpu=gpu_index, pubkey=pubkey)
     if as_json:
         emit_json(report)
         return
@@ -272,6 +281,10 @@ def verify(bundle, pubkey, as_json):
         out.print(f"  signature    valid, by --pubkey {pubkey} (keyid {sig['keyid'][:16]}...)")
     else:
         out.print(f"  signature    intact, keyid {sig['keyid'][:16]}... (pass --pubkey to check who signed it)")
+    if on_device:
+        st = report["selftest"]
+        out.print(f"  GPU self-test passed on {st['device']}: argmax {st['argmax']} as recorded, top logits within "
+                  f"{st['top_rel_err']:.1e}, log-sum-exp {st['logsumexp']:.3f} (recorded {st['expected_logsumexp']:.3f})")
 
 
 @cli.command()
