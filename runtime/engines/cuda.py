@@ -326,8 +326,9 @@ class CudaEngine:
         return self.pages.grow(st.pages, st.pos + n_new)
 
     def _remember(self, st: _Seq, tokens: Sequence[int]) -> None:
+        """Keep the repetition-penalty window (only a sequence with a penalty needs one)."""
         n = min(st.params.repeat_last_n, HIST_CAP)
-        if n:
+        if n and st.params.repetition_penalty != 1.0:
             st.recent = (st.recent + list(tokens))[-n:]
 
     def _fill_sampling(self, io: _HostDevice, row: int, st: _Seq) -> None:
@@ -340,7 +341,8 @@ class CudaEngine:
         h["seed"][row] = st.seed
         h["counter"][row] = st.pos
         h["hist_len"][row] = len(st.recent)
-        h["hist"][row * HIST_CAP: row * HIST_CAP + len(st.recent)] = st.recent
+        if st.recent:
+            h["hist"][row * HIST_CAP: row * HIST_CAP + len(st.recent)] = st.recent
 
     # --- the Engine interface ----------------------------------------------------------------------
 
