@@ -1,0 +1,288 @@
+"""Continuous batching: one thread owns the engine and runs every live sequence's decode step together.
+
+The loop, on the engine thread:
+    retire sequences whose client went away (engine.release)
+    admit waiting requests in arrival order while a sequence slot (max_seqs) and their KV pages are free,
+        prefilling each as it is admitted (one at a time)
+    one engine.decode(running seqs, their last tokens) step for all running sequences
+    push each new token through its request's Generation; the Chunk goes to the request's asyncio queue
+        (loop.call_soon_threadsafe); a finished sequence is released at once
+A request waits in the queue until it is admitted, so a burst of clients costs queueing, never a failure.
+
+KV admission reserves a request's worst case, pages for min(prompt + max_tokens, context) tokens, so a
+running sequence can always grow to its end. The GPU engine has a page pool (runtime/kvcache.py); the CPU
+engine keeps a whole-context cache per sequence, which is counted here in pages of the same size.
+
+The engine thread also loads the model (`load`), so the HTTP socket is up, answering /health with 503, while
+weights are read.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Protocol
+
+from ingot.toolchain.errors import UsageError
+
+from ..engines.base import Engine
+from ..generate import Chunk, Generation, GenerationRequest, StopStrings
+from ..kernels import PAGE
+from ..tokenizer import Tokenizer
+from .request import ApiError
+
+CANCELLED = ApiError(499, "the request was cancelled (the client went away)")
+
+
+class Observer(Protocol):
+    """What the scheduler reports (metrics.py implements it)."""
+
+    def admitted(self, prompt_tokens: int, queued_s: float) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def step(self, batch: int, seconds: float) -> None: ...
+    def generated(self, n_tokens: int) -> None: ...
+    def retired(self, reason: str) -> None: ...
+
+
+class _StopMatch(StopStrings):
+    """StopStrings that also records which stop string ended the text (Anthropic's stop_sequence)."""
+    matched: str | None = None
+
+    def push(self, text: str) -> tuple[str, bool]:
+        pending = self.pending + text
+        out, stopped = super().push(text)
+        if stopped:
+            self.matched = next(s for s in self.stops if pending.startswith(s, len(out)))
+        return out, stopped
+
+
+class Job:
+    """One request inside the server: its Generation, and the asyncio queue its chunks (then the end) go to.
+    Written by the engine thread, read on the event loop; `cancelled` is the one field the loop writes."""
+
+    def __init__(self, tokenizer: Tokenizer, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.generation = Generation(tokenizer, request)
+        self.generation.stops = self._stops = _StopMatch(request.stop)
+        self.cancelled = False
+        self.seq: int | None = None
+        self.last_token = 0
+        self.kv_pages = 0                          # pages reserved for it while it runs
+        self.submitted = time.perf_counter_ns()
+        self.started = self.first_token = self.ended = 0   # perf_counter_ns: prefill start, first token, end
+        self._loop = loop
+        self._queue: asyncio.Queue[Chunk | ApiError] = asyncio.Queue()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_tokens)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.generation.n_generated
+
+    @property
+    def stop_sequence(self) -> str | None:
+        return self._stops.matched
+
+    def _emit(self, item: Chunk | ApiError) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """The generated chunks; the last has a finish_reason. Raises ApiError if generation failed."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, ApiError):
+                raise item
+            yield item
+            if item.finish_reason:
+                return
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot the engine thread publishes after each step (read by /metrics from other threads)."""
+    waiting: int = 0
+    running: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+
+
+class Scheduler:
+    def __init__(self, observer: Observer):
+        self.observer = observer
+        self.engine: Engine | None = None
+        self.failure: BaseException | None = None    # what `load` raised, or what ended the engine thread
+        self.ready = threading.Event()
+        self.stats = Stats()
+        self._cv = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._stopping = False
+        self._reserved = 0                             # KV pages reserved by running jobs
+        self._kv_total = self._page_tokens = 0
+        self._thread: threading.Thread | None = None
+
+    # --- called from the event loop ---------------------------------------------------------------
+
+    def start(self, load: Callable[[], Engine], on_failure: Callable[[BaseException], None]) -> None:
+        self._thread = threading.Thread(target=self._main, args=(load, on_failure), name="ingot-engine",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise ApiError(503, "the server is shutting down")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: the engine thread releases the job's sequence before its next step."""
+        with self._cv:
+            job.cancelled = True
+            self._cv.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what is still queued or running, release it, close the engine, and end the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- the engine thread ------------------------------------------------------------------------
+
+    def _main(self, load: Callable[[], Engine], on_failure: Callable[[BaseException], None]) -> None:
+        try:
+            self.engine = load()
+            pool = getattr(self.engine, "pages", None)        # the GPU engine's PagePool
+            self._page_tokens = pool.page_size if pool else PAGE
+            self._kv_total = pool.n_pages if pool else self.engine.max_seqs * self._pages(self.engine.max_ctx)
+        except BaseException as e:     # reported by `ingot serve` as its exit status
+            self.failure = e
+            on_failure(e)
+            return
+        self._publish()
+        self.ready.set()
+        try:
+            while self._wait_for_work():
+                self._retire_cancelled()
+                self._admit()
+                self._step()
+                self._publish()
+        except BaseException as e:     # a bug here would leave every request waiting: stop the server instead
+            self.failure = e
+            on_failure(e)
+            raise
+        finally:
+            self._shut_down()
+
+    def _pages(self, n_tokens: int) -> int:
+        return -(-n_tokens // self._page_tokens)
+
+    def _wait_for_work(self) -> bool:
+        with self._cv:
+            while not self._stopping and not self._waiting and not self._running:
+                self._cv.wait()
+            return not self._stopping
+
+    def _retire_cancelled(self) -> None:
+        with self._cv:
+            gone = [j for j in self._waiting if j.cancelled]
+            for job in gone:
+                self._waiting.remove(job)
+        for job in gone + [j for j in self._running if j.cancelled]:
+            self._fail(job, CANCELLED, "cancelled")
+
+    def _admit(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                if not self._waiting:
+                    return
+                job = self._waiting[0]
+                r = job.request
+                need = self._pages(min(len(r.prompt_tokens) + r.max_tokens, engine.max_ctx))
+                if len(self._running) >= engine.max_seqs or self._reserved + need > self._kv_total:
+                    return
+                self._waiting.popleft()
+            job.kv_pages = need
+            self._prefill(job)
+
+    def _prefill(self, job: Job) -> None:
+        engine = self.engine
+        job.started = time.perf_counter_ns()
+        self.observer.admitted(job.prompt_tokens, (job.started - job.submitted) / 1e9)
+        try:
+            job.seq = engine.new_sequence(job.request.params)
+            self._reserved += job.kv_pages
+            self._running.append(job)
+            token = engine.prefill(job.seq, job.request.prompt_tokens)
+        except Exception as e:
+            self._fail(job, e)
+            return
+        job.first_token = time.perf_counter_ns()
+        self.observer.first_token((job.first_token - job.submitted) / 1e9)
+        self.observer.generated(self._accept(job, token))
+
+    def _step(self) -> None:
+        batch = list(self._running)
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        try:
+            tokens = self.engine.decode([j.seq for j in batch], [j.last_token for j in batch])
+        except Exception as e:
+            for job in batch:
+                self._fail(job, e)
+            return
+        self.observer.step(len(batch), time.perf_counter() - t0)
+        self.observer.generated(sum(self._accept(job, token) for job, token in zip(batch, tokens)))
+
+    def _accept(self, job: Job, token: int) -> int:
+        """Feed one sampled token to the job's Generation and emit the chunk; returns tokens generated (0 for
+        the end-of-generation token)."""
+        chunk = job.generation.accept(token, context_full=self.engine.seq_len(job.seq) >= self.engine.max_ctx)
+        job.last_token = token
+        if chunk.finish_reason:
+            self._retire(job, chunk.finish_reason)
+        job._emit(chunk)
+        return len(chunk.token_ids)
+
+    def _retire(self, job: Job, reason: str) -> None:
+        job.ended = time.perf_counter_ns()
+        if job in self._running:
+            self._running.remove(job)
+            self._reserved -= job.kv_pages
+        if job.seq is not None:
+            self.engine.release(job.seq)
+        self.observer.retired(reason)
+
+    def _fail(self, job: Job, e: Exception, reason: str = "error") -> None:
+        """End the job with an error (its consumer, if still there, raises it)."""
+        self._retire(job, reason)
+        if isinstance(e, UsageError):          # e.g. a prompt that does not fit the context
+            e = ApiError(400, str(e))
+        job._emit(e if isinstance(e, ApiError) else ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
+
+    def _publish(self) -> None:
+        pool = getattr(self.engine, "pages", None)
+        if pool is not None:
+            used = pool.n_pages - pool.free
+        else:
+            used = sum(self._pages(self.engine.seq_len(j.seq)) for j in self._running)
+        self.stats = Stats(len(self._waiting), len(self._running), used, self._kv_total)
+
+    def _shut_down(self) -> None:
+        with self._cv:
+            self._stopping = True                      # later submits get 503
+            queued, self._waiting = list(self._waiting), deque()
+        for job in queued + list(self._running):
+            self._fail(job, ApiError(503, "the server is shutting down"), "cancelled")
+        self._publish()
+        close = getattr(self.engine, "close", None)      # the GPU engine frees its device memory
+        if close is not None:
+            close()
