@@ -116,7 +116,8 @@ def test_stop_strings_in_each_dialect(server, oai, claude, ref, model_id):
     cut = full.text[:full.text.find(stop)]
     assert ref(QUESTION, max_tokens=24, stop=(stop,)).text == cut        # the reference agrees on the cut
 
-    r = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0, max_tokens=24, stop=[stop, "\x00"])
+    r = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0, max_tokens=24,
+                                    stop=[stop, "\x00"])
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == (cut, "stop")
     m = claude.messages.create(model=model_id, messages=QUESTION, max_tokens=24, stop_sequences=["\x00", stop],
                                extra_body={"temperature": 0})

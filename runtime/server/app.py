@@ -245,6 +245,9 @@ def _api_route(server: Server, path: str, handler, methods: list[str], dialect) 
             return dialect.error_response(ApiError(400, str(e)))
         except IngotError as e:
             return dialect.error_response(ApiError(500, str(e)))
+        except Exception as e:                         # a bug: logged with its traceback, answered in the API's shape
+            log.exception("%s %s failed", request.method, request.url.path)
+            return dialect.error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
 
     return Route(path, endpoint, methods=methods)
 
@@ -286,7 +289,8 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}", hint="pick another --port or --host") from None
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}",
+                         hint="pick another --port or --host") from None
     return sock
 
 
@@ -297,7 +301,7 @@ def serve(spec: str, options: Options, host: str = "127.0.0.1", port: int = 8080
 
     server = Server(spec, options)
     sock = _listen(host, port)
-    config = uvicorn.Config(create_app(server), lifespan="on", timeout_graceful_shutdown=2 * SHUTDOWN_GRACE_S,
+    config = uvicorn.Config(create_app(server), lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
                             access_log=False)
     http = uvicorn.Server(config)
     log.info("serving %s on http://%s:%d (/health answers 200 once the model is loaded)", spec, host,

@@ -93,9 +93,10 @@ async def run(url: str, clients: int, requests: int, prompt_tokens: int, max_tok
         samples = [s for batch in await asyncio.gather(*[worker() for _ in range(clients)]) for s in batch]
         wall = time.perf_counter() - start
 
-    ok = [s for s in samples if s.error is None and s.first is not None]
-    ttft = np.array([s.first - s.sent for s in ok]) * 1000
-    decode = np.array([(s.tokens - 1) / (s.end - s.first) for s in ok if s.tokens > 1 and s.end > s.first])
+    ok = [s for s in samples if s.error is None]
+    texts = [s for s in ok if s.first is not None]        # a stream of control tokens only has no first text
+    ttft = np.array([s.first - s.sent for s in texts]) * 1000
+    decode = np.array([(s.tokens - 1) / (s.end - s.first) for s in texts if s.tokens > 1 and s.end > s.first])
     generated = sum(s.tokens for s in ok)
     return {
         "url": url, "model": model, "clients": clients, "requests": len(samples), "failed": len(samples) - len(ok),

@@ -25,9 +25,6 @@ if TYPE_CHECKING:
     from .app import Server
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 499: "invalid_request_error"}
-ERROR_CODES = {401: "invalid_api_key"}
 
 
 def error_response(e: ApiError) -> Response:
@@ -35,8 +32,9 @@ def error_response(e: ApiError) -> Response:
 
 
 def error_body(e: ApiError) -> dict:
-    return {"error": {"message": e.message, "type": ERROR_TYPES.get(e.status, "server_error"), "param": e.param,
-                      "code": e.code or ERROR_CODES.get(e.status)}}
+    kind = "server_error" if e.status >= 500 else "invalid_request_error"
+    code = e.code or ("invalid_api_key" if e.status == 401 else None)
+    return {"error": {"message": e.message, "type": kind, "param": e.param, "code": code}}
 
 
 # --- requests ------------------------------------------------------------------------------------

@@ -88,7 +88,10 @@ class Job:
         return self._stops.matched
 
     def _emit(self, item: Chunk | ApiError) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:           # the event loop is closed: nobody is left to read it
+            pass
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """The generated chunks; the last has a finish_reason. Raises ApiError if generation failed."""
