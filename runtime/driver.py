@@ -11,7 +11,6 @@ what it means for an Ingot user. The wrapper objects own what they wrap and free
 from __future__ import annotations
 
 import ctypes
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -378,19 +377,3 @@ class Graph:
             _check(cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
             _check(cu.cuGraphDestroy(self.graph), "cuGraphDestroy")
             self.exec = None
-
-
-@contextmanager
-def timed(stream: Stream):
-    """Device time of the work queued inside the block: `with timed(s) as t: ...; t()` -> milliseconds."""
-    start, end = Event(), Event()
-    start.record(stream)
-    box = {}
-    try:
-        yield lambda: box["ms"]
-    finally:
-        end.record(stream)
-        end.synchronize()
-        box["ms"] = end.elapsed_ms(start)
-        start.close()
-        end.close()

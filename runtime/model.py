@@ -15,11 +15,14 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
 from ingot.toolchain.errors import ModelError, UsageError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 from .quants import QUANT_TYPES, dequantize
 

@@ -15,11 +15,14 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from ingot.toolchain.errors import UsageError
+
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
 
 from .model import Config, expected_shapes
 from .quants import QUANT_TYPES

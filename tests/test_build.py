@@ -19,7 +19,6 @@ from ingot.toolchain import build as build_mod
 from ingot.toolchain.archs import parse_arch_list
 from ingot.toolchain.build import build
 from ingot.toolchain.errors import BuildError, UsageError
-from ingot.toolchain.fatbin import parse_fatbin, read_fatbin
 
 pytestmark = pytest.mark.nvcc
 

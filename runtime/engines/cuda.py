@@ -222,7 +222,7 @@ class CudaEngine:
 
     def _decode_launches(self, B: int) -> list[Launch]:
         c, k, s = self.config, self.k, self.step
-        Dq, Dqkv, F = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.ffn_dim
+        Dqkv, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.ffn_dim
         splits = max(1, min(MAX_SPLITS, -(-2 * self.dev.info.sm_count // (B * c.n_kv_heads))))
         if B >= GEMM_MIN_BATCH:
             return self._decode_launches_gemm(B, splits)
@@ -271,7 +271,7 @@ class CudaEngine:
         """The layers over T tokens of one sequence at positions pre.pos[0..T). Ends with logits of every row
         (all_logits) or with the last row's logits and a sampled token."""
         c, k, p = self.config, self.k, self.pre
-        Dq, Dqkv, F = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.ffn_dim
+        Dqkv, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.ffn_dim
         L: list[Launch] = [k.embed(self.w.embed, p.ptr["tokens"], self.px, T)]
         for i, lw in enumerate(self.w.layers):
             L.append(k.rmsnorm(self.px.ptr, lw.attn_norm, T, c.dim, c.norm_eps, yh=self.pxh))
