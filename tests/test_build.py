@@ -19,6 +19,7 @@ from ingot.toolchain import build as build_mod
 from ingot.toolchain.archs import parse_arch_list
 from ingot.toolchain.build import build
 from ingot.toolchain.errors import BuildError, UsageError
+from ingot.toolchain.fatbin import read_fatbin
 
 pytestmark = pytest.mark.nvcc
 
