@@ -259,8 +259,8 @@ def _index_file(path: Path, offset: int, size: int | None) -> Path:
 
 def _save_index(model: Model, starts: dict[str, int], index: Path) -> None:
     import json
-    import os
-    import tempfile
+
+    from ingot.toolchain.files import write_atomic
 
     data = {
         "schema": _INDEX_SCHEMA, "name": model.name, "size": model.size,
@@ -268,11 +268,7 @@ def _save_index(model: Model, starts: dict[str, int], index: Path) -> None:
         "tensors": [[t.name, t.qtype, list(t.shape), starts[t.name], t.raw.nbytes] for t in model.tensors.values()],
     }
     try:                                       # a cache: failing to write it must not fail the load
-        index.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=index.parent, prefix=".index.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, index)
+        write_atomic(index, json.dumps(data).encode())
     except OSError:
         pass
 

@@ -32,6 +32,7 @@ from typing import Callable
 from .archs import Arch, default_policy, kernel_source_dir
 from .errors import BuildError, UsageError
 from .fatbin import Fatbin, parse_fatbin
+from .files import write_atomic
 from .nvcc import HIDDEN_INPUT_VARS, Toolkit, host_compiler, require_toolkit
 
 CACHE_SCHEMA = "ingot-kernel-cache-v2"
@@ -157,18 +158,6 @@ def check_archs(name: str, fat: Fatbin, archs: list[Arch]) -> None:
             hint="nvcc dropped or added an image; check the --arch list against `nvcc --list-gpu-code`")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _read_cache(key: str) -> tuple[bytes, dict] | None:
     """A cached build, if present and intact (its recorded sha256 matches)."""
     bin_path, meta_path = cache_dir() / f"{key}.fatbin", cache_dir() / f"{key}.json"
@@ -214,8 +203,8 @@ def build_module(src: Path, archs: list[Arch], flags: list[str], tk: Toolkit, ou
     check_archs(name, fat, archs)
     if not hit and use_cache:
         meta = {"sha256": sha256_bytes(data), "seconds_by_arch": secs_by_arch, "command": argv}
-        _write_atomic(cache_dir() / f"{key}.fatbin", data)
-        _write_atomic(cache_dir() / f"{key}.json", json.dumps(meta).encode())
+        write_atomic(cache_dir() / f"{key}.fatbin", data)
+        write_atomic(cache_dir() / f"{key}.json", json.dumps(meta).encode())
 
     per_arch = []
     for e in fat.entries:
@@ -223,7 +212,7 @@ def build_module(src: Path, archs: list[Arch], flags: list[str], tk: Toolkit, ou
         back = secs_by_arch.get(f"sm_{e.cc}{e.variant}", 0.0) if e.kind == "sass" else 0.0
         per_arch.append(ArchStat(arch=e.arch, kind=e.kind, bytes=e.stored_size, seconds=round(front + back, 3)))
     path = out_dir / f"{name}.fatbin"
-    _write_atomic(path, data)
+    write_atomic(path, data)
     inputs = {src.name: sha256_bytes(src.read_bytes())} | {n: sha256_bytes(b) for n, b in headers.items()}
     return ModuleBuild(name=name, path=str(path), sha256=sha256_bytes(data), size=len(data),
                        archs={"sass": fat.sass, "ptx": fat.ptx}, kernels=list(fat.kernels), per_arch=per_arch,
@@ -267,5 +256,5 @@ def build(archs: list[Arch] | None = None, out_dir: Path | str = "dist/kernels",
         modules.append(build_module(src, archs, flags, tk, out_dir, use_cache=use_cache, threads=threads))
     result = BuildResult(toolkit=tk, host_compiler=host_compiler(), archs=[a.name for a in archs], flags=flags,
                          out_dir=out_dir, modules=modules)
-    _write_atomic(out_dir / "build.json", (json.dumps(result.as_dict(), indent=2, sort_keys=True) + "\n").encode())
+    write_atomic(out_dir / "build.json", (json.dumps(result.as_dict(), indent=2, sort_keys=True) + "\n").encode())
     return result

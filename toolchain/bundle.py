@@ -19,11 +19,11 @@ import json
 import os
 import sys
 import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError, VerificationError
+from .files import write_atomic
 from .manifest import (MANIFEST, MAX_MANIFEST_SIZE, MAX_MEMBERS, SIGNATURE, check_member_name, parse_manifest,
                        sha256_hex)
 
@@ -203,15 +203,7 @@ def write_stamp(real: str, st: os.stat_result, root: str, signers: list[str]) ->
     # Plain JSON, not canonical: nanosecond times exceed the 2**53 that canonical JSON numbers allow.
     data = json.dumps(_stamp_key(real, st, root) | {"signers": sorted(set(signers))}, sort_keys=True).encode()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, data)
     except OSError:
         pass
 

@@ -23,11 +23,11 @@ import binascii
 import hashlib
 import json
 import os
-import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 from .errors import UsageError, VerificationError
+from .files import write_atomic
 from .manifest import SIGNATURE, canonical_json, resources
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -106,21 +106,6 @@ def keygen(prefix: str | Path) -> dict:
     write_atomic(key_path, private, mode=0o600)
     write_atomic(pub_path, public, mode=0o644)
     return {"key": str(key_path), "pub": str(pub_path), "keyid": keyid_of_der(der)}
-
-
-def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Temp file in the same folder (created 0600 by mkstemp, so a private key is never readable), then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            os.fchmod(f.fileno(), mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --- signers and verifiers ---------------------------------------------------------------------------
