@@ -37,12 +37,15 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: Path | str, *args: str):
+        self.args = [sys.executable, "-m", "ingot.toolchain", "serve", str(model), *args]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="ingot-serve-", suffix=".log", delete=False)
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="ingot-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "ingot.toolchain", "serve", str(model),
-                                      "--port", str(self.port), *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=os.environ | {"NO_COLOR": "1"})
+        self.proc = subprocess.Popen([*self.args, "--port", str(self.port)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=os.environ | {"NO_COLOR": "1"})
 
     @property
     def output(self) -> str:
@@ -53,6 +56,11 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "cannot listen on" in self.output:      # another process took the free port first: again
+                    self.log.seek(0)
+                    self.log.truncate()
+                    self._start()
+                    continue
                 raise AssertionError(f"ingot serve exited with {self.proc.returncode}:\n{self.output}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:

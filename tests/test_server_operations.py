@@ -147,3 +147,32 @@ def test_health_answers_while_loading(model_path, monkeypatch):
         assert server.scheduler.ready.wait(30)
         assert client.get("/health").status_code == 200
 
+
+
+def test_gpu_choice(monkeypatch):
+    """Without --gpu the GPU with the most free memory (NVML's reading); --gpu N is checked against the machine."""
+    from ingot.runtime.server.app import pick_gpu
+    from ingot.toolchain import probe
+    from ingot.toolchain.errors import UsageError
+
+    gpus = tuple(probe.Gpu(i, "H200", 90, 141 << 30, free << 30) for i, free in enumerate((20, 130, 60)))
+    monkeypatch.setattr(probe, "probe", lambda: probe.Machine("580", 13000, gpus))
+    assert pick_gpu(None) == 1 and pick_gpu(2) == 2
+    with pytest.raises(UsageError, match="0..2"):
+        pick_gpu(3)
+
+
+def test_device_choice(tiny_model, monkeypatch):
+    """auto: the CPU engine when there is no GPU, or when the GPU engine cannot take the model; cuda: that refusal
+    is the answer (exit 3). The tiny model's head_dim 16 is one the GPU kernels do not take."""
+    from ingot.runtime.engines.cpu import CpuEngine
+    from ingot.runtime.server.app import Options, open_serving_engine
+    from ingot.toolchain import probe
+    from ingot.toolchain.errors import IncompatibleError
+
+    for gpus in ((), (probe.Gpu(0, "H200", 90, 141 << 30, 100 << 30),)):
+        monkeypatch.setattr(probe, "probe", lambda gpus=gpus: probe.Machine("580", 13000, gpus))
+        engine = open_serving_engine(tiny_model, Options(device="auto", max_seqs=3, ctx=64))
+        assert isinstance(engine, CpuEngine) and (engine.max_seqs, engine.max_ctx) == (3, 64)
+        with pytest.raises(IncompatibleError):
+            open_serving_engine(tiny_model, Options(device="cuda"))

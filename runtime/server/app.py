@@ -13,7 +13,8 @@ dialect's shaping. Any error becomes the dialect's error body with its status co
 A streamed response cancels its job whenever it ends (finished, client gone, shutdown); a non-streamed one
 watches for the client's disconnect while it waits. Cancelling frees the sequence's KV cache before the
 next decode step. On SIGINT/SIGTERM uvicorn stops accepting connections and in-flight requests get
-SHUTDOWN_GRACE_S to finish; what is left is cancelled, then the engine thread stops and the engine closes.
+SHUTDOWN_GRACE_S to finish; what is left then ends with a 503 in its API's shape (an error event in a
+stream), then the engine thread stops and the engine closes.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+import uvicorn
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -204,7 +206,7 @@ class Server:
                 yield error_event(e)
 
         if media_type is None:
-            response = EventSourceResponse(guarded(), sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S)
+            response = EventSourceResponse(guarded(), sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S + 2)
         else:
             response = StreamingResponse(guarded(), media_type=media_type)
         return _CancelAtEnd(response, lambda: self.scheduler.cancel(job))
@@ -294,16 +296,28 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, which also starts the scheduler's drain when SIGINT/SIGTERM arrives: requests still
+    running SHUTDOWN_GRACE_S later end with a 503 in their API's shape, before uvicorn's own deadline (a little
+    later) would cut them off mid-response."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler):
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self.scheduler.drain(SHUTDOWN_GRACE_S)
+
+
 def serve(spec: str, options: Options, host: str = "127.0.0.1", port: int = 8080) -> None:
     """Run the server until SIGINT/SIGTERM. If the model fails to load, the server stops and the error is
     raised (its exit code is the model's: 2, 3, 5 ...)."""
-    import uvicorn
-
     server = Server(spec, options)
     sock = _listen(host, port)
-    config = uvicorn.Config(create_app(server), lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    config = uvicorn.Config(create_app(server), lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 2,
                             access_log=False)
-    http = uvicorn.Server(config)
+    http = _Uvicorn(config, server.scheduler)
     log.info("serving %s on http://%s:%d (/health answers 200 once the model is loaded)", spec, host,
              sock.getsockname()[1])
 

@@ -33,8 +33,6 @@ from ..kernels import PAGE
 from ..tokenizer import Tokenizer
 from .request import ApiError
 
-CANCELLED = ApiError(499, "the request was cancelled (the client went away)")
-
 
 class Observer(Protocol):
     """What the scheduler reports (metrics.py implements it)."""
@@ -87,7 +85,7 @@ class Job:
     def stop_sequence(self) -> str | None:
         return self._stops.matched
 
-    def _emit(self, item: Chunk | ApiError) -> None:
+    def emit(self, item: Chunk | ApiError) -> None:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:           # the event loop is closed: nobody is left to read it
@@ -124,6 +122,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._stopping = False
+        self._deadline: float | None = None            # set by drain()
         self._reserved = 0                             # KV pages reserved by running jobs
         self._kv_total = self._page_tokens = 0
         self._thread: threading.Thread | None = None
@@ -147,6 +146,11 @@ class Scheduler:
         with self._cv:
             job.cancelled = True
             self._cv.notify()
+
+    def drain(self, seconds: float) -> None:
+        """Shutdown has begun: what is still queued or generating after `seconds` is ended with a 503. Called
+        from a signal handler, so it only sets a deadline (taking the lock there could deadlock)."""
+        self._deadline = time.monotonic() + seconds
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is still queued or running, release it, close the engine, and end the thread."""
@@ -175,6 +179,8 @@ class Scheduler:
                 self._retire_cancelled()
                 self._admit()
                 self._step()
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self._end_all()
                 self._publish()
         except BaseException as e:     # a bug here would leave every request waiting: stop the server instead
             self.failure = e
@@ -198,7 +204,7 @@ class Scheduler:
             for job in gone:
                 self._waiting.remove(job)
         for job in gone + [j for j in self._running if j.cancelled]:
-            self._fail(job, CANCELLED, "cancelled")
+            self._fail(job, ApiError(499, "the request was cancelled (the client went away)"), "cancelled")
 
     def _admit(self) -> None:
         engine = self.engine
@@ -252,7 +258,7 @@ class Scheduler:
         job.last_token = token
         if chunk.finish_reason:
             self._retire(job, chunk.finish_reason)
-        job._emit(chunk)
+        job.emit(chunk)
         return len(chunk.token_ids)
 
     def _retire(self, job: Job, reason: str) -> None:
@@ -269,7 +275,7 @@ class Scheduler:
         self._retire(job, reason)
         if isinstance(e, UsageError):          # e.g. a prompt that does not fit the context
             e = ApiError(400, str(e))
-        job._emit(e if isinstance(e, ApiError) else ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
+        job.emit(e if isinstance(e, ApiError) else ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
 
     def _publish(self) -> None:
         pool = getattr(self.engine, "pages", None)
@@ -279,12 +285,17 @@ class Scheduler:
             used = sum(self._pages(self.engine.seq_len(j.seq)) for j in self._running)
         self.stats = Stats(len(self._waiting), len(self._running), used, self._kv_total)
 
-    def _shut_down(self) -> None:
+    def _end_all(self) -> None:
+        """End every queued and running request with a 503 (shutdown)."""
         with self._cv:
-            self._stopping = True                      # later submits get 503
             queued, self._waiting = list(self._waiting), deque()
         for job in queued + list(self._running):
             self._fail(job, ApiError(503, "the server is shutting down"), "cancelled")
+
+    def _shut_down(self) -> None:
+        with self._cv:
+            self._stopping = True                      # later submits get 503
+        self._end_all()
         self._publish()
         close = getattr(self.engine, "close", None)      # the GPU engine frees its device memory
         if close is not None:
