@@ -153,3 +153,27 @@ def test_stop_sequence_is_named(tiny_model, tiny_tokenizer, stops, text, matched
     finally:
         loop.close()
     assert job.generation.finish_reason == "stop" and job.stop_sequence == matched
+
+
+def test_chunks_that_queue_up_come_out_merged(tiny_tokenizer):
+    """A consumer that falls behind gets one delta for what piled up (fewer, larger stream events), and an error
+    after text still delivers the text first."""
+    from ingot.runtime.generate import Chunk
+
+    async def consume(items):
+        job = Job(tiny_tokenizer, GenerationRequest((1,), SamplingParams(), 8), asyncio.get_running_loop())
+        for item in items:
+            job.emit(item)
+        await asyncio.sleep(0)                              # let the emitted items land in the queue
+        got = []
+        try:
+            async for chunk in job.chunks():
+                got.append(chunk)
+        except ApiError as e:
+            got.append(e.status)
+        return got
+
+    done = asyncio.run(consume([Chunk("a", (5,)), Chunk("b", (6,)), Chunk("", (), "eos")]))
+    assert done == [Chunk("ab", (5, 6), "eos")]
+    failed = asyncio.run(consume([Chunk("a", (5,)), ApiError(500, "device lost")]))
+    assert failed == [Chunk("a", (5,)), 500]

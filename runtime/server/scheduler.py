@@ -92,14 +92,23 @@ class Job:
             pass
 
     async def chunks(self) -> AsyncIterator[Chunk]:
-        """The generated chunks; the last has a finish_reason. Raises ApiError if generation failed."""
+        """The generated chunks; the last has a finish_reason. Raises ApiError if generation failed.
+
+        Chunks that arrived while the consumer was busy come out merged into one, so a response that falls
+        behind the engine (many streams, a fast GPU) sends fewer, larger deltas instead of falling further
+        behind."""
         while True:
-            item = await self._queue.get()
-            if isinstance(item, ApiError):
-                raise item
-            yield item
-            if item.finish_reason:
-                return
+            items = [await self._queue.get()]
+            while not self._queue.empty() and not isinstance(items[-1], ApiError):
+                items.append(self._queue.get_nowait())
+            chunks = [c for c in items if isinstance(c, Chunk)]
+            if chunks:
+                yield Chunk("".join(c.text for c in chunks), tuple(t for c in chunks for t in c.token_ids),
+                            chunks[-1].finish_reason) if len(chunks) > 1 else chunks[0]
+                if chunks[-1].finish_reason:
+                    return
+            if isinstance(items[-1], ApiError):
+                raise items[-1]
 
 
 @dataclass(frozen=True)
