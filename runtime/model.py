@@ -247,14 +247,13 @@ _INDEX_SCHEMA = "ingot-model-index-v1"
 def _index_file(path: Path, offset: int, size: int | None) -> Path:
     import hashlib
     import json
-    import os
+
+    from ingot.toolchain.files import cache_root
 
     st = path.stat()
     key = json.dumps([_INDEX_SCHEMA, str(path.resolve()), offset, size, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                       st.st_ino, st.st_dev])
-    base = os.environ.get("INGOT_CACHE_DIR")
-    root = Path(base) if base else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ingot"
-    return root / "index" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+    return cache_root() / "index" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
 
 def _save_index(model: Model, starts: dict[str, int], index: Path) -> None:

@@ -32,7 +32,7 @@ from typing import Callable
 from .archs import Arch, default_policy, kernel_source_dir
 from .errors import BuildError, UsageError
 from .fatbin import Fatbin, parse_fatbin
-from .files import write_atomic
+from .files import cache_root, write_atomic
 from .nvcc import HIDDEN_INPUT_VARS, Toolkit, host_compiler, require_toolkit
 
 CACHE_SCHEMA = "ingot-kernel-cache-v2"
@@ -84,11 +84,7 @@ class BuildResult:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("INGOT_CACHE_DIR")
-    if base:
-        return Path(base) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "ingot" / "kernels"
+    return cache_root() / "kernels"
 
 
 def sha256_bytes(data: bytes) -> str:

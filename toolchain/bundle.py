@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError, VerificationError
-from .files import write_atomic
+from .files import cache_root, write_atomic
 from .manifest import (MANIFEST, MAX_MANIFEST_SIZE, MAX_MEMBERS, SIGNATURE, check_member_name, parse_manifest,
                        sha256_hex)
 
@@ -169,11 +169,7 @@ def read_signature(f, index: list[Member]) -> bytes | None:
 # --- verified stamps ---------------------------------------------------------------------------------
 
 def stamp_dir() -> Path:
-    base = os.environ.get("INGOT_CACHE_DIR")
-    if base:
-        return Path(base) / "verified"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "ingot" / "verified"
+    return cache_root() / "verified"
 
 
 def _stamp_key(real: str, st: os.stat_result, root: str) -> dict:
