@@ -7,7 +7,6 @@ Synthetic models (runtime/synth.py) are written once per session.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import gguf
@@ -106,17 +105,6 @@ def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, drop: tuple[s
 @pytest.fixture
 def ingot(monkeypatch, capsys):
     """ingot(*args) -> (exit code, stdout, stderr), running `ingot ARGS` through main() (the real exit codes)."""
-    from ingot.toolchain.cli import main
+    from bundle_fixtures import run_cli
 
-    def run(*args) -> tuple[int, str, str]:
-        monkeypatch.setattr(sys, "argv", ["ingot", *map(str, args)])
-        capsys.readouterr()
-        try:
-            main()
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err
-
-    return run
+    return lambda *args: run_cli(monkeypatch, capsys, *args)
