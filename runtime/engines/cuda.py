@@ -93,6 +93,7 @@ class CudaEngine:
         if c.dim % 32 or c.ffn_dim % 32:
             raise IncompatibleError("model dims must be multiples of 32 for the GPU kernels", hint="use --device cpu")
         self.max_seqs = max_seqs
+        self.qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim   # width of the stacked q,k,v rows
         self.max_ctx = max_ctx or min(c.n_ctx_train, DEFAULT_MAX_CTX)
         self.max_pages = (self.max_ctx + PAGE - 1) // PAGE
 
@@ -137,7 +138,7 @@ class CudaEngine:
     def _alloc_buffers(self) -> None:
         c, B, T = self.config, self.max_seqs, PREFILL_CHUNK
         D, F, V = c.dim, c.ffn_dim, c.n_vocab
-        Dq, Dqkv = c.n_heads * c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        Dq, Dqkv = c.n_heads * c.head_dim, self.qkv_dim
         widest = max(D, Dq, F)
         a = self.pool.alloc
         # decode, for up to B sequences
@@ -222,7 +223,7 @@ class CudaEngine:
 
     def _decode_launches(self, B: int) -> list[Launch]:
         c, k, s = self.config, self.k, self.step
-        Dqkv, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.ffn_dim
+        Dqkv, F = self.qkv_dim, c.ffn_dim
         splits = max(1, min(MAX_SPLITS, -(-2 * self.dev.info.sm_count // (B * c.n_kv_heads))))
         if B >= GEMM_MIN_BATCH:
             return self._decode_launches_gemm(B, splits)
@@ -246,7 +247,7 @@ class CudaEngine:
     def _decode_launches_gemm(self, B: int, splits: int) -> list[Launch]:
         """Decode for wide batches: the prefill layer structure (fp16 activations, tensor-core GEMMs)."""
         c, k, s = self.config, self.k, self.step
-        Dqkv, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.ffn_dim
+        Dqkv, F = self.qkv_dim, c.ffn_dim
         L: list[Launch] = [k.embed(self.w.embed, s.ptr["tokens"], self.x, B)]
         for i, lw in enumerate(self.w.layers):
             L.append(k.rmsnorm(self.x.ptr, lw.attn_norm, B, c.dim, c.norm_eps, yh=self.xh))
@@ -271,7 +272,7 @@ class CudaEngine:
         """The layers over T tokens of one sequence at positions pre.pos[0..T). Ends with logits of every row
         (all_logits) or with the last row's logits and a sampled token."""
         c, k, p = self.config, self.k, self.pre
-        Dqkv, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.ffn_dim
+        Dqkv, F = self.qkv_dim, c.ffn_dim
         L: list[Launch] = [k.embed(self.w.embed, p.ptr["tokens"], self.px, T)]
         for i, lw in enumerate(self.w.layers):
             L.append(k.rmsnorm(self.px.ptr, lw.attn_norm, T, c.dim, c.norm_eps, yh=self.pxh))
