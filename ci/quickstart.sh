@@ -4,7 +4,10 @@
 #   -> verify it -> check which GPUs/drivers it runs on -> generate text from it (on the GPU when one is
 #   present, else on the CPU reference engine).
 # Outputs go to $OUT (default dist/). Exit status: the first failing step's (see README, "Exit codes").
+# Creates and fills ./.venv first when no environment is active (ci/env.sh).
 set -euo pipefail
+cd "$(dirname "$0")/.."
+. ci/env.sh
 OUT=${OUT:-dist}
 
 model=$(ingot model fetch smollm2)

@@ -19,7 +19,6 @@
 // Scores are scaled by `scale` (1/sqrt(hd)); everything accumulates in fp32.
 #include "common.cuh"
 
-#define ATT_WARPS 4
 #define GMAX 8           // query heads per kv head handled by one decode block (GQA group size)
 #define NEG_BIG -1e30f   // running-max start: exp(NEG_BIG - m) == 0 without inf - inf
 
@@ -198,7 +197,7 @@ template <int HD>
 __device__ void attn_prefill(const float* __restrict__ qkv, int ldqkv, const __half* __restrict__ k_cache,
                              const __half* __restrict__ v_cache, const int* __restrict__ block_row, int start, int T,
                              __half* __restrict__ out, int H, int Hkv, float scale) {
-    constexpr int QPW = 4, QB = ATT_WARPS * QPW, DPL = HD / WARP;   // queries per warp/block, dims per lane
+    constexpr int QPW = ATT_QPW, QB = ATT_WARPS * QPW, DPL = HD / WARP;   // queries per warp/block, dims per lane
     // Dynamic shared memory (both head sizes share one kernel): sQ [QB][HD], sK [PAGE][HD+1], sV [PAGE][HD].
     // The +1 on sK rows: lanes read different rows of the same column, which would hit one bank.
     extern __shared__ float smem[];

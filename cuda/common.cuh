@@ -14,9 +14,9 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#define QK 32          // values per quantization block, for every quant type we support
+#include "constants.cuh"   // QK, PAGE, epilogue modes, block shapes: shared with the host (runtime/gpu/constants.py)
+
 #define WARP 32
-#define PAGE 32        // tokens per KV-cache page (the host's engine uses the same constant)
 
 // Nibble j of a Q4 block (GGUF order): byte j holds w[j] (low) and w[j + 16] (high).
 __device__ __forceinline__ int q4_nibble(const uint8_t* qs, int j) {

@@ -14,10 +14,8 @@
 
 using namespace nvcuda;
 
-#define MODE_STORE 0
-#define MODE_ADD 1
-#define BM 64
-#define BN 64
+#define BM MATMUL_BM
+#define BN MATMUL_BN
 #define BK 32
 #define LDS (BK + 8)       // smem row stride in halfs: a multiple of 8 (WMMA) that staggers banks
 #define LDC (BN + 4)

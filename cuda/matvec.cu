@@ -16,11 +16,6 @@
 //   MODE_SWIGLU  y[c*ldy + r]  = silu(W[r]·x) * (W[r + rows]·x), r < rows: W is [gate; up] stacked
 #include "common.cuh"
 
-#define MODE_STORE 0
-#define MODE_ADD 1
-#define MODE_SWIGLU 2
-#define MV_WARPS 4
-#define MV_COLS 4
 #ifndef MV_UNROLL_Q4
 // 16-byte Q4 blocks loaded per row per lane before the first use. Measured on the H200 (cuda/PERF.md): 1 beats
 // 2 and 4, the extra registers cost more occupancy than the deeper per-warp pipeline buys.

@@ -11,7 +11,6 @@
 // When V*4 bytes fit in shared memory the logits are staged there, since each bisection step re-reads them.
 #include "common.cuh"
 
-#define SAMPLE_THREADS 1024
 #define BISECT_STEPS 24
 
 __device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {

@@ -8,6 +8,7 @@ Cold start runs `ingot run MODEL -n 1` in a fresh process and times from spawn t
 its stdout: interpreter start, imports, bundle verification, CUDA context, weight upload, prefill, first token.
 Token ids are random (uniform over the vocabulary, fixed seed) as in llama-bench: speed does not depend on them.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,17 +20,17 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .sampling import SamplingParams
+from ingot.runtime.sampling import SamplingParams
 
 
 @dataclass
 class Result:
     test: str
-    n_tokens: int          # tokens processed or generated per repetition
+    n_tokens: int  # tokens processed or generated per repetition
     reps: int
     tok_s_mean: float
     tok_s_std: float
-    ms_mean: float         # wall time per repetition
+    ms_mean: float  # wall time per repetition
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -37,8 +38,14 @@ class Result:
 
 def _stats(test: str, n_tokens: int, seconds: list[float]) -> Result:
     rates = [n_tokens / s for s in seconds]
-    return Result(test, n_tokens, len(seconds), statistics.fmean(rates),
-                  statistics.stdev(rates) if len(rates) > 1 else 0.0, 1000 * statistics.fmean(seconds))
+    return Result(
+        test,
+        n_tokens,
+        len(seconds),
+        statistics.fmean(rates),
+        statistics.stdev(rates) if len(rates) > 1 else 0.0,
+        1000 * statistics.fmean(seconds),
+    )
 
 
 def _tokens(engine, n: int, seed: int) -> list[int]:
@@ -47,11 +54,11 @@ def _tokens(engine, n: int, seed: int) -> list[int]:
 
 def bench_pp(engine, n_prompt: int, reps: int) -> Result:
     times = []
-    for r in range(reps + 1):                          # repetition 0 warms up (plans, caches)
+    for r in range(reps + 1):  # repetition 0 warms up (plans, caches)
         s = engine.new_sequence(SamplingParams())
         prompt = _tokens(engine, n_prompt, seed=r)
         t0 = time.perf_counter()
-        engine.prefill(s, prompt)                      # returns after the sampled token is on the host
+        engine.prefill(s, prompt)  # returns after the sampled token is on the host
         dt = time.perf_counter() - t0
         engine.release(s)
         if r:
@@ -79,8 +86,19 @@ def bench_tg(engine, n_gen: int, reps: int, batch: int = 1) -> Result:
 
 def cold_start(model_spec: str, device: str, reps: int = 3) -> Result:
     """Seconds from spawning `ingot run MODEL -n 1` to the first byte it prints (the generated token)."""
-    cmd = [sys.executable, "-m", "ingot.toolchain", "run", model_spec, "-p", "The capital of France is", "-n", "1",
-           "--device", device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ingot",
+        "run",
+        model_spec,
+        "-p",
+        "The capital of France is",
+        "-n",
+        "1",
+        "--device",
+        device,
+    ]
     times = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for _ in range(reps):
@@ -90,7 +108,9 @@ def cold_start(model_spec: str, device: str, reps: int = 3) -> Result:
         dt = time.perf_counter() - t0
         _, err = proc.communicate()
         if proc.returncode != 0 or not first:
-            raise RuntimeError(f"cold-start run failed ({proc.returncode}): {err.decode(errors='replace').strip()[-300:]}")
+            raise RuntimeError(
+                f"cold-start run failed ({proc.returncode}): {err.decode(errors='replace').strip()[-300:]}"
+            )
         times.append(dt)
     r = _stats("cold start (spawn -> first token)", 1, times)
     return r
@@ -104,82 +124,15 @@ def run_benchmarks(engine, *, n_prompt: int, n_gen: int, reps: int, batches: lis
         for b in batches:
             results.append(bench_tg(engine, n_gen, reps, batch=b))
     report = {"results": [r.as_dict() for r in results]}
-    if hasattr(engine, "memory_report"):
+    if engine.name == "cuda":
         # The GPU engine allocates weights, KV cache and buffers up front, so the device's use after the run is
         # its peak (device-wide: includes the CUDA context and any other process on the GPU).
         mem = engine.memory_report()
-        report["gpu"] = {"device": mem["device"], "weights_bytes": mem["weights_bytes"],
-                         "engine_bytes": mem["pool_bytes"], "kv_pages": mem["kv_pages"],
-                         "device_used_bytes": mem["total"] - mem["free"]}
+        report["gpu"] = {
+            "device": mem["device"],
+            "weights_bytes": mem["weights_bytes"],
+            "engine_bytes": mem["engine_bytes"],
+            "kv_pages": mem["kv_pages"],
+            "device_used_bytes": mem["total"] - mem["free"],
+        }
     return report
-
-
-# --- the command ------------------------------------------------------------------------------------
-
-def register(cli) -> None:
-    import click
-
-    @cli.command()
-    @click.argument("model_spec", metavar="MODEL")
-    @click.option("-p", "--n-prompt", default=512, show_default=True, type=click.IntRange(min=0),
-                  help="Prompt tokens for the pp test (0 skips it).")
-    @click.option("-n", "--n-gen", default=128, show_default=True, type=click.IntRange(min=0),
-                  help="Generated tokens for the tg tests (0 skips them).")
-    @click.option("-r", "--reps", default=5, show_default=True, type=click.IntRange(min=1),
-                  help="Timed repetitions per test (after one warm-up).")
-    @click.option("--batch", "batches", default="1", show_default=True, metavar="LIST",
-                  help="Decode batch sizes, e.g. 1,4,16,64 (tg at each).")
-    @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-    @click.option("--cold-start/--no-cold-start", "with_cold_start", default=True, show_default=True,
-                  help="Also time `ingot run MODEL -n 1` in a fresh process (spawn -> first token).")
-    @click.option("--allow-unverified", is_flag=True, help="Benchmark a bundle that does not verify.")
-    @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-    def bench(model_spec, n_prompt, n_gen, reps, batches, device, with_cold_start, allow_unverified, as_json):
-        """Throughput like llama-bench: pp (prefill), tg (batch-1 and batched decode), cold start, GPU memory."""
-        import json as _json
-
-        from rich.console import Console
-        from rich.table import Table
-
-        from ingot.toolchain.errors import UsageError
-
-        from .engines import open_engine
-        from .resolve import open_model
-
-        try:
-            sizes = sorted({int(b) for b in batches.split(",") if b.strip()})
-        except ValueError:
-            raise UsageError(f"--batch {batches!r} is not a list of integers", hint="e.g. --batch 1,4,16") from None
-        if not sizes or min(sizes) < 1:
-            raise UsageError("--batch sizes must be >= 1")
-        model = open_model(model_spec, allow_unverified=allow_unverified)
-        engine = open_engine(model, device, max_seqs=max(sizes), max_ctx=max(n_prompt, 8 * max(sizes)) + n_gen + 8)
-        try:
-            report = run_benchmarks(engine, n_prompt=n_prompt, n_gen=n_gen, reps=reps, batches=sizes)
-            backend = "cuda" if hasattr(engine, "memory_report") else "cpu"
-        finally:
-            if hasattr(engine, "close"):
-                engine.close()
-        if with_cold_start:
-            report["results"].append(cold_start(model_spec, backend).as_dict())
-        c = model.config
-        report["model"] = {"name": model.name, "arch": c.arch, "params": model.n_params,
-                           "size_bytes": sum(t.nbytes for t in model.tensors.values()),
-                           "quant_types": model.quant_types, "backend": backend}
-        if as_json:
-            click.echo(_json.dumps(report, indent=2, sort_keys=True))
-            return
-        m = report["model"]
-        table = Table(title=f"{m['name']} ({m['arch']}, {m['params'] / 1e6:,.0f}M params, "
-                            f"{m['size_bytes'] / 2**20:,.0f} MiB, {'/'.join(m['quant_types'])}) on {backend}")
-        for col in ("test", "t/s", "ms/rep", "reps"):
-            table.add_column(col, justify="left" if col == "test" else "right")
-        for r in report["results"]:
-            rate = f"{r['tok_s_mean']:,.1f} ± {r['tok_s_std']:,.1f}" if r["n_tokens"] > 1 else "-"
-            table.add_row(r["test"], rate, f"{r['ms_mean']:,.2f}", str(r["reps"]))
-        Console(highlight=False).print(table)
-        if "gpu" in report:
-            g = report["gpu"]
-            click.echo(f"GPU {g['device']}: weights {g['weights_bytes'] / 2**20:,.0f} MiB, engine total "
-                       f"{g['engine_bytes'] / 2**20:,.0f} MiB ({g['kv_pages']} KV pages), device memory in use "
-                       f"{g['device_used_bytes'] / 2**20:,.0f} MiB")

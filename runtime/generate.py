@@ -11,16 +11,16 @@ The engine samples tokens (runtime/engines/base.py); this module turns them into
 `Generation` does this for one sequence, token by token, so a server can drive many sequences through one
 engine.decode call; `generate` drives a single request from prefill to the end.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
-from ingot.toolchain.errors import UsageError
-
-from .engines.base import Engine
-from .sampling import SamplingParams
-from .tokenizer import Tokenizer
+from ingot.runtime.engines.base import Engine
+from ingot.runtime.errors import UsageError
+from ingot.runtime.model.tokenizer import Tokenizer
+from ingot.runtime.sampling import SamplingParams
 
 __all__ = ["Chunk", "Generation", "GenerationRequest", "SamplingParams", "generate"]
 
@@ -37,16 +37,18 @@ class GenerationRequest:
         if not self.prompt_tokens:
             raise UsageError("the prompt is empty")
         if len(self.prompt_tokens) > max_ctx:
-            raise UsageError(f"the prompt is {len(self.prompt_tokens)} tokens, longer than the context of {max_ctx}",
-                             hint="shorten the prompt")
+            raise UsageError(
+                f"the prompt is {len(self.prompt_tokens)} tokens, longer than the context of {max_ctx}",
+                hint="shorten the prompt",
+            )
         if self.max_tokens < 1:
             raise UsageError("max tokens must be at least 1")
 
 
 @dataclass(frozen=True)
 class Chunk:
-    text: str                       # new text since the previous chunk (may be empty while text is held back)
-    token_ids: tuple[int, ...]      # the generated token(s) this chunk accounts for; none for the final EOS
+    text: str  # new text since the previous chunk (may be empty while text is held back)
+    token_ids: tuple[int, ...]  # the generated token(s) this chunk accounts for; none for the final EOS
     finish_reason: str | None = None  # on the last chunk: "eos", "stop" or "length"
 
 
@@ -62,7 +64,7 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
-        self.ids = list(context[-self.CONTEXT_TOKENS:])
+        self.ids = list(context[-self.CONTEXT_TOKENS :])
         self.prefix = 0
         self.read = len(self.ids)
 
@@ -75,12 +77,12 @@ class IncrementalDecoder:
         return self._delta(final=True)
 
     def _delta(self, final: bool) -> str:
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
 
 class StopStrings:
@@ -95,10 +97,10 @@ class StopStrings:
         self.pending += text
         hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[:min(hits)], ""
+            out, self.pending = self.pending[: min(hits)], ""
             return out, True
         hold = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
-        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        out, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold :]
         return out, False
 
     def flush(self) -> str:
@@ -138,11 +140,18 @@ class Generation:
         return Chunk(text, tokens, reason)
 
 
-def generate(engine: Engine, tokenizer: Tokenizer, prompt_tokens: Sequence[int],
-             params: SamplingParams | None = None, max_tokens: int = 256, stop: Sequence[str] = ()) -> Iterator[Chunk]:
+def generate(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    prompt_tokens: Sequence[int],
+    params: SamplingParams | None = None,
+    max_tokens: int = 256,
+    stop: Sequence[str] = (),
+) -> Iterator[Chunk]:
     """Run one request to its end, yielding a Chunk per generated token; the last has a finish_reason."""
-    request = GenerationRequest(tuple(int(t) for t in prompt_tokens), params or SamplingParams(), max_tokens,
-                                tuple(stop))
+    request = GenerationRequest(
+        tuple(int(t) for t in prompt_tokens), params or SamplingParams(), max_tokens, tuple(stop)
+    )
     request.check(engine.max_ctx)
     generation = Generation(tokenizer, request)
     seq = engine.new_sequence(request.params)

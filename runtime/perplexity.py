@@ -12,29 +12,29 @@
     running PPL exp(mean nll) is reported ("[1]x,[2]y,..."), and at the end PPL +/- its standard error
     ppl * sqrt((mean(nll^2) - mean(nll)^2) / (count - 1)).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import numpy as np
 
-from ingot.toolchain.errors import UsageError
-
-from .engines.base import Engine
-from .sampling import SamplingParams
-from .tokenizer import Tokenizer
+from ingot.runtime.engines.base import Engine
+from ingot.runtime.errors import UsageError
+from ingot.runtime.model.tokenizer import Tokenizer
+from ingot.runtime.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class PerplexityResult:
     ppl: float
     stderr: float
-    n_tokens: int          # tokens in the whole text
+    n_tokens: int  # tokens in the whole text
     n_ctx: int
     n_chunks: int
-    n_scored: int          # tokens whose prediction was scored
+    n_scored: int  # tokens whose prediction was scored
     running: tuple[float, ...]  # PPL after each chunk
 
     def as_dict(self) -> dict:
@@ -42,8 +42,10 @@ class PerplexityResult:
 
     def llama_cpp_lines(self) -> str:
         """The two lines llama-perplexity prints: the running values, then the final estimate."""
-        return ("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(self.running))
-                + f"\nFinal estimate: PPL = {self.ppl:.4f} +/- {self.stderr:.5f}")
+        return (
+            "".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(self.running))
+            + f"\nFinal estimate: PPL = {self.ppl:.4f} +/- {self.stderr:.5f}"
+        )
 
 
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -58,17 +60,26 @@ def tokenize_for_perplexity(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special=True, parse_special=False)
 
 
-def perplexity(engine: Engine, tokens: list[int], *, n_ctx: int = 512, n_batch: int | None = None,
-               max_chunks: int | None = None, bos_id: int | None = None,
-               on_chunk: Callable[[int, int, float], None] | None = None) -> PerplexityResult:
+def perplexity(
+    engine: Engine,
+    tokens: list[int],
+    *,
+    n_ctx: int = 512,
+    n_batch: int | None = None,
+    max_chunks: int | None = None,
+    bos_id: int | None = None,
+    on_chunk: Callable[[int, int, float], None] | None = None,
+) -> PerplexityResult:
     """tokens: the tokenized text; n_batch: tokens per engine call (llama.cpp's -b; the result does not depend
     on it); max_chunks: score only the first chunks (llama.cpp's --chunks); bos_id: put BOS in front of each
     chunk (when the model's add_bos is set). on_chunk(done, total, running_ppl) is called after each chunk."""
     if n_ctx < 4 or n_ctx > engine.max_ctx:
         raise UsageError(f"context {n_ctx} must be between 4 and the engine's {engine.max_ctx}")
     if len(tokens) < 2 * n_ctx:
-        raise UsageError(f"perplexity with a context of {n_ctx} needs at least {2 * n_ctx} tokens; "
-                         f"the text has {len(tokens)}", hint="use a longer text or a smaller -c")
+        raise UsageError(
+            f"perplexity with a context of {n_ctx} needs at least {2 * n_ctx} tokens; the text has {len(tokens)}",
+            hint="use a longer text or a smaller -c",
+        )
     if (n_batch is not None and n_batch < 1) or (max_chunks is not None and max_chunks < 1):
         raise UsageError("batch size and chunk count must be at least 1")
     n_batch = min(n_batch or n_ctx, n_ctx)
@@ -78,17 +89,17 @@ def perplexity(engine: Engine, tokens: list[int], *, n_ctx: int = 512, n_batch: 
     count = 0
     running = []
     for i in range(n_chunks):
-        chunk = list(tokens[i * n_ctx:(i + 1) * n_ctx])
+        chunk = list(tokens[i * n_ctx : (i + 1) * n_ctx])
         if bos_id is not None:
             chunk[0] = bos_id
         seq = engine.new_sequence(SamplingParams())
         try:
-            logits = np.concatenate([engine.logits(seq, chunk[b:b + n_batch]) for b in range(0, n_ctx, n_batch)])
+            logits = np.concatenate([engine.logits(seq, chunk[b : b + n_batch]) for b in range(0, n_ctx, n_batch)])
         finally:
             engine.release(seq)
         # Targets come from the original token list: only the chunk's first token was swapped for BOS.
-        targets = np.asarray(tokens[i * n_ctx + first + 1:(i + 1) * n_ctx], dtype=np.int64)
-        v = token_nll(logits[first:n_ctx - 1], targets)
+        targets = np.asarray(tokens[i * n_ctx + first + 1 : (i + 1) * n_ctx], dtype=np.int64)
+        v = token_nll(logits[first : n_ctx - 1], targets)
         nll += float(v.sum())
         nll2 += float(np.square(v).sum())
         count += len(v)

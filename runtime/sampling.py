@@ -4,25 +4,26 @@ The order is llama.cpp's default sampler chain: repetition penalty, then top-k, 
 untempered distribution), then temperature, then one draw. Temperature 0 is greedy: the argmax after the
 repetition penalty, ties going to the lowest token id.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from ingot.toolchain.errors import UsageError
+from ingot.runtime.errors import UsageError
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0        # 0 -> greedy
-    top_k: int = 0                  # 0 -> all tokens
-    top_p: float = 1.0              # keep the smallest set of most likely tokens whose probability reaches top_p
-    min_p: float = 0.0              # drop tokens less likely than min_p * the most likely one
+    temperature: float = 0.0  # 0 -> greedy
+    top_k: int = 0  # 0 -> all tokens
+    top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches top_p
+    min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one
     repetition_penalty: float = 1.0
-    repeat_last_n: int = 64         # the penalty covers the sequence's last n tokens, prompt included
-    seed: int | None = None         # same seed, same prompt, same engine -> same output; None -> random
+    repeat_last_n: int = 64  # the penalty covers the sequence's last n tokens, prompt included
+    seed: int | None = None  # same seed, same prompt, same engine -> same output; None -> random
 
     def __post_init__(self):
         checks = [
@@ -61,14 +62,14 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, recent: Sequence[int]) -> int:
     """logits [V] float32 -> token id. `recent` is the sequence so far (the penalty reads its tail)."""
-    window = recent[-params.repeat_last_n:] if params.repeat_last_n else []
+    window = recent[-params.repeat_last_n :] if params.repeat_last_n else []
     logits = penalize_repeats(logits, window, params.repetition_penalty)
     if params.greedy:
         return int(np.argmax(logits))
 
-    ids = np.argsort(-logits, kind="stable")                     # most likely first; ties: lower id first
+    ids = np.argsort(-logits, kind="stable")  # most likely first; ties: lower id first
     if params.top_k:
-        ids = ids[:params.top_k]
+        ids = ids[: params.top_k]
     x = logits[ids].astype(np.float64)
     if params.top_p < 1.0:
         keep = int(np.searchsorted(np.cumsum(_softmax(x)), params.top_p)) + 1

@@ -4,6 +4,7 @@ Kernels are built once per session for two archs (sm_90 SASS + compute_90 PTX) a
 models are small GGUFs written with gguf.GGUFWriter, or the runtime's tiny Llama (`ingot model synth`) where
 the CPU engine must run them. Bundles are made once and copied before tampering.
 """
+
 from __future__ import annotations
 
 import io
@@ -94,9 +95,10 @@ def kernel_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def toy_model(tmp_path_factory) -> Path:
     rng = np.random.default_rng(1)
-    return write_gguf(tmp_path_factory.mktemp("models") / "toy.gguf",
-                      {"tok.weight": rng.standard_normal((64, 32)).astype(np.float32),
-                       "norm.weight": np.ones(32, dtype=np.float32)})
+    return write_gguf(
+        tmp_path_factory.mktemp("models") / "toy.gguf",
+        {"tok.weight": rng.standard_normal((64, 32)).astype(np.float32), "norm.weight": np.ones(32, dtype=np.float32)},
+    )
 
 
 @pytest.fixture(scope="session")
@@ -109,13 +111,14 @@ def big_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A runnable tiny Llama (random weights, real tokenizer), from `ingot model synth --shape tiny`."""
-    synth = pytest.importorskip("ingot.runtime.synth", reason="the runtime's model synthesizer is not here")
+    synth = pytest.importorskip("ingot.runtime.model.synth", reason="the runtime's model synthesizer is not here")
     return synth.synthesize("tiny", "Q8_0", tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
 
 
 @pytest.fixture(scope="session")
 def toy_bundle(tmp_path_factory, kernel_dir, toy_model) -> Path:
     from ingot.toolchain.pack import pack
+
     out = tmp_path_factory.mktemp("bundles") / "toy.ingot"
     pack(toy_model, kernels=kernel_dir, out=out, selftest=False)
     return out
@@ -124,6 +127,7 @@ def toy_bundle(tmp_path_factory, kernel_dir, toy_model) -> Path:
 @pytest.fixture(scope="session")
 def big_bundle(tmp_path_factory, kernel_dir, big_model) -> Path:
     from ingot.toolchain.pack import pack
+
     out = tmp_path_factory.mktemp("bundles") / "big.ingot"
     pack(big_model, kernels=kernel_dir, out=out, selftest=False)
     return out
@@ -132,6 +136,7 @@ def big_bundle(tmp_path_factory, kernel_dir, big_model) -> Path:
 @pytest.fixture(scope="session")
 def keys(tmp_path_factory) -> dict:
     from ingot.toolchain.sign import keygen
+
     d = tmp_path_factory.mktemp("keys")
     return {"a": keygen(d / "a"), "b": keygen(d / "b")}
 
@@ -139,6 +144,7 @@ def keys(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def signed_bundle(tmp_path_factory, toy_bundle, keys) -> Path:
     from ingot.toolchain.sign import sign_bundle
+
     out = tmp_path_factory.mktemp("bundles") / "toy-signed.ingot"
     sign_bundle(toy_bundle, keys["a"]["key"], out)
     return out
@@ -147,10 +153,12 @@ def signed_bundle(tmp_path_factory, toy_bundle, keys) -> Path:
 @pytest.fixture
 def copy_of(tmp_path):
     """copy_of(bundle) -> a private copy to tamper with."""
+
     def copy(src: Path) -> Path:
         dst = tmp_path / src.name
         shutil.copyfile(src, dst)
         return dst
+
     return copy
 
 
@@ -160,4 +168,3 @@ def stamp_cache(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "cache"
     monkeypatch.setenv("INGOT_CACHE_DIR", str(d))
     return d / "verified"
-

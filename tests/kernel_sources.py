@@ -1,5 +1,6 @@
 """Tiny CUDA sources for the toolchain tests (the real kernels take a minute to build for every arch), and
 helpers to compile them with nvcc directly, independently of `ingot build`."""
+
 from __future__ import annotations
 
 import subprocess
@@ -45,6 +46,10 @@ def require_nvcc():
 def nvcc_fatbin(src: Path, out: Path, *options: str) -> bytes:
     """Compile src with plain nvcc (not ingot build) and return the fatbin bytes."""
     tk = require_nvcc()
-    subprocess.run([str(tk.nvcc), "-fatbin", "-O3", *options, "-o", str(out), src.name], cwd=src.parent,
-                   check=True, capture_output=True)
+    subprocess.run(
+        [str(tk.nvcc), "-fatbin", "-O3", *options, "-o", str(out), src.name],
+        cwd=src.parent,
+        check=True,
+        capture_output=True,
+    )
     return out.read_bytes()

@@ -4,6 +4,7 @@ The real SmolLM2-135M-Instruct GGUF is looked up where `ingot model fetch smollm
 first), then at $INGOT_TEST_MODEL and /tmp/model/model.gguf; tests that need it skip when it is absent.
 Synthetic models (runtime/synth.py) are written once per session.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,10 +14,10 @@ import gguf
 import numpy as np
 import pytest
 
-from ingot.runtime.fetch import model_path
-from ingot.runtime.model import load_model
-from ingot.runtime.synth import synthesize
-from ingot.runtime.tokenizer import Tokenizer
+from ingot.runtime.model.fetch import model_path
+from ingot.runtime.model.gguf import load_model
+from ingot.runtime.model.synth import synthesize
+from ingot.runtime.model.tokenizer import Tokenizer
 
 
 def _real_model_candidates() -> list[Path]:
@@ -71,8 +72,14 @@ def tiny_tokenizer(tiny_model):
     return Tokenizer.from_model(tiny_model)
 
 
-def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, drop: tuple[str, ...] = (),
-                 replace: dict[str, tuple[str, tuple[int, ...], bytes]] | None = None) -> Path:
+def rewrite_gguf(
+    src: Path,
+    dst: Path,
+    *,
+    arch: str | None = None,
+    drop: tuple[str, ...] = (),
+    replace: dict[str, tuple[str, tuple[int, ...], bytes]] | None = None,
+) -> Path:
     """Copy a GGUF, optionally renaming its architecture (and its `arch.*` keys), dropping tensors, or
     replacing tensors with (qtype, math-order shape, raw bytes)."""
     r = gguf.GGUFReader(src)
@@ -82,7 +89,7 @@ def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, drop: tuple[s
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         if arch and key.startswith(old + "."):
-            key = arch + key[len(old):]
+            key = arch + key[len(old) :]
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
     for t in r.tensors:

@@ -5,6 +5,7 @@ A ServerProcess runs `python -m ingot.toolchain serve MODEL --port P ...` and is
 building the prompt as `ingot run` does (chat_prompt with --chat, Tokenizer.encode without), so a server
 answer can be compared token for token.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,11 +21,11 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ingot.runtime.chat import chat_prompt
 from ingot.runtime.engines.cpu import CpuEngine
 from ingot.runtime.generate import SamplingParams, generate
-from ingot.runtime.model import load_model
-from ingot.runtime.tokenizer import Tokenizer
+from ingot.runtime.model.chat import chat_prompt
+from ingot.runtime.model.gguf import load_model
+from ingot.runtime.model.tokenizer import Tokenizer
 
 READY_TIMEOUT_S = 120
 
@@ -44,8 +45,12 @@ class ServerProcess:
     def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([*self.args, "--port", str(self.port)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=os.environ | {"NO_COLOR": "1"})
+        self.proc = subprocess.Popen(
+            [*self.args, "--port", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"NO_COLOR": "1"},
+        )
 
     @property
     def output(self) -> str:
@@ -56,7 +61,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                if "cannot listen on" in self.output:      # another process took the free port first: again
+                if "cannot listen on" in self.output:  # another process took the free port first: again
                     self.log.seek(0)
                     self.log.truncate()
                     self._start()
@@ -107,7 +112,7 @@ class ServerProcess:
 @dataclass(frozen=True)
 class Reference:
     text: str
-    finish_reason: str         # eos, stop, length
+    finish_reason: str  # eos, stop, length
     prompt_tokens: int
     completion_tokens: int
 
@@ -123,12 +128,21 @@ class ReferenceRunner:
     def prompt_tokens(self, messages: list[dict] | None = None, prompt: str | None = None) -> list[int]:
         return chat_prompt(self.tokenizer, messages) if messages is not None else self.tokenizer.encode(prompt)
 
-    def __call__(self, messages: list[dict] | None = None, prompt: str | None = None, max_tokens: int = 16,
-                 stop: tuple[str, ...] = ()) -> Reference:
+    def __call__(
+        self,
+        messages: list[dict] | None = None,
+        prompt: str | None = None,
+        max_tokens: int = 16,
+        stop: tuple[str, ...] = (),
+    ) -> Reference:
         tokens = self.prompt_tokens(messages, prompt)
         chunks = list(generate(self.engine, self.tokenizer, tokens, SamplingParams(), max_tokens, stop))
-        return Reference("".join(c.text for c in chunks), chunks[-1].finish_reason, len(tokens),
-                         sum(len(c.token_ids) for c in chunks))
+        return Reference(
+            "".join(c.text for c in chunks),
+            chunks[-1].finish_reason,
+            len(tokens),
+            sum(len(c.token_ids) for c in chunks),
+        )
 
 
 def sse_events(response: httpx.Response) -> list[tuple[str | None, str]]:

@@ -1,5 +1,6 @@
 """`ingot build` with the real nvcc: the default policy on the real kernels (once per module run), and the
 cache, reproducibility and arch check on tiny kernels; plus the CMake/pip packaging path."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,11 +16,11 @@ from pathlib import Path
 import pytest
 from kernel_sources import ANON_PREFIX, PLAIN_KERNELS, nvcc_fatbin, require_nvcc, write_sources
 
+from ingot.runtime.errors import BuildError, UsageError
+from ingot.runtime.gpu.fatbin import read_fatbin
 from ingot.toolchain import build as build_mod
 from ingot.toolchain.archs import parse_arch_list
 from ingot.toolchain.build import build
-from ingot.toolchain.errors import BuildError, UsageError
-from ingot.toolchain.fatbin import read_fatbin
 
 pytestmark = pytest.mark.nvcc
 
@@ -40,12 +41,15 @@ def private_cache(tmp_path, monkeypatch):
 
 def forbid_nvcc(monkeypatch):
     """Make any nvcc run fail the test: a cache hit must not compile."""
+
     def no_run(*a, **k):
         raise AssertionError(f"nvcc ran: {a[0] if a else k}")
+
     monkeypatch.setattr(build_mod.subprocess, "run", no_run)
 
 
 # --- the real kernels, default policy ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
@@ -117,6 +121,7 @@ def test_unchanged_real_kernels_come_from_the_cache(real, tmp_path, monkeypatch)
 
 # --- tiny kernels: reproducibility, cache, arch check --------------------------------------------------
 
+
 def test_reproducible_across_folders_and_thread_counts(tmp_path):
     a = write_sources(tmp_path / "a")
     b = write_sources(tmp_path / "some" / "other" / "place")
@@ -140,7 +145,7 @@ def test_hidden_nvcc_environment_does_not_leak_in(tmp_path, monkeypatch):
     clean = build(parse_arch_list("sm_80"), tmp_path / "clean", sources=[src], use_cache=False)
     plain = nvcc_fatbin(src, tmp_path / "plain.fatbin", opts)
     monkeypatch.setenv("NVCC_APPEND_FLAGS", "-lineinfo")
-    assert nvcc_fatbin(src, tmp_path / "plain-lineinfo.fatbin", opts) != plain   # the variable does reach nvcc
+    assert nvcc_fatbin(src, tmp_path / "plain-lineinfo.fatbin", opts) != plain  # the variable does reach nvcc
     dirty = build(parse_arch_list("sm_80"), tmp_path / "dirty", sources=[src], use_cache=False)
     assert dirty.modules[0].sha256 == clean.modules[0].sha256
 
@@ -214,8 +219,9 @@ def test_compile_error_is_a_one_line_build_error(tmp_path):
     assert "bad.cu" in str(exc.value) and "undefined_thing" in str(exc.value) and "\n" not in str(exc.value)
 
 
-@pytest.mark.parametrize("text", ["native", "sm_80,native", "all", "all-major", "", "sm_80,sm_80", "sm80",
-                                  "compute_90x"])
+@pytest.mark.parametrize(
+    "text", ["native", "sm_80,native", "all", "all-major", "", "sm_80,sm_80", "sm80", "compute_90x"]
+)
 def test_arch_list_refuses(text):
     with pytest.raises(UsageError):
         parse_arch_list(text)
@@ -242,6 +248,7 @@ def test_two_sources_with_one_name_are_refused(tmp_path):
 
 
 # --- packaging: CMake (what `pip install .` runs) ------------------------------------------------------
+
 
 def _cmake() -> str:
     cmake = shutil.which("cmake")
@@ -272,8 +279,7 @@ def _cmake_install(cmake: str, src: Path, tmp: Path, env: dict) -> tuple[str, Pa
     conf = subprocess.run([cmake, "-S", src, "-B", tmp / "b", *gen], env=env, capture_output=True, text=True)
     assert conf.returncode == 0, conf.stderr
     subprocess.run([cmake, "--build", tmp / "b"], env=env, check=True, capture_output=True)
-    subprocess.run([cmake, "--install", tmp / "b", "--prefix", tmp / "inst"], env=env, check=True,
-                   capture_output=True)
+    subprocess.run([cmake, "--install", tmp / "b", "--prefix", tmp / "inst"], env=env, check=True, capture_output=True)
     return conf.stdout + conf.stderr, tmp / "inst" / "ingot"
 
 
@@ -305,8 +311,23 @@ def test_pip_wheel_without_nvcc_is_cpu_only(tmp_path):
             shutil.copytree(ROOT / item, proj / item, ignore=shutil.ignore_patterns("__pycache__", "*.fatbin"))
         else:
             shutil.copy(ROOT / item, proj)
-    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w",
-                          tmp_path / "dist", proj], env=_no_nvcc_env(), capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-build-isolation",
+            "--no-deps",
+            "-w",
+            tmp_path / "dist",
+            proj,
+        ],
+        env=_no_nvcc_env(),
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "installing CPU-only" in run.stdout + run.stderr
     names = zipfile.ZipFile(next((tmp_path / "dist").glob("*.whl"))).namelist()

@@ -1,4 +1,5 @@
 """open_bundle: load-time trust for the runtime, and the verified-stamp cache."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ import tarfile
 import pytest
 from bundle_fixtures import flip_byte, member_offset, run_cli
 
-import ingot.toolchain.verify as verify_mod
-from ingot.toolchain.bundle import open_bundle
-from ingot.toolchain.errors import UsageError, VerificationError
+import ingot.runtime.bundle.open as verify_mod  # open_bundle calls check_members through this module
+from ingot.runtime.bundle.open import open_bundle
+from ingot.runtime.errors import UsageError, VerificationError
 
 
 def test_open_returns_what_the_runtime_needs(stamp_cache, toy_bundle, toy_model, kernel_dir):
@@ -29,7 +30,7 @@ def test_open_returns_what_the_runtime_needs(stamp_cache, toy_bundle, toy_model,
 
 def test_runtime_maps_the_model_in_place(stamp_cache, tmp_path, kernel_dir, tiny_llama):
     pytest.importorskip("ingot.runtime.model", reason="the runtime is not in this checkout")
-    from ingot.runtime.model import load_model
+    from ingot.runtime.model.gguf import load_model
     from ingot.toolchain.pack import pack
 
     bundle = tmp_path / "tiny.ingot"
@@ -49,7 +50,7 @@ def test_a_tampered_bundle_is_refused_at_load(stamp_cache, copy_of, toy_bundle, 
     b = open_bundle(bundle, allow_unverified=True)
     assert not b.verified and b.model_size == size
     assert "UNVERIFIED BUNDLE" in capsys.readouterr().err
-    assert not stamp_cache.exists() or not any(stamp_cache.iterdir())     # failures are never stamped
+    assert not stamp_cache.exists() or not any(stamp_cache.iterdir())  # failures are never stamped
 
 
 def test_the_stamp_skips_rehashing_until_the_file_changes(stamp_cache, copy_of, toy_bundle, monkeypatch):
@@ -80,7 +81,7 @@ def test_a_replaced_file_is_reverified(stamp_cache, copy_of, toy_bundle, big_bun
     real = verify_mod.check_members
     monkeypatch.setattr(verify_mod, "check_members", lambda *a, **k: calls.append(1) or real(*a, **k))
     shutil.copyfile(big_bundle, bundle.with_suffix(".new"))
-    os.replace(bundle.with_suffix(".new"), bundle)                      # same path, new inode and content
+    os.replace(bundle.with_suffix(".new"), bundle)  # same path, new inode and content
     assert open_bundle(bundle).manifest["name"] == "big" and calls == [1]
 
 
@@ -107,8 +108,9 @@ def test_unsigned_bundle_with_pubkey_and_missing_file(stamp_cache, toy_bundle, k
 
 
 def test_check_compat_reads_a_bundle(stamp_cache, monkeypatch, capsys, toy_bundle):
-    code, out, _ = run_cli(monkeypatch, capsys, "check-compat", toy_bundle, "--gpu", "sm_90,sm_100",
-                           "--driver", "580.65.06", "--json")
+    code, out, _ = run_cli(
+        monkeypatch, capsys, "check-compat", toy_bundle, "--gpu", "sm_90,sm_100", "--driver", "580.65.06", "--json"
+    )
     assert code == 0
     rows = json.loads(out)["decisions"]
     assert {(r["gpu"], r["verdict"]) for r in rows} == {("sm_90", "native"), ("sm_100", "jit")}

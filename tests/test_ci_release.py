@@ -1,4 +1,5 @@
 """ci/release.sh end to end on a tiny synthetic Llama: build, pack, verify, check-compat, sign, verify, rebuild."""
+
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +22,9 @@ INGOT = Path(sys.executable).parent / "ingot"
 def synth_model(tmp_path) -> Path:
     """The model a user would try the pipeline with: `ingot model synth --shape tiny`."""
     out = tmp_path / "tiny-llama.gguf"
-    proc = subprocess.run([INGOT, "model", "synth", "--shape", "tiny", "--quant", "Q8_0", "--out", out],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [INGOT, "model", "synth", "--shape", "tiny", "--quant", "Q8_0", "--out", out], capture_output=True, text=True
+    )
     if proc.returncode == 2 and "No such command" in proc.stderr:
         pytest.skip("`ingot model synth` is not in this checkout")
     assert proc.returncode == 0, proc.stderr
@@ -37,11 +39,17 @@ def release_env(tmp_path, kernel_dir, synth_model, keys):
     cache = tmp_path / "cache"
     cache.mkdir()
     if cache_dir().is_dir():
-        (cache / "kernels").symlink_to(cache_dir())      # compiled once this session already
+        (cache / "kernels").symlink_to(cache_dir())  # compiled once this session already
     env = {k: v for k, v in os.environ.items() if k not in ("SOURCE_DATE_EPOCH", "PUBKEY", "PACK_FLAGS")}
-    env.update(PATH=f"{INGOT.parent}{os.pathsep}{env.get('PATH', '')}", INGOT_CACHE_DIR=str(cache),
-               MODELS=str(synth_model), KEY=keys["a"]["key"], OUT=str(tmp_path / "release"), ARCHS=TEST_ARCHS,
-               TARGETS="sm_90:580.65.06 sm_100:580.65.06")
+    env.update(
+        PATH=f"{INGOT.parent}{os.pathsep}{env.get('PATH', '')}",
+        INGOT_CACHE_DIR=str(cache),
+        MODELS=str(synth_model),
+        KEY=keys["a"]["key"],
+        OUT=str(tmp_path / "release"),
+        ARCHS=TEST_ARCHS,
+        TARGETS="sm_90:580.65.06 sm_100:580.65.06",
+    )
     return env
 
 
@@ -55,19 +63,26 @@ def test_release_script_produces_signed_verified_reproducible_bundles(tmp_path, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "release"
     bundle = out / "tiny-llama.ingot"
-    for step in ("== build", "== pack", "== verify", "== check-compat", "== sign", "== verify the signature",
-                 "== rebuild --check"):
+    for step in (
+        "== build",
+        "== pack",
+        "== verify",
+        "== check-compat",
+        "== sign",
+        "== verify the signature",
+        "== rebuild --check",
+    ):
         assert step in proc.stderr
     sums = (out / "SHA256SUMS").read_text().split()
     assert sums == [hashlib.sha256(bundle.read_bytes()).hexdigest(), "tiny-llama.ingot"]
-    check = subprocess.run([INGOT, "verify", bundle, "--pubkey", keys["a"]["pub"]], env=release_env,
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [INGOT, "verify", bundle, "--pubkey", keys["a"]["pub"]], env=release_env, capture_output=True, text=True
+    )
     assert check.returncode == 0 and "valid, by --pubkey" in check.stdout
 
 
 def test_release_stops_when_a_target_cannot_run_the_kernels(tmp_path, release_env):
-    proc = _run(release_env | {"TARGETS": "sm_90:580.65.06 sm_80:580.65.06", "PACK_FLAGS": "--no-selftest"},
-                tmp_path)
+    proc = _run(release_env | {"TARGETS": "sm_90:580.65.06 sm_80:580.65.06", "PACK_FLAGS": "--no-selftest"}, tmp_path)
     assert proc.returncode == 3
     assert "check-compat" in proc.stderr and "sm_80" in proc.stdout + proc.stderr
     assert "== sign" not in proc.stderr

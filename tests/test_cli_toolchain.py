@@ -1,5 +1,6 @@
 """The `ingot build / inspect / doctor / check-compat` commands: output, JSON and exit codes
 (0 ok, 2 usage error, 3 incompatible or no GPU/driver, 6 build failed), one-line errors, no tracebacks."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,9 +12,9 @@ from pathlib import Path
 import pytest
 from kernel_sources import PLAIN_KERNELS, nvcc_fatbin, require_nvcc, write_sources
 
+from ingot.runtime.gpu.probe import probe
 from ingot.toolchain import build as build_mod
 from ingot.toolchain.cli import main
-from ingot.toolchain.probe import probe
 
 
 def ingot(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -43,17 +44,20 @@ def ampere(tmp_path_factory) -> Path:
 
 # --- check-compat ---------------------------------------------------------------------------------------
 
+
 def test_check_compat_runs_exit_0(ampere, monkeypatch, capsys):
-    code, out, _ = ingot(monkeypatch, capsys, "check-compat", ampere, "--gpu", "sm_86", "--driver", "580.65.06",
-                         "--json")
+    code, out, _ = ingot(
+        monkeypatch, capsys, "check-compat", ampere, "--gpu", "sm_86", "--driver", "580.65.06", "--json"
+    )
     result = json.loads(out)
     assert code == 0 and result["ok"] is True
     assert [(d["gpu"], d["verdict"], d["image"]) for d in result["decisions"]] == [("sm_86", "native", "sm_80")]
 
 
 def test_check_compat_incompatible_exit_3(ampere, monkeypatch, capsys):
-    code, out, _ = ingot(monkeypatch, capsys, "check-compat", ampere.parent, "--gpu", "sm_80,sm_90",
-                         "--driver", "13.0", "--json")
+    code, out, _ = ingot(
+        monkeypatch, capsys, "check-compat", ampere.parent, "--gpu", "sm_80,sm_90", "--driver", "13.0", "--json"
+    )
     verdicts = {d["gpu"]: d["verdict"] for d in json.loads(out)["decisions"] if d["module"] == "ampere.fatbin"}
     assert code == 3 and verdicts == {"sm_80": "native", "sm_90": "incompatible"}
 
@@ -65,11 +69,14 @@ def test_check_compat_hypothetical_old_driver(ampere, monkeypatch, capsys):
     assert "incompatible" in out and "580.65.06" in out
 
 
-@pytest.mark.parametrize("args", [
-    ["--gpu", "sm_9", "--driver", "13.0"],
-    ["--gpu", "sm_90a", "--driver", "13.0"],
-    ["--gpu", "sm_90", "--driver", "banana"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--gpu", "sm_9", "--driver", "13.0"],
+        ["--gpu", "sm_90a", "--driver", "13.0"],
+        ["--gpu", "sm_90", "--driver", "banana"],
+    ],
+)
 def test_check_compat_usage_errors_exit_2(args, ampere, monkeypatch, capsys):
     code, _, err = ingot(monkeypatch, capsys, "check-compat", ampere, *args)
     assert code == 2
@@ -77,8 +84,9 @@ def test_check_compat_usage_errors_exit_2(args, ampere, monkeypatch, capsys):
 
 
 def test_check_compat_missing_input_exit_2(tmp_path, monkeypatch, capsys):
-    code, _, err = ingot(monkeypatch, capsys, "check-compat", tmp_path / "nope.fatbin", "--gpu", "sm_80",
-                         "--driver", "13.0")
+    code, _, err = ingot(
+        monkeypatch, capsys, "check-compat", tmp_path / "nope.fatbin", "--gpu", "sm_80", "--driver", "13.0"
+    )
     assert code == 2 and "no such file" in one_line(err)
     code, _, err = ingot(monkeypatch, capsys, "check-compat", tmp_path, "--gpu", "sm_80", "--driver", "13.0")
     assert code == 2 and "no .fatbin files" in one_line(err)
@@ -94,6 +102,7 @@ def test_check_compat_without_gpu_or_driver_here_exit_3(ampere, monkeypatch, cap
 
 
 # --- build ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", ["native", "sm_80,native", "all"])
 def test_build_refuses_native(arch, tmp_path, monkeypatch, capsys):
@@ -128,8 +137,9 @@ def test_build_table(tiny_sources, tmp_path, monkeypatch, capsys):
 
 
 def test_build_json(tiny_sources, tmp_path, monkeypatch, capsys):
-    code, out, _ = ingot(monkeypatch, capsys, "build", "--json", "--jobs", "1", "--arch", "sm_80,compute_80",
-                         "--out", tmp_path / "d")
+    code, out, _ = ingot(
+        monkeypatch, capsys, "build", "--json", "--jobs", "1", "--arch", "sm_80,compute_80", "--out", tmp_path / "d"
+    )
     assert code == 0
     fatbin = json.loads(out)["fatbins"][0]
     assert Path(fatbin["path"]) == tmp_path / "d" / "k.fatbin"
@@ -145,6 +155,7 @@ def test_build_failure_exit_6(tiny_sources, tmp_path, monkeypatch, capsys):
 
 
 # --- inspect ----------------------------------------------------------------------------------------------
+
 
 def test_inspect_json(ampere, monkeypatch, capsys):
     code, out, _ = ingot(monkeypatch, capsys, "inspect", ampere, "--json")
@@ -177,6 +188,7 @@ def test_console_script_gives_one_line_and_no_traceback(tmp_path):
 
 
 # --- doctor -----------------------------------------------------------------------------------------------
+
 
 def test_doctor_json_without_driver_exit_0(monkeypatch, capsys):
     if probe().gpus:

@@ -3,6 +3,7 @@
 SASS sm_XY runs on X.Z with Z >= Y; sm_XYa only on X.Y; sm_XYf on the family X.Z, Z >= Y. A 12.x cubin needs
 a driver >= 525.60.13, a 13.x cubin >= 580.65.06. PTX compute_XY JITs on any CC >= X.Y if the driver knows its
 ISA (9.0 -> CUDA 13.0, 9.5 -> 13.5). Driver versions map to CUDA versions by the release notes' table."""
+
 from __future__ import annotations
 
 import re
@@ -10,16 +11,28 @@ import subprocess
 
 import pytest
 
-from ingot.toolchain.compat import (DRIVER_FOR_CUDA, PTX_ISA_TO_CUDA, decide, modules_in, parse_driver)
-from ingot.toolchain.errors import UsageError
-from ingot.toolchain.fatbin import Entry, Fatbin
+from ingot.runtime.errors import UsageError
+from ingot.runtime.gpu.compat import DRIVER_FOR_CUDA, PTX_ISA_TO_CUDA, decide, parse_driver
+from ingot.runtime.gpu.fatbin import Entry, Fatbin
+from ingot.toolchain.check import modules_in
 
 
 def _entry(arch: str, isa: str | None = None, toolkit: str | None = None) -> Entry:
     kind, cc, variant = re.fullmatch(r"(sm|compute)_(\d+)([af]?)", arch).groups()
     ptx = kind == "compute"
-    return Entry("ptx" if ptx else "sass", arch, int(cc), variant, isa if ptx else None, "none", 100, 100,
-                 ("k",), 0, toolkit=None if ptx else toolkit)
+    return Entry(
+        "ptx" if ptx else "sass",
+        arch,
+        int(cc),
+        variant,
+        isa if ptx else None,
+        "none",
+        100,
+        100,
+        ("k",),
+        0,
+        toolkit=None if ptx else toolkit,
+    )
 
 
 def sass(arch: str, toolkit: str = "13.0") -> Entry:
@@ -44,15 +57,19 @@ CASES = [
     ("sm100 on 10.3", [sass("sm_100")], 103, "580.65.06", "native", "sm_100"),
     ("SASS before PTX", [sass("sm_80"), ptx("compute_80")], 86, "13.0", "native", "sm_80"),
     ("compute_120 9.0 JITs on 12.1 with 13.0", [ptx("compute_120", "9.0")], 121, "13.0", "jit", "compute_120"),
-    ("compute_120 9.0 on 12.1 with 12.8: GPU unknown", [ptx("compute_120", "9.0")], 121, "12.8", "incompatible",
-     None),
+    ("compute_120 9.0 on 12.1 with 12.8: GPU unknown", [ptx("compute_120", "9.0")], 121, "12.8", "incompatible", None),
     ("compute_120 9.0 on 12.0 with 570.26", [ptx("compute_120", "9.0")], 120, "570.26", "incompatible", None),
-    ("compute_120 9.0 on 12.1 with 575.51.03", [ptx("compute_120", "9.0")], 121, "575.51.03", "incompatible",
-     None),
+    ("compute_120 9.0 on 12.1 with 575.51.03", [ptx("compute_120", "9.0")], 121, "575.51.03", "incompatible", None),
     ("PTX JITs across majors", [ptx("compute_80")], 90, "13.0", "jit", "compute_80"),
     ("PTX not below its arch", [ptx("compute_80")], 75, "13.0", "incompatible", None),
-    ("highest usable PTX", [ptx("compute_75"), ptx("compute_90"), ptx("compute_120")], 100, "13.0", "jit",
-     "compute_90"),
+    (
+        "highest usable PTX",
+        [ptx("compute_75"), ptx("compute_90"), ptx("compute_120")],
+        100,
+        "13.0",
+        "jit",
+        "compute_90",
+    ),
     ("compute_90a only on 9.0", [ptx("compute_90a")], 90, "13.0", "jit", "compute_90a"),
     ("compute_90a not on 10.0", [ptx("compute_90a")], 100, "13.0", "incompatible", None),
     ("compute_100f on 10.3", [ptx("compute_100f")], 103, "13.0", "jit", "compute_100f"),
@@ -65,16 +82,40 @@ CASES = [
     ("12.x SASS on an 11.8 driver", [sass("sm_80", "12.0")], 80, "520.61.05", "incompatible", None),
     ("12.x SASS on a 13.x driver", [sass("sm_90", "12.4")], 90, "580.159.04", "native", "sm_90"),
     ("13.x SASS on 535.104.05", [sass("sm_80", "13.0")], 80, "535.104.05", "incompatible", None),
-    ("refused SASS falls back to PTX", [sass("sm_80", "13.0"), ptx("compute_80", "8.7")], 80, "575.51.03", "jit",
-     "compute_80"),
+    (
+        "refused SASS falls back to PTX",
+        [sass("sm_80", "13.0"), ptx("compute_80", "8.7")],
+        80,
+        "575.51.03",
+        "jit",
+        "compute_80",
+    ),
     ("driver too old for Blackwell", [sass("sm_100", "12.8")], 100, "560.28.03", "incompatible", None),
     # nvcc 13.5 from the nvidia-cuda-nvcc wheel: SASS runs on a 13.0 driver, its PTX (ISA 9.5) does not JIT there.
-    ("13.5 wheel: SASS on 13.0 driver", [sass("sm_90", "13.5"), ptx("compute_90", "9.5")], 90, "580.65.06",
-     "native", "sm_90"),
-    ("13.5 wheel: PTX on 13.0 driver", [sass("sm_90", "13.5"), ptx("compute_90", "9.5")], 100, "580.159.04",
-     "incompatible", None),
-    ("13.5 wheel: PTX on 13.5 driver", [sass("sm_90", "13.5"), ptx("compute_90", "9.5")], 100, "13.5", "jit",
-     "compute_90"),
+    (
+        "13.5 wheel: SASS on 13.0 driver",
+        [sass("sm_90", "13.5"), ptx("compute_90", "9.5")],
+        90,
+        "580.65.06",
+        "native",
+        "sm_90",
+    ),
+    (
+        "13.5 wheel: PTX on 13.0 driver",
+        [sass("sm_90", "13.5"), ptx("compute_90", "9.5")],
+        100,
+        "580.159.04",
+        "incompatible",
+        None,
+    ),
+    (
+        "13.5 wheel: PTX on 13.5 driver",
+        [sass("sm_90", "13.5"), ptx("compute_90", "9.5")],
+        100,
+        "13.5",
+        "jit",
+        "compute_90",
+    ),
     ("13.5 wheel: PTX-only on 13.0", [ptx("compute_90", "9.5")], 90, "13.0", "incompatible", None),
     ("unknown future ISA", [ptx("compute_90", "9.9")], 90, "13.5", "incompatible", None),
     ("driver newer than the table, known ISA", [ptx("compute_90", "9.3")], 90, "616.56", "jit", "compute_90"),
@@ -108,12 +149,25 @@ def test_reasons_name_the_cause():
 
 
 # Linux driver of each toolkit GA, from the CUDA release notes (Table 3), and what a driver between them means.
-@pytest.mark.parametrize("text, cuda", [
-    ("450.80.02", (11, 0)), ("520.61.05", (11, 8)), ("525.60.13", (12, 0)), ("525.85.12", (12, 0)),
-    ("535.104.05", (12, 2)), ("570.26", (12, 8)), ("570.124.06", (12, 8)), ("575.57.08", (12, 9)),
-    ("580.65.06", (13, 0)), ("580.159.04", (13, 0)), ("590.44.01", (13, 1)), ("595.45.04", (13, 2)),
-    ("12.2", (12, 2)), ("13.0", (13, 0)),
-])
+@pytest.mark.parametrize(
+    "text, cuda",
+    [
+        ("450.80.02", (11, 0)),
+        ("520.61.05", (11, 8)),
+        ("525.60.13", (12, 0)),
+        ("525.85.12", (12, 0)),
+        ("535.104.05", (12, 2)),
+        ("570.26", (12, 8)),
+        ("570.124.06", (12, 8)),
+        ("575.57.08", (12, 9)),
+        ("580.65.06", (13, 0)),
+        ("580.159.04", (13, 0)),
+        ("590.44.01", (13, 1)),
+        ("595.45.04", (13, 2)),
+        ("12.2", (12, 2)),
+        ("13.0", (13, 0)),
+    ],
+)
 def test_parse_driver(text, cuda):
     assert parse_driver(text).cuda == cuda
 
@@ -156,14 +210,15 @@ def test_modules_in(tmp_path):
 
 # --- on a real GPU: the driver must agree with decide() ---------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.nvcc
 def test_the_driver_agrees(tmp_path):
     """Load fatbins of several kinds on this machine's GPU and check each load succeeds exactly when decide()
     says the module runs (209/222 otherwise)."""
-    from ingot.toolchain.compat import driver_from_cuda_int
-    from ingot.toolchain.fatbin import parse_fatbin
-    from ingot.toolchain.probe import probe
+    from ingot.runtime.gpu.compat import driver_from_cuda_int
+    from ingot.runtime.gpu.fatbin import parse_fatbin
+    from ingot.runtime.gpu.probe import probe
 
     machine = probe()
     if not machine.gpus:
@@ -181,8 +236,13 @@ def test_the_driver_agrees(tmp_path):
         "ptx_oldest": [f"-gencode=arch=compute_{tk.targets[0]},code=compute_{tk.targets[0]}"],
     }
     # PTX whose ISA is newer than any driver knows: nvcc embeds a PTX file as it is.
-    ptx_text = subprocess.run([str(tk.nvcc), "-ptx", f"-arch=compute_{tk.targets[0]}", "-o", "-", src.name],
-                              cwd=src.parent, check=True, capture_output=True, text=True).stdout
+    ptx_text = subprocess.run(
+        [str(tk.nvcc), "-ptx", f"-arch=compute_{tk.targets[0]}", "-o", "-", src.name],
+        cwd=src.parent,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     (tmp_path / "future.ptx").write_text(re.sub(r"^\.version \d+\.\d+", ".version 9.9", ptx_text, flags=re.M))
     driver = driver_from_cuda_int(machine.driver_version, machine.driver_cuda)
     assert cu.cuInit(0)[0] == cu.CUresult.CUDA_SUCCESS
@@ -191,8 +251,12 @@ def test_the_driver_agrees(tmp_path):
     cu.cuCtxSetCurrent(ctx)
     try:
         images = {name: nvcc_fatbin(src, tmp_path / f"{name}.fatbin", *opts) for name, opts in variants.items()}
-        images["future_ptx"] = nvcc_fatbin(tmp_path / "future.ptx", tmp_path / "future.fatbin",
-                                           f"-arch=compute_{tk.targets[0]}", f"-code=compute_{tk.targets[0]}")
+        images["future_ptx"] = nvcc_fatbin(
+            tmp_path / "future.ptx",
+            tmp_path / "future.fatbin",
+            f"-arch=compute_{tk.targets[0]}",
+            f"-code=compute_{tk.targets[0]}",
+        )
         for name, image in images.items():
             d = decide(parse_fatbin(image), cc, driver, name)
             err, mod = cu.cuModuleLoadData(image)

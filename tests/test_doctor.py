@@ -1,5 +1,6 @@
 """`ingot doctor`: the toolchain it finds, the machine it probes, and its verdict on installed kernels.
 This CI machine has nvcc but no driver or GPU; a GPU machine is simulated by replacing the probe."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,8 @@ from pathlib import Path
 import pytest
 from kernel_sources import nvcc_fatbin, require_nvcc, write_sources
 
+from ingot.runtime.gpu.probe import Gpu, Machine, probe
 from ingot.toolchain import doctor, nvcc
-from ingot.toolchain.probe import Gpu, Machine, probe
 
 
 @pytest.fixture
@@ -99,6 +100,7 @@ def test_no_nvcc_is_reported(tmp_path, monkeypatch):
 
 
 # --- where nvcc is found ------------------------------------------------------------------------------
+
 
 def _path_without_nvcc() -> str:
     return os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if d and not (Path(d) / "nvcc").exists())

@@ -2,6 +2,7 @@
 
 Expected entries are written from the nvcc options each fatbin was built with; the PTX ISA version is taken
 from `nvcc -ptx` output, an independent oracle."""
+
 from __future__ import annotations
 
 import random
@@ -12,23 +13,32 @@ from collections import Counter
 import pytest
 from kernel_sources import ANON_PREFIX, PLAIN_KERNELS, nvcc_fatbin, require_nvcc, write_sources
 
-from ingot.toolchain.errors import UsageError
-from ingot.toolchain.fatbin import parse_fatbin, read_fatbin
+from ingot.runtime.errors import UsageError
+from ingot.runtime.gpu.fatbin import parse_fatbin, read_fatbin
 
 # name -> (nvcc options, expected entries as (kind, arch, variant, compression))
 CASES = {
-    "default": (["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_80,code=compute_80"],
-                [("sass", "sm_80", "", "none"), ("ptx", "compute_80", "", "zstd")]),
-    "size_a_f": (["--compress-mode=size", "-gencode=arch=compute_90a,code=sm_90a",
-                  "-gencode=arch=compute_100f,code=sm_100f"],
-                 [("sass", "sm_90a", "a", "zstd"), ("sass", "sm_100f", "f", "zstd")]),
-    "ptx_variants_raw": (["--compress-mode=none", "-gencode=arch=compute_90a,code=compute_90a",
-                          "-gencode=arch=compute_100f,code=compute_100f"],
-                         [("ptx", "compute_90a", "a", "none"), ("ptx", "compute_100f", "f", "none")]),
+    "default": (
+        ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_80,code=compute_80"],
+        [("sass", "sm_80", "", "none"), ("ptx", "compute_80", "", "zstd")],
+    ),
+    "size_a_f": (
+        ["--compress-mode=size", "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100f,code=sm_100f"],
+        [("sass", "sm_90a", "a", "zstd"), ("sass", "sm_100f", "f", "zstd")],
+    ),
+    "ptx_variants_raw": (
+        [
+            "--compress-mode=none",
+            "-gencode=arch=compute_90a,code=compute_90a",
+            "-gencode=arch=compute_100f,code=compute_100f",
+        ],
+        [("ptx", "compute_90a", "a", "none"), ("ptx", "compute_100f", "f", "none")],
+    ),
     "ptx_only": (["-gencode=arch=compute_75,code=compute_75"], [("ptx", "compute_75", "", "zstd")]),
-    "speed_lz4": (["--compress-mode=speed", "-gencode=arch=compute_86,code=sm_86",
-                   "-gencode=arch=compute_86,code=compute_86"],
-                  [("sass", "sm_86", "", "none"), ("ptx", "compute_86", "", "lz4")]),
+    "speed_lz4": (
+        ["--compress-mode=speed", "-gencode=arch=compute_86,code=sm_86", "-gencode=arch=compute_86,code=compute_86"],
+        [("sass", "sm_86", "", "none"), ("ptx", "compute_86", "", "lz4")],
+    ),
 }
 
 
@@ -36,8 +46,10 @@ CASES = {
 def built(tmp_path_factory) -> dict[str, bytes]:
     require_nvcc()
     src = write_sources(tmp_path_factory.mktemp("src"))
-    return {name: nvcc_fatbin(src, src.parent / f"{name}.fatbin", "--threads", "2", *opts)
-            for name, (opts, _) in CASES.items()}
+    return {
+        name: nvcc_fatbin(src, src.parent / f"{name}.fatbin", "--threads", "2", *opts)
+        for name, (opts, _) in CASES.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +57,13 @@ def ptx_isa(tmp_path_factory) -> str:
     """The PTX ISA this nvcc writes, read from its own -ptx output."""
     tk = require_nvcc()
     src = write_sources(tmp_path_factory.mktemp("ptx"))
-    text = subprocess.run([str(tk.nvcc), "-ptx", "-arch=compute_80", "-o", "-", src.name], cwd=src.parent,
-                          check=True, capture_output=True, text=True).stdout
+    text = subprocess.run(
+        [str(tk.nvcc), "-ptx", "-arch=compute_80", "-o", "-", src.name],
+        cwd=src.parent,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return re.search(r"^\.version (\d+\.\d+)", text, re.M).group(1)
 
 
@@ -66,7 +83,7 @@ def test_reader_lists_every_entry_as_built(case, built, ptx_isa):
             assert e.toolkit is None
         else:
             assert e.isa is None
-            assert e.toolkit == tk.version          # from the cubin's tool notes
+            assert e.toolkit == tk.version  # from the cubin's tool notes
         if e.compression == "none":
             assert e.stored_size == e.size
         else:
@@ -84,7 +101,7 @@ def test_concatenated_containers_with_zero_padding(built):
     assert fat.containers == 2
     assert [e.arch for e in fat.entries] == [e.arch for e in first.entries] + [e.arch for e in second.entries]
     assert [e.container for e in fat.entries] == [0] * len(first.entries) + [1] * len(second.entries)
-    assert [e.offset for e in fat.entries[len(first.entries):]] == [e.offset + len(a) + 8 for e in second.entries]
+    assert [e.offset for e in fat.entries[len(first.entries) :]] == [e.offset + len(a) + 8 for e in second.entries]
     assert fat.sass == ["sm_80", "sm_86"]
     assert fat.ptx == ["compute_80", "compute_86"]
 
@@ -127,12 +144,15 @@ def test_corrupted_headers_never_escape_as_other_errors(built):
     assert outcomes["usage error"] > 0
 
 
-@pytest.mark.parametrize("data, words", [
-    (b"", "not a CUDA fatbin"),
-    (b"\x7fELF\x02\x01\x01" + b"\0" * 100, "not a CUDA fatbin"),
-    (b"// PTX text\n.version 9.0\n", "not a CUDA fatbin"),
-    (bytes.fromhex("50ed55ba") + b"\x01\x00\x10\x00" + b"\0" * 8, "empty fatbin"),
-])
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"", "not a CUDA fatbin"),
+        (b"\x7fELF\x02\x01\x01" + b"\0" * 100, "not a CUDA fatbin"),
+        (b"// PTX text\n.version 9.0\n", "not a CUDA fatbin"),
+        (bytes.fromhex("50ed55ba") + b"\x01\x00\x10\x00" + b"\0" * 8, "empty fatbin"),
+    ],
+)
 def test_non_fatbins_are_usage_errors(data, words):
     assert words in _one_line_usage_error(data)
 

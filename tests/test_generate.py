@@ -1,10 +1,11 @@
 """Generation: stop strings (also split across tokens, never echoed), UTF-8 safe streaming, finish reasons,
 and seeded sampling through a real engine."""
+
 import pytest
 
 from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.errors import UsageError
 from ingot.runtime.generate import SamplingParams, generate
-from ingot.toolchain.errors import UsageError
 
 
 class ScriptedEngine:
@@ -41,7 +42,7 @@ def _run(tokenizer, script, prompt=(5,), **kw):
 
 
 def _byte_tokens(text):
-    return [3 + b for b in text.encode()]            # the synthetic vocabulary: byte b is token 3 + b
+    return [3 + b for b in text.encode()]  # the synthetic vocabulary: byte b is token 3 + b
 
 
 def test_stop_string_split_across_tokens_is_not_echoed(tiny_tokenizer):
@@ -57,8 +58,8 @@ def test_possible_stop_prefix_is_held_then_released(tiny_tokenizer):
     chunks, _ = _run(tiny_tokenizer, script, max_tokens=len(script), stop=["worlds", "xyz"])
     texts = [c.text for c in chunks]
     world = [tiny_tokenizer.token_text(t) for t in script].index("Ġworld")
-    assert texts[world] == " "                         # "world" could begin "worlds": held back ...
-    assert texts[world + 1] == "world,"                # ... and released once "," rules that out
+    assert texts[world] == " "  # "world" could begin "worlds": held back ...
+    assert texts[world + 1] == "world,"  # ... and released once "," rules that out
     assert "".join(texts) == " hello world, the" and chunks[-1].finish_reason == "length"
 
 
@@ -73,16 +74,16 @@ def test_multibyte_characters_are_never_split(tiny_tokenizer):
     chunks, _ = _run(tiny_tokenizer, _byte_tokens(text) + [2], max_tokens=100)
     assert all("\ufffd" not in c.text for c in chunks)
     assert "".join(c.text for c in chunks) == text
-    assert [c.text for c in chunks[:2]] == ["", "é"]   # first byte of é held, then the whole character
+    assert [c.text for c in chunks[:2]] == ["", "é"]  # first byte of é held, then the whole character
 
 
 def test_end_of_generation_tokens_finish_with_eos(tiny_tokenizer):
-    script = tiny_tokenizer.encode(" the") + [2, 100, 100]           # 2 = <|im_end|>
+    script = tiny_tokenizer.encode(" the") + [2, 100, 100]  # 2 = <|im_end|>
     chunks, _ = _run(tiny_tokenizer, script, max_tokens=10)
     assert "".join(c.text for c in chunks) == " the"
     assert chunks[-1].finish_reason == "eos" and chunks[-1].token_ids == ()
     assert sum(len(c.token_ids) for c in chunks) == 1
-    chunks, _ = _run(tiny_tokenizer, [0], max_tokens=10)             # <|endoftext|> ends a text too
+    chunks, _ = _run(tiny_tokenizer, [0], max_tokens=10)  # <|endoftext|> ends a text too
     assert chunks[-1].finish_reason == "eos"
 
 
@@ -116,8 +117,9 @@ def test_sequence_is_released_when_the_reader_stops_early(tiny_tokenizer):
 def _sampled_text(model, tokenizer, seed):
     engine = CpuEngine(model)
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
-    return "".join(c.text for c in generate(engine, tokenizer, tokenizer.encode(" the capital of"), params,
-                                            max_tokens=24))
+    return "".join(
+        c.text for c in generate(engine, tokenizer, tokenizer.encode(" the capital of"), params, max_tokens=24)
+    )
 
 
 def test_same_seed_same_text_different_seed_different_text(tiny_model, tiny_tokenizer):
@@ -127,6 +129,5 @@ def test_same_seed_same_text_different_seed_different_text(tiny_model, tiny_toke
 
 def test_greedy_generation_continues_the_real_prompt(real_model, real_tokenizer):
     engine = CpuEngine(real_model, max_seqs=1, max_ctx=256)
-    chunks = list(generate(engine, real_tokenizer, real_tokenizer.encode("The capital of France is"),
-                           max_tokens=3))
+    chunks = list(generate(engine, real_tokenizer, real_tokenizer.encode("The capital of France is"), max_tokens=3))
     assert "".join(c.text for c in chunks).startswith(" Paris")

@@ -1,4 +1,5 @@
 """Canonical JSON (RFC 8785), the root digest and the manifest schema check."""
+
 from __future__ import annotations
 
 import copy
@@ -7,31 +8,60 @@ import json
 
 import pytest
 
-from ingot.toolchain.errors import VerificationError
-from ingot.toolchain.manifest import (CHUNK_SIZE, MANIFEST, canonical_json, file_entry, parse_manifest, root_digest,
-                                      seal)
+from ingot.runtime.bundle.manifest import (
+    CHUNK_SIZE,
+    MANIFEST,
+    canonical_json,
+    file_entry,
+    parse_manifest,
+    root_digest,
+    seal,
+)
+from ingot.runtime.errors import VerificationError
 
 
-@pytest.mark.parametrize("value, text", [
-    # ECMAScript Number.prototype.toString, as RFC 8785 section 3.2.2.3 requires
-    (0.0, "0"), (-0.0, "0"), (1.0, "1"), (-1.5, "-1.5"), (123.0, "123"), (0.1, "0.1"),
-    (1e21, "1e+21"), (1e20, "100000000000000000000"), (1e-6, "0.000001"), (1e-7, "1e-7"),
-    (5e-324, "5e-324"), (1.7976931348623157e308, "1.7976931348623157e+308"), (333333333.3333333, "333333333.3333333"),
-    (9.999999747378752e-06, "0.000009999999747378752"), (123456789012345680000.0, "123456789012345680000"),
-])
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        # ECMAScript Number.prototype.toString, as RFC 8785 section 3.2.2.3 requires
+        (0.0, "0"),
+        (-0.0, "0"),
+        (1.0, "1"),
+        (-1.5, "-1.5"),
+        (123.0, "123"),
+        (0.1, "0.1"),
+        (1e21, "1e+21"),
+        (1e20, "100000000000000000000"),
+        (1e-6, "0.000001"),
+        (1e-7, "1e-7"),
+        (5e-324, "5e-324"),
+        (1.7976931348623157e308, "1.7976931348623157e+308"),
+        (333333333.3333333, "333333333.3333333"),
+        (9.999999747378752e-06, "0.000009999999747378752"),
+        (123456789012345680000.0, "123456789012345680000"),
+    ],
+)
 def test_numbers_follow_ecmascript(value, text):
     assert canonical_json(value) == text.encode()
 
 
 def test_keys_sort_by_utf16_code_units_and_strings_escape_minimally():
     # RFC 8785 section 3.2.3's sorting example: U+1F600 (a surrogate pair) sorts before U+FB33.
-    obj = {"\u20ac": "Euro Sign", "\r": "Carriage Return", "\ufb33": "Hebrew Letter Dalet With Dagesh",
-           "1": "One", "\U0001f600": "Emoji: Grinning Face", "\u0080": "Control",
-           "\u00f6": "Latin Small Letter O With Diaeresis"}
+    obj = {
+        "\u20ac": "Euro Sign",
+        "\r": "Carriage Return",
+        "\ufb33": "Hebrew Letter Dalet With Dagesh",
+        "1": "One",
+        "\U0001f600": "Emoji: Grinning Face",
+        "\u0080": "Control",
+        "\u00f6": "Latin Small Letter O With Diaeresis",
+    }
     keys = [k for k in json.loads(canonical_json(obj))]
     assert keys == ["\r", "1", "\u0080", "\u00f6", "\u20ac", "\U0001f600", "\ufb33"]
-    assert canonical_json({"a": "é\n\"\\\x01", "b": [True, None, 1]}) == \
-        '{"a":"é\\n\\"\\\\\\u0001","b":[true,null,1]}'.encode()
+    assert (
+        canonical_json({"a": 'é\n"\\\x01', "b": [True, None, 1]})
+        == '{"a":"é\\n\\"\\\\\\u0001","b":[true,null,1]}'.encode()
+    )
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 2**60, {1: "x"}, b"bytes"])
@@ -45,11 +75,16 @@ def _manifest() -> dict:
     big = file_entry("model/m.gguf", CHUNK_SIZE + 5, digest, [digest, digest])
     k = hashlib.sha256(b"k").hexdigest()
     p = hashlib.sha256(b"p").hexdigest()
-    return {"format": "ingot-bundle/v1", "name": "m", "chunk_size": CHUNK_SIZE, "toolchain": {},
-            "provenance": "provenance.json",
-            "kernels": [{"name": "norm", "path": "kernels/norm.fatbin", "sha256": k, "size": 1}],
-            "model": {"path": "model/m.gguf", "sha256": digest, "size": CHUNK_SIZE + 5},
-            "files": [file_entry("kernels/norm.fatbin", 1, k, []), big, file_entry("provenance.json", 1, p, [])]}
+    return {
+        "format": "ingot-bundle/v1",
+        "name": "m",
+        "chunk_size": CHUNK_SIZE,
+        "toolchain": {},
+        "provenance": "provenance.json",
+        "kernels": [{"name": "norm", "path": "kernels/norm.fatbin", "sha256": k, "size": 1}],
+        "model": {"path": "model/m.gguf", "sha256": digest, "size": CHUNK_SIZE + 5},
+        "files": [file_entry("kernels/norm.fatbin", 1, k, []), big, file_entry("provenance.json", 1, p, [])],
+    }
 
 
 def test_root_digest_is_model_signing_style_over_files_and_manifest():
@@ -66,8 +101,11 @@ def test_root_digest_is_model_signing_style_over_files_and_manifest():
 def test_any_changed_field_changes_the_root():
     m = _manifest()
     seal(m)
-    for mutate in (lambda x: x.__setitem__("name", "other"), lambda x: x["toolchain"].__setitem__("nvcc", "12.0"),
-                   lambda x: x["files"][0].__setitem__("size", 2)):
+    for mutate in (
+        lambda x: x.__setitem__("name", "other"),
+        lambda x: x["toolchain"].__setitem__("nvcc", "12.0"),
+        lambda x: x["files"][0].__setitem__("size", 2),
+    ):
         other = copy.deepcopy(m)
         mutate(other)
         assert root_digest(other) != m["root_digest"]
@@ -90,23 +128,26 @@ def test_parse_refuses_non_canonical_bad_json_and_wrong_root():
     _refused(canonical_json(m | {"name": "renamed"}), "root digest")
 
 
-@pytest.mark.parametrize("mutate, field", [
-    (lambda m: m["files"][0].__setitem__("size", "1"), "files[0].size"),
-    (lambda m: m["files"][0].__setitem__("size", 2**50), "files[0].size"),
-    (lambda m: m["files"][0].__setitem__("size", -1), "files[0].size"),
-    (lambda m: m["files"][0].__setitem__("digest", "AB" * 32), "files[0].digest"),
-    (lambda m: m["files"][0].__setitem__("digest", "ab" * 31), "files[0].digest"),
-    (lambda m: m["files"][0].__setitem__("name", "../etc/passwd"), "files[0].name"),
-    (lambda m: m["files"][0].__setitem__("name", "/abs"), "files[0].name"),
-    (lambda m: m["files"][1].__setitem__("chunks", []), "files[1].chunks"),
-    (lambda m: m["files"].reverse(), "files"),
-    (lambda m: m.__setitem__("files", {}), "files"),
-    (lambda m: m["model"].__setitem__("path", "model/other.gguf"), "model.path"),
-    (lambda m: m["model"].__setitem__("size", 1), "model"),
-    (lambda m: m["kernels"][0].__setitem__("name", "other"), "kernels[0].path"),
-    (lambda m: m.pop("chunk_size"), "chunk_size"),
-    (lambda m: m.__setitem__("selftest", [1]), "selftest"),
-])
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda m: m["files"][0].__setitem__("size", "1"), "files[0].size"),
+        (lambda m: m["files"][0].__setitem__("size", 2**50), "files[0].size"),
+        (lambda m: m["files"][0].__setitem__("size", -1), "files[0].size"),
+        (lambda m: m["files"][0].__setitem__("digest", "AB" * 32), "files[0].digest"),
+        (lambda m: m["files"][0].__setitem__("digest", "ab" * 31), "files[0].digest"),
+        (lambda m: m["files"][0].__setitem__("name", "../etc/passwd"), "files[0].name"),
+        (lambda m: m["files"][0].__setitem__("name", "/abs"), "files[0].name"),
+        (lambda m: m["files"][1].__setitem__("chunks", []), "files[1].chunks"),
+        (lambda m: m["files"].reverse(), "files"),
+        (lambda m: m.__setitem__("files", {}), "files"),
+        (lambda m: m["model"].__setitem__("path", "model/other.gguf"), "model.path"),
+        (lambda m: m["model"].__setitem__("size", 1), "model"),
+        (lambda m: m["kernels"][0].__setitem__("name", "other"), "kernels[0].path"),
+        (lambda m: m.pop("chunk_size"), "chunk_size"),
+        (lambda m: m.__setitem__("selftest", [1]), "selftest"),
+    ],
+)
 def test_schema_names_the_bad_field(mutate, field):
     m = _manifest()
     mutate(m)

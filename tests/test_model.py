@@ -1,25 +1,33 @@
 """GGUF loading (config, tensors, windows inside bigger files, bad input) and the reference forward pass."""
+
 import tarfile
 
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
-
-from ingot.runtime.engines.cpu import CpuEngine
-from ingot.runtime.model import load_model
-from ingot.runtime.sampling import SamplingParams
-from ingot.toolchain.errors import ModelError, UsageError
 from model_fixtures import rewrite_gguf
 
+from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.errors import ModelError, UsageError
+from ingot.runtime.model.gguf import load_model
+from ingot.runtime.sampling import SamplingParams
 
 # --- loading ---------------------------------------------------------------------------------------
+
 
 def test_real_model_config_matches_smollm2_135m(real_model):
     c = real_model.config
     # SmolLM2-135M per its model card: 30 layers of width 576, 9 heads sharing 3 KV heads, SwiGLU 1536,
     # 49152-token vocabulary, rope theta 100000, tied embeddings.
-    assert (c.arch, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.n_vocab) == \
-        ("llama", 576, 30, 9, 3, 1536, 49152)
+    assert (c.arch, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.n_vocab) == (
+        "llama",
+        576,
+        30,
+        9,
+        3,
+        1536,
+        49152,
+    )
     assert (c.head_dim, c.n_rep, c.rope_dim, c.rope_theta, c.n_ctx_train) == (64, 3, 64, 100000.0, 8192)
     assert c.tied_embeddings and not c.qkv_bias and not c.rope_neox and c.rope_freq_factors is None
     assert c.norm_eps == pytest.approx(1e-5)
@@ -32,8 +40,8 @@ def test_tensors_are_zero_copy_views_in_math_order(real_model, real_model_path):
     reader = GGUFReader(real_model_path)
     ref = {t.name: t for t in reader.tensors}
     k = real_model.tensors["blk.3.attn_k.weight"]
-    assert k.shape == (192, 576)                                     # (rows = KV dim, cols = model dim)
-    assert tuple(ref[k.name].shape) == (576, 192)                    # GGUF lists ne0 (cols) first
+    assert k.shape == (192, 576)  # (rows = KV dim, cols = model dim)
+    assert tuple(ref[k.name].shape) == (576, 192)  # GGUF lists ne0 (cols) first
     assert k.raw.dtype == np.uint8 and not k.raw.flags.owndata
     assert k.raw.tobytes() == ref[k.name].data.tobytes()
     assert real_model.tensors["blk.3.ffn_down.weight"].shape == (576, 1536)
@@ -74,11 +82,14 @@ def test_missing_file_is_a_usage_error(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "empty"),
-    (b"hello, I am a text file and not a model\n" * 10, "not a GGUF"),
-    (b"GGUF", "truncated"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "empty"),
+        (b"hello, I am a text file and not a model\n" * 10, "not a GGUF"),
+        (b"GGUF", "truncated"),
+    ],
+)
 def test_not_a_gguf_is_a_model_error(tmp_path, content, message):
     p = tmp_path / "bad.gguf"
     p.write_bytes(content)
@@ -90,7 +101,7 @@ def test_not_a_gguf_is_a_model_error(tmp_path, content, message):
 def test_truncated_gguf_is_a_model_error(tiny_model_path, tmp_path, keep):
     data = tiny_model_path.read_bytes()
     p = tmp_path / "cut.gguf"
-    p.write_bytes(data[:int(len(data) * keep)])
+    p.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(ModelError, match="truncated"):
         load_model(p)
 
@@ -115,7 +126,7 @@ def test_missing_tensor_is_a_model_error(tiny_model_path, tmp_path):
 
 
 def test_wrong_tensor_shape_is_a_model_error(tiny_model_path, tmp_path):
-    wrong = ("F32", (64, 32), bytes(64 * 32 * 4))      # attn_k should be (2 KV heads * 16, 64) = (32, 64)
+    wrong = ("F32", (64, 32), bytes(64 * 32 * 4))  # attn_k should be (2 KV heads * 16, 64) = (32, 64)
     p = rewrite_gguf(tiny_model_path, tmp_path / "shape.gguf", replace={"blk.0.attn_k.weight": wrong})
     with pytest.raises(ModelError, match="blk.0.attn_k.weight has shape"):
         load_model(p)
@@ -135,6 +146,7 @@ def test_model_without_metadata_is_a_model_error(tmp_path):
 
 # --- the forward pass against an independent float64 reference -------------------------------------
 
+
 def _naive_logits(model, tokens):
     """Llama written out position by position and head by head in float64: rope as complex multiplication
     (Meta's reference) for adjacent pairs, rotate-half (HF) for NEOX."""
@@ -144,11 +156,11 @@ def _naive_logits(model, tokens):
     if c.rope_freq_factors:
         freqs = freqs / np.array(c.rope_freq_factors)
 
-    def rotate(v, pos):                                  # v [heads, hd]
+    def rotate(v, pos):  # v [heads, hd]
         v = v.copy()
         if c.rope_neox:
             cos, sin = np.cos(pos * np.concatenate([freqs, freqs])), np.sin(pos * np.concatenate([freqs, freqs]))
-            half = np.concatenate([-v[:, rd // 2:rd], v[:, :rd // 2]], axis=1)
+            half = np.concatenate([-v[:, rd // 2 : rd], v[:, : rd // 2]], axis=1)
             v[:, :rd] = v[:, :rd] * cos + half * sin
         else:
             z = (v[:, 0:rd:2] + 1j * v[:, 1:rd:2]) * np.exp(1j * pos * freqs)
@@ -184,8 +196,10 @@ def _naive_logits(model, tokens):
     return np.stack([head @ norm(v, W("output_norm.weight")) for v in x])
 
 
-@pytest.mark.parametrize("shape, qtype", [("tiny", "Q4_1"), ("tiny", "Q8_0"), ("tiny-qwen2", "Q4_0"),
-                                          ("tiny-llama3", "BF16"), ("tiny-llama3", "F16")])
+@pytest.mark.parametrize(
+    "shape, qtype",
+    [("tiny", "Q4_1"), ("tiny", "Q8_0"), ("tiny-qwen2", "Q4_0"), ("tiny-llama3", "BF16"), ("tiny-llama3", "F16")],
+)
 def test_forward_matches_naive_float64_reference(synth_model, shape, qtype):
     model = load_model(synth_model(shape, qtype))
     tokens = [1, 300, 17, 42, 42, 511, 0, 256, 99, 7, 123]
@@ -218,8 +232,10 @@ def test_weights_dequantized_on_use_give_the_same_logits(tiny_model):
     tokens = [10, 20, 30, 40]
     cached = CpuEngine(tiny_model)
     streaming = CpuEngine(tiny_model, weight_cache_bytes=0)
-    np.testing.assert_array_equal(streaming.logits(streaming.new_sequence(SamplingParams()), tokens),
-                                  cached.logits(cached.new_sequence(SamplingParams()), tokens))
+    np.testing.assert_array_equal(
+        streaming.logits(streaming.new_sequence(SamplingParams()), tokens),
+        cached.logits(cached.new_sequence(SamplingParams()), tokens),
+    )
     assert cached.weights.keep_all and not streaming.weights.keep_all
     assert all(w.ndim == 1 for w in streaming.weights._cache.values())
 
@@ -229,7 +245,7 @@ def test_engine_refuses_what_does_not_fit(tiny_model):
     seq = engine.new_sequence(SamplingParams())
     with pytest.raises(UsageError, match="do not fit the context of 8"):
         engine.prefill(seq, list(range(9)))
-    assert engine.seq_len(seq) == 0                      # refused before any work
+    assert engine.seq_len(seq) == 0  # refused before any work
     with pytest.raises(UsageError, match="out of range"):
         engine.prefill(seq, [512])
     with pytest.raises(Exception, match="all 1 sequences are in use"):

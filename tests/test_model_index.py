@@ -1,4 +1,5 @@
 """The model index cache: a second open of an unchanged GGUF skips the parse and maps the same tensors."""
+
 from __future__ import annotations
 
 import os
@@ -6,9 +7,9 @@ import shutil
 
 import numpy as np
 
-from ingot.runtime import model as model_mod
-from ingot.runtime.model import load_model
-from ingot.runtime.synth import synthesize
+from ingot.runtime.model import gguf as model_mod
+from ingot.runtime.model.gguf import load_model
+from ingot.runtime.model.synth import synthesize
 
 
 def test_second_open_uses_index_and_gives_the_same_model(tmp_path, monkeypatch):
@@ -19,7 +20,7 @@ def test_second_open_uses_index_and_gives_the_same_model(tmp_path, monkeypatch):
     real = model_mod._parse_model
     monkeypatch.setattr(model_mod, "_parse_model", lambda *a: calls.append(a) or real(*a))
     second = load_model(path)
-    assert calls == []                                   # served from the index
+    assert calls == []  # served from the index
     assert second.config == first.config and second.vocab == first.vocab and second.name == first.name
     assert second.tensors.keys() == first.tensors.keys()
     for name, t in first.tensors.items():
@@ -33,7 +34,7 @@ def test_changed_file_is_parsed_again(tmp_path, monkeypatch):
     path = synthesize("tiny", "Q8_0", tmp_path / "m.gguf", seed=1)
     load_model(path)
     replacement = synthesize("tiny", "Q8_0", tmp_path / "other.gguf", seed=2)
-    shutil.copyfile(replacement, path)                   # new bytes, same path
+    shutil.copyfile(replacement, path)  # new bytes, same path
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     calls = []
@@ -41,8 +42,9 @@ def test_changed_file_is_parsed_again(tmp_path, monkeypatch):
     monkeypatch.setattr(model_mod, "_parse_model", lambda *a: calls.append(a) or real(*a))
     reopened = load_model(path)
     assert len(calls) == 1
-    assert np.array_equal(reopened.tensors["blk.0.attn_q.weight"].raw,
-                          load_model(replacement).tensors["blk.0.attn_q.weight"].raw)
+    assert np.array_equal(
+        reopened.tensors["blk.0.attn_q.weight"].raw, load_model(replacement).tensors["blk.0.attn_q.weight"].raw
+    )
 
 
 def test_unwritable_cache_does_not_fail_the_load(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """`ingot pack`: deterministic, aligned, complete bundles with a truthful manifest and provenance."""
+
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from bundle_fixtures import TEST_ARCHS, member_offset, run_cli
 
-from ingot.toolchain.manifest import CHUNK_SIZE, MANIFEST, PROVENANCE
+from ingot.runtime.bundle.manifest import CHUNK_SIZE, MANIFEST, PROVENANCE
 
 
 def _sha(path: Path) -> str:
@@ -29,23 +30,25 @@ def _manifest(bundle: Path) -> dict:
     return json.loads(_member(bundle, MANIFEST))
 
 
-def test_pack_twice_in_different_places_and_times_gives_identical_bytes(tmp_path, monkeypatch, capsys, kernel_dir,
-                                                                         toy_model):
+def test_pack_twice_in_different_places_and_times_gives_identical_bytes(
+    tmp_path, monkeypatch, capsys, kernel_dir, toy_model
+):
     shas = []
     for i, epoch in enumerate((None, "0")):
         where = tmp_path / f"run{i}"
         where.mkdir()
         model = where / "toy.gguf"
         shutil.copyfile(toy_model, model)
-        os.utime(model, (1_000_000 * (i + 1), 1_000_000 * (i + 1)))    # different input mtimes
-        kernels = shutil.copytree(kernel_dir, where / "kernels")          # different kernel folder path
+        os.utime(model, (1_000_000 * (i + 1), 1_000_000 * (i + 1)))  # different input mtimes
+        kernels = shutil.copytree(kernel_dir, where / "kernels")  # different kernel folder path
         monkeypatch.chdir(where)
         if epoch is None:
             monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
         else:
             monkeypatch.setenv("SOURCE_DATE_EPOCH", epoch)
-        code, out, err = run_cli(monkeypatch, capsys, "pack", "--model", "toy.gguf", "--kernels", kernels,
-                                 "--no-selftest", "--json")
+        code, out, err = run_cli(
+            monkeypatch, capsys, "pack", "--model", "toy.gguf", "--kernels", kernels, "--no-selftest", "--json"
+        )
         assert code == 0, err
         result = json.loads(out)
         assert result["bundle"] == "dist/toy.ingot"
@@ -54,8 +57,19 @@ def test_pack_twice_in_different_places_and_times_gives_identical_bytes(tmp_path
     assert shas[0] == shas[1]
 
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
-    code, out, _ = run_cli(monkeypatch, capsys, "pack", "--model", "toy.gguf", "--kernels", kernels, "--no-selftest",
-                           "--out", tmp_path / "later.ingot", "--json")
+    code, out, _ = run_cli(
+        monkeypatch,
+        capsys,
+        "pack",
+        "--model",
+        "toy.gguf",
+        "--kernels",
+        kernels,
+        "--no-selftest",
+        "--out",
+        tmp_path / "later.ingot",
+        "--json",
+    )
     assert code == 0
     assert json.loads(out)["sha256"] != shas[0]
     with tarfile.open(tmp_path / "later.ingot") as tar:
@@ -71,7 +85,7 @@ def test_headers_are_anonymous_and_members_sorted(toy_bundle, tmp_path):
     for m in members:
         assert (m.uid, m.gid, m.uname, m.gname, m.mtime, m.mode, m.type) == (0, 0, "", "", 0, 0o644, tarfile.REGTYPE)
     text = toy_bundle.read_bytes()
-    for private in (str(Path.home()) + "/", str(tmp_path.parent), "/tmp/"):   # user names: uname/gname above
+    for private in (str(Path.home()) + "/", str(tmp_path.parent), "/tmp/"):  # user names: uname/gname above
         assert private.encode() not in text, private
 
 
@@ -100,8 +114,11 @@ def test_manifest_describes_members_truthfully(toy_bundle, toy_model, kernel_dir
         assert [p["arch"] for p in k["archs"]["ptx"]] == ["compute_90"] and k["archs"]["ptx"][0]["isa"]
         assert k["kernels"] and all(isinstance(s, str) for s in k["kernels"])
     model = m["model"]
-    assert (model["path"], model["sha256"], model["size"]) == \
-        ("model/toy.gguf", _sha(toy_model), toy_model.stat().st_size)
+    assert (model["path"], model["sha256"], model["size"]) == (
+        "model/toy.gguf",
+        _sha(toy_model),
+        toy_model.stat().st_size,
+    )
     assert model["architecture"] == "toy" and model["n_tensors"] == 2 and model["quant_types"] == ["F32"]
     assert model["weight_layout"].startswith("soa-v1")
     assert m["toolchain"]["nvcc"]["build"] == build["toolkit"]["build"]
@@ -113,7 +130,7 @@ def test_large_members_carry_64mib_chunk_digests(big_bundle, big_model):
     entry = next(f for f in _manifest(big_bundle)["files"] if f["name"] == "model/big.gguf")
     assert len(entry["chunks"]) == math.ceil(len(data) / CHUNK_SIZE) == 2
     for i, digest in enumerate(entry["chunks"]):
-        assert digest == hashlib.sha256(data[i * CHUNK_SIZE:(i + 1) * CHUNK_SIZE]).hexdigest()
+        assert digest == hashlib.sha256(data[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE]).hexdigest()
 
 
 def test_provenance_is_slsa_v1_for_the_fatbins(toy_bundle, kernel_dir):
@@ -139,8 +156,8 @@ def test_selftest_records_cpu_reference_logits(tmp_path, kernel_dir, tiny_llama)
     pytest.importorskip("ingot.runtime.engines.cpu", reason="the CPU engine is not in this checkout")
     from ingot.runtime.engines.cpu import CpuEngine
     from ingot.runtime.generate import SamplingParams
-    from ingot.runtime.model import load_model
-    from ingot.runtime.tokenizer import Tokenizer
+    from ingot.runtime.model.gguf import load_model
+    from ingot.runtime.model.tokenizer import Tokenizer
     from ingot.toolchain.pack import pack
 
     out = tmp_path / "tiny.ingot"
@@ -161,16 +178,17 @@ def test_selftest_records_cpu_reference_logits(tmp_path, kernel_dir, tiny_llama)
 
 def test_pack_without_kernels_runs_the_default_build_into_dist(tmp_path, monkeypatch, capsys, kernel_dir, toy_model):
     import ingot.toolchain.build as build_mod
+    import ingot.toolchain.pack as pack_mod
     from ingot.toolchain.archs import parse_arch_list
 
     calls = []
     real = build_mod.build
 
-    def small_build(**kw):   # the default arch list takes minutes on 2 cores: same code, fewer archs
+    def small_build(**kw):  # the default arch list takes minutes on 2 cores: same code, fewer archs
         calls.append(kw)
         return real(archs=parse_arch_list(TEST_ARCHS), **kw)
 
-    monkeypatch.setattr(build_mod, "build", small_build)
+    monkeypatch.setattr(pack_mod, "build", small_build)  # pack calls the build it imported
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(monkeypatch, capsys, "pack", "--model", toy_model, "--no-selftest", "--json")
     assert code == 0, err

@@ -1,4 +1,5 @@
 """Perplexity as llama.cpp computes it: chunking, BOS, which tokens are scored, the formula, batching."""
+
 import json
 import math
 from pathlib import Path
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 
 from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.errors import UsageError
 from ingot.runtime.perplexity import perplexity, tokenize_for_perplexity
-from ingot.toolchain.errors import UsageError
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 
@@ -47,15 +48,15 @@ def test_uniform_logits_give_the_vocabulary_size():
 def test_chunks_bos_batches_and_scored_tokens_follow_llama_cpp():
     V, L = 10, 2.0
     engine = PredictNextEngine(V, L)
-    tokens = [i % V for i in range(44)]                 # each token predicts the next: all "right" ...
-    tokens[13] = 7                                      # ... except around two changed tokens
+    tokens = [i % V for i in range(44)]  # each token predicts the next: all "right" ...
+    tokens[13] = 7  # ... except around two changed tokens
     tokens[30] = 7
     r = perplexity(engine, tokens, n_ctx=8, n_batch=3, bos_id=9)
     assert r.n_chunks == 44 // 8 and r.n_tokens == 44
-    assert [len(c) for c in engine.calls[:3]] == [3, 3, 2]            # batches of -b, one chunk
+    assert [len(c) for c in engine.calls[:3]] == [3, 3, 2]  # batches of -b, one chunk
     firsts = [engine.calls[i][0] for i in range(0, len(engine.calls), 3)]
-    assert firsts == [9] * 5                                          # every chunk starts with BOS
-    assert not engine.live                                            # every chunk's sequence was released
+    assert firsts == [9] * 5  # every chunk starts with BOS
+    assert not engine.live  # every chunk's sequence was released
     # Scored: positions 4..6 of each chunk predict tokens 5..7 of the chunk.
     right, wrong = math.log(math.exp(L) + V - 1) - L, math.log(math.exp(L) + V - 1)
     nll = []
@@ -64,7 +65,7 @@ def test_chunks_bos_batches_and_scored_tokens_follow_llama_cpp():
             i = 8 * c + p
             fed = 9 if p == 0 else tokens[i]
             nll.append(right if tokens[i + 1] == (fed + 1) % V else wrong)
-    assert nll.count(wrong) == 4               # tokens 13 and 30 spoil predicting themselves and the next one
+    assert nll.count(wrong) == 4  # tokens 13 and 30 spoil predicting themselves and the next one
     assert r.n_scored == 15 and r.ppl == pytest.approx(math.exp(np.mean(nll)))
     assert r.stderr == pytest.approx(r.ppl * np.std(nll) / math.sqrt(15 - 1))
     assert r.running[-1] == pytest.approx(r.ppl) and len(r.running) == 5
@@ -91,7 +92,7 @@ def test_real_model_perplexity_does_not_depend_on_the_batch_size(real_model, rea
     whole = perplexity(engine, tokens, n_ctx=128, max_chunks=2)
     batched = perplexity(engine, tokens, n_ctx=128, n_batch=48, max_chunks=2)
     assert batched.ppl == pytest.approx(whole.ppl, rel=1e-5)
-    assert 5 < whole.ppl < 60                          # a small English model on English legal text
+    assert 5 < whole.ppl < 60  # a small English model on English legal text
 
 
 @pytest.mark.slow

@@ -1,11 +1,12 @@
 """Dequantization agrees bit for bit with gguf's own reference dequantizer, on random blocks and real tensors."""
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from ingot.runtime import quants
-from ingot.runtime.quants import QUANT_TYPES, dequantize
+from ingot.runtime.model import quants
+from ingot.runtime.model.quants import QUANT_TYPES, dequantize
 
 
 def _reference(raw: np.ndarray, qtype: str) -> np.ndarray:
@@ -34,7 +35,7 @@ def test_chunked_dequantization_matches_whole(qtype, monkeypatch):
     raw = np.random.default_rng(2).integers(0, 256, (rows, QUANT_TYPES[qtype].row_bytes(cols)), dtype=np.uint8)
     with np.errstate(invalid="ignore", over="ignore"):
         whole = dequantize(raw, qtype, cols)
-        monkeypatch.setattr(quants, "_CHUNK_WEIGHTS", 2 * cols)   # two rows at a time, last chunk short
+        monkeypatch.setattr(quants, "_CHUNK_WEIGHTS", 2 * cols)  # two rows at a time, last chunk short
         np.testing.assert_array_equal(dequantize(raw, qtype, cols), whole)
 
 

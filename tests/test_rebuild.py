@@ -1,4 +1,5 @@
 """`ingot rebuild --check`: the bundle's fatbins are rebuilt here, compared byte for byte, differences explained."""
+
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ import shutil
 
 from bundle_fixtures import run_cli
 
-from ingot.toolchain.manifest import sha256_hex
+from ingot.runtime.bundle.manifest import sha256_hex
 
 
 def _kernels_subset(src, dst, keep):
@@ -56,7 +57,7 @@ def test_a_different_module_is_named_with_its_reasons(monkeypatch, capsys, tmp_p
     reasons = " | ".join(by_name["norm"]["reasons"])
     assert "nvcc differs" in reasons and "V13.0.1" in reasons
     assert "source digest of norm.cu differs" in reasons
-    code, out, _ = run_cli(monkeypatch, capsys, "rebuild", "--check", bundle)   # the table names it too
+    code, out, _ = run_cli(monkeypatch, capsys, "rebuild", "--check", bundle)  # the table names it too
     assert code == 4 and "norm" in out and "differs" in out
 
 

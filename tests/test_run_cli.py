@@ -1,25 +1,27 @@
 """`ingot run`, `ingot perplexity` and `ingot model synth|info` end to end through main(): output, exit codes,
 one-line errors."""
+
 import json
 import subprocess
 import sys
 
 import pytest
-
-from ingot.runtime import fetch
-from ingot.runtime.model import load_model
 from model_fixtures import rewrite_gguf
+
+from ingot.runtime.model import fetch
+from ingot.runtime.model.gguf import load_model
 
 WORDS = "the capital of France is Paris and the answer to the question is four or five".split()
 
 
 # --- the real model -----------------------------------------------------------------------------------
 
+
 def test_greedy_raw_prompt_continues_with_paris(ingot, real_model_path):
     code, out, err = ingot("run", real_model_path, "-p", "The capital of France is", "-n", "4", "--device", "cpu")
     assert code == 0, err
     assert out.startswith(" Paris")
-    assert "tok/s" in err and "prompt 5 tokens" in err        # no BOS: SmolLM2's add_bos_token is False
+    assert "tok/s" in err and "prompt 5 tokens" in err  # no BOS: SmolLM2's add_bos_token is False
 
 
 def test_chat_answers_two_plus_two(ingot, real_model_path):
@@ -32,7 +34,7 @@ def test_chat_answers_two_plus_two(ingot, real_model_path):
 def test_model_name_resolves_to_the_cached_model(ingot, real_model_path, tmp_path, monkeypatch):
     monkeypatch.setenv("INGOT_CACHE_DIR", str(tmp_path))
     fetch.model_path("smollm2").parent.mkdir(parents=True)
-    fetch.model_path("smollm2").symlink_to(real_model_path)      # already cached and verified: no download
+    fetch.model_path("smollm2").symlink_to(real_model_path)  # already cached and verified: no download
     code, out, err = ingot("run", "smollm2", "-p", "The capital of France is", "-n", "2", "--json")
     assert code == 0, err
     result = json.loads(out)
@@ -42,9 +44,27 @@ def test_model_name_resolves_to_the_cached_model(ingot, real_model_path, tmp_pat
 
 # --- the tiny synthetic model ------------------------------------------------------------------------
 
+
 def _sample(ingot, model, seed):
-    code, out, err = ingot("run", model, "-p", "the capital of", "-n", "20", "--temp", "1", "--top-k", "0",
-                           "--top-p", "1", "--min-p", "0", "--seed", seed, "--json")
+    code, out, err = ingot(
+        "run",
+        model,
+        "-p",
+        "the capital of",
+        "-n",
+        "20",
+        "--temp",
+        "1",
+        "--top-k",
+        "0",
+        "--top-p",
+        "1",
+        "--min-p",
+        "0",
+        "--seed",
+        seed,
+        "--json",
+    )
     assert code == 0, err
     return json.loads(out)["text"]
 
@@ -57,10 +77,10 @@ def test_same_seed_same_text(ingot, tiny_model_path):
 def test_stop_string_is_not_printed(ingot, tiny_model_path):
     code, out, _ = ingot("run", tiny_model_path, "-p", "the capital of", "-n", "30", "--json")
     text = json.loads(out)["text"]
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     code, out, err = ingot("run", tiny_model_path, "-p", "the capital of", "-n", "30", "--stop", stop)
     assert code == 0, err
-    assert out == text[:text.index(stop)] + "\n" and "finish: stop" in err
+    assert out == text[: text.index(stop)] + "\n" and "finish: stop" in err
 
 
 def test_perplexity_prints_llama_cpp_lines(ingot, tiny_model_path, tmp_path):
@@ -70,8 +90,11 @@ def test_perplexity_prints_llama_cpp_lines(ingot, tiny_model_path, tmp_path):
     assert code == 0, err
     running, final = out.strip().splitlines()
     values = [float(v.split("]")[1]) for v in running.rstrip(",").split(",")]
-    assert running.startswith("[1]") and len(values) == json.loads(
-        ingot("perplexity", tiny_model_path, "-f", text, "-c", "64", "--json")[1])["n_chunks"]
+    assert (
+        running.startswith("[1]")
+        and len(values)
+        == json.loads(ingot("perplexity", tiny_model_path, "-f", text, "-c", "64", "--json")[1])["n_chunks"]
+    )
     assert final.startswith("Final estimate: PPL = ") and f"{values[-1]:.4f}" in final
 
 
@@ -91,6 +114,7 @@ def test_model_synth_and_info(ingot, tmp_path):
 
 # --- bad input: one line, a documented exit code, no traceback ----------------------------------------
 
+
 def _one_line_error(err):
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
@@ -108,29 +132,35 @@ def bad_models(tmp_path_factory, synth_model):
     return folder
 
 
-@pytest.mark.parametrize("name, code, message", [
-    ("missing.gguf", 2, "model file not found"),
-    ("text.gguf", 5, "not a GGUF file"),
-    ("cut.gguf", 5, "truncated"),
-    ("gpt2.gguf", 5, "unsupported architecture 'gpt2'"),
-    ("q4k.gguf", 5, "tensor token_embd.weight has unsupported type Q4_K"),
-])
+@pytest.mark.parametrize(
+    "name, code, message",
+    [
+        ("missing.gguf", 2, "model file not found"),
+        ("text.gguf", 5, "not a GGUF file"),
+        ("cut.gguf", 5, "truncated"),
+        ("gpt2.gguf", 5, "unsupported architecture 'gpt2'"),
+        ("q4k.gguf", 5, "tensor token_embd.weight has unsupported type Q4_K"),
+    ],
+)
 def test_bad_models_exit_with_documented_codes(ingot, bad_models, name, code, message):
     got, out, err = ingot("run", bad_models / name, "-p", "hi")
     assert got == code and message in _one_line_error(err) and out == ""
 
 
 def test_prompt_longer_than_the_context_is_a_usage_error(ingot, tiny_model_path):
-    code, _, err = ingot("run", tiny_model_path, "-p", " the" * 300)     # tiny's context is 256
+    code, _, err = ingot("run", tiny_model_path, "-p", " the" * 300)  # tiny's context is 256
     assert code == 2 and "prompt is 300 tokens, longer than the context of 256" in _one_line_error(err)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--temp", "-1"], "temp"),
-    (["--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--device", "tpu"], "device"),
-    (["-n", "0"], "max-tokens"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temp", "-1"], "temp"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--device", "tpu"], "device"),
+        (["-n", "0"], "max-tokens"),
+    ],
+)
 def test_bad_arguments_are_usage_errors(ingot, tiny_model_path, args, message):
     code, _, err = ingot("run", tiny_model_path, "-p", "hi", *args)
     assert code == 2 and message in err and "Traceback" not in err
@@ -139,7 +169,7 @@ def test_bad_arguments_are_usage_errors(ingot, tiny_model_path, args, message):
 def test_devices(ingot, tiny_model_path, tiny_model):
     from ingot.runtime.engines import open_engine
     from ingot.runtime.engines.cpu import CpuEngine
-    from ingot.toolchain.probe import probe
+    from ingot.runtime.gpu.probe import probe
 
     assert isinstance(open_engine(tiny_model, "cpu"), CpuEngine)
     if not probe().gpus:
@@ -162,13 +192,18 @@ def test_errors_through_a_real_process(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_text("nope")
     for model, code in ((tmp_path / "missing.gguf", 2), (bad, 5)):
-        p = subprocess.run([sys.executable, "-m", "ingot.toolchain", "run", str(model), "-p", "hi"],
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-m", "ingot.toolchain", "run", str(model), "-p", "hi"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == code and p.stdout == ""
         _one_line_error(p.stderr)
 
 
 # --- bundles (packed with the bundle tests' kernels) ----------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_bundle(tmp_path_factory, kernel_dir, tiny_model_path):
@@ -194,7 +229,7 @@ def test_tampered_bundle_is_refused_unless_allowed(ingot, tiny_bundle, copy_of, 
     bad = copy_of(tiny_bundle)
     with tarfile.open(bad) as tar:
         gguf_member = next(m for m in tar.getmembers() if m.name.endswith(".gguf"))
-    flip_byte(bad, gguf_member.offset_data + gguf_member.size - 10)      # a weight byte
+    flip_byte(bad, gguf_member.offset_data + gguf_member.size - 10)  # a weight byte
     code, _, err = ingot("run", bad, "-p", "hi", "-n", "2", "--device", "cpu")
     assert code == 4 and "Traceback" not in err
     code, _, err = ingot("run", bad, "-p", "hi", "-n", "2", "--device", "cpu", "--allow-unverified")

@@ -1,15 +1,17 @@
 """The CPU sampler: greedy, top-k/top-p/min-p, temperature, repetition penalty, seeds."""
+
 import numpy as np
 import pytest
 
+from ingot.runtime.errors import UsageError
 from ingot.runtime.sampling import SamplingParams, penalize_repeats, sample
-from ingot.toolchain.errors import UsageError
 
 
 def _draws(logits, params, n=4000, seed=0, recent=()):
     rng = np.random.default_rng(seed)
-    return np.bincount([sample(np.asarray(logits, np.float32), params, rng, list(recent)) for _ in range(n)],
-                       minlength=len(logits))
+    return np.bincount(
+        [sample(np.asarray(logits, np.float32), params, rng, list(recent)) for _ in range(n)], minlength=len(logits)
+    )
 
 
 def test_greedy_is_argmax_with_ties_to_the_lowest_id():
@@ -46,11 +48,11 @@ def test_top_k_top_p_min_p_cut_the_tail():
 def test_repetition_penalty_follows_llama_cpp():
     logits = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
     out = penalize_repeats(logits, [0, 1, 1], 2.0)
-    np.testing.assert_array_equal(out, [1.0, -4.0, 1.0, 0.5])   # positive / penalty, negative * penalty, once
+    np.testing.assert_array_equal(out, [1.0, -4.0, 1.0, 0.5])  # positive / penalty, negative * penalty, once
     rng = np.random.default_rng(0)
     greedy = SamplingParams(repetition_penalty=2.5, repeat_last_n=2)
-    assert sample(logits, greedy, rng, [0]) == 2           # 2.0 / 2.5 = 0.8 < 1.0
-    assert sample(logits, greedy, rng, [0, 3, 3]) == 0     # token 0 is outside the last 2
+    assert sample(logits, greedy, rng, [0]) == 2  # 2.0 / 2.5 = 0.8 < 1.0
+    assert sample(logits, greedy, rng, [0, 3, 3]) == 0  # token 0 is outside the last 2
 
 
 def test_same_seed_same_draws_different_seed_different_draws():
@@ -63,8 +65,18 @@ def test_same_seed_same_draws_different_seed_different_draws():
     assert seq1 == seq2 and seq1 != seq3
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=2),
-                                dict(top_k=-1), dict(repetition_penalty=0), dict(repeat_last_n=-1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(min_p=2),
+        dict(top_k=-1),
+        dict(repetition_penalty=0),
+        dict(repeat_last_n=-1),
+    ],
+)
 def test_bad_parameters_are_usage_errors(kw):
     with pytest.raises(UsageError):
         SamplingParams(**kw)

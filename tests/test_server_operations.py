@@ -1,5 +1,6 @@
 """Operating `ingot serve`: the API key, graceful shutdown on SIGTERM, /health while loading, and the command's
 failures (missing server packages, a model that does not load, a busy port) as one-line errors with exit codes."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from server_fixtures import ServerProcess
 
 QUESTION = [{"role": "user", "content": "what is the capital of France"}]
@@ -28,21 +28,28 @@ def test_api_key(model_path):
     server = ServerProcess(model_path, "--device", "cpu", "--api-key", "sesame").wait_ready()
     try:
         model = model_path.stem
-        assert httpx.get(f"{server.url}/health").status_code == 200          # operations stay open
+        assert httpx.get(f"{server.url}/health").status_code == 200  # operations stay open
         unauthorized = [
             ("/v1/chat/completions", {"model": model, "messages": QUESTION}, lambda b: b["error"]["code"]),
-            ("/v1/messages", {"model": model, "messages": QUESTION, "max_tokens": 2},
-             lambda b: b["error"]["type"]),
+            ("/v1/messages", {"model": model, "messages": QUESTION, "max_tokens": 2}, lambda b: b["error"]["type"]),
             ("/api/chat", {"model": model, "messages": QUESTION, "stream": False}, lambda b: b["error"]),
         ]
         for path, body, kind in unauthorized:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
                 r = httpx.post(f"{server.url}{path}", json=body, headers=headers)
                 assert r.status_code == 401 and kind(r.json()), (path, headers, r.text)
-        assert httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": QUESTION}
-                          ).json()["error"]["code"] == "invalid_api_key"
-        assert httpx.post(f"{server.url}/v1/messages", json={"model": model, "messages": QUESTION, "max_tokens": 2}
-                          ).json()["error"]["type"] == "authentication_error"
+        assert (
+            httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": QUESTION}).json()[
+                "error"
+            ]["code"]
+            == "invalid_api_key"
+        )
+        assert (
+            httpx.post(
+                f"{server.url}/v1/messages", json={"model": model, "messages": QUESTION, "max_tokens": 2}
+            ).json()["error"]["type"]
+            == "authentication_error"
+        )
         # the official clients send the key their way: Bearer (OpenAI) and x-api-key (Anthropic)
         oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sesame", max_retries=0)
         assert oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=2).choices[0].finish_reason
@@ -52,7 +59,8 @@ def test_api_key(model_path):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
         with pytest.raises(anthropic.AuthenticationError):
             anthropic.Anthropic(base_url=server.url, api_key="nope", max_retries=0).messages.create(
-                model=model, messages=QUESTION, max_tokens=2)
+                model=model, messages=QUESTION, max_tokens=2
+            )
     finally:
         server.stop()
 
@@ -83,11 +91,13 @@ def test_sigterm_finishes_the_stream_in_flight(model_path):
 
 def _ingot(*args, block=(), timeout=60):
     """Run the CLI in a fresh interpreter, with the named modules made unimportable."""
-    code = ("import sys\n"
-            f"for m in {list(block)!r}: sys.modules[m] = None\n"
-            "from ingot.toolchain.cli import main\n"
-            f"sys.argv = ['ingot', *{list(map(str, args))!r}]\n"
-            "main()\n")
+    code = (
+        "import sys\n"
+        f"for m in {list(block)!r}: sys.modules[m] = None\n"
+        "from ingot.toolchain.cli import main\n"
+        f"sys.argv = ['ingot', *{list(map(str, args))!r}]\n"
+        "main()\n"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout, p.stderr
 
@@ -104,10 +114,13 @@ def test_package_imports_without_server_packages():
     assert code == 0, err
 
 
-@pytest.mark.parametrize("model, code, says", [
-    ("missing.gguf", 2, "model file not found"),
-    ("bad.gguf", 5, "not a GGUF file"),
-])
+@pytest.mark.parametrize(
+    "model, code, says",
+    [
+        ("missing.gguf", 2, "model file not found"),
+        ("bad.gguf", 5, "not a GGUF file"),
+    ],
+)
 def test_model_that_does_not_load_stops_the_server(tmp_path, model, code, says):
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
     server = ServerProcess(tmp_path / model, "--device", "cpu")
@@ -148,12 +161,11 @@ def test_health_answers_while_loading(model_path, monkeypatch):
         assert client.get("/health").status_code == 200
 
 
-
 def test_gpu_choice(monkeypatch):
     """Without --gpu the GPU with the most free memory (NVML's reading); --gpu N is checked against the machine."""
-    from ingot.runtime.server.app import pick_gpu
-    from ingot.toolchain import probe
-    from ingot.toolchain.errors import UsageError
+    from ingot.runtime.errors import UsageError
+    from ingot.runtime.gpu import probe
+    from ingot.runtime.server.server import pick_gpu
 
     gpus = tuple(probe.Gpu(i, "H200", 90, 141 << 30, free << 30) for i, free in enumerate((20, 130, 60)))
     monkeypatch.setattr(probe, "probe", lambda: probe.Machine("580", 13000, gpus))
@@ -166,13 +178,14 @@ def test_device_choice(tiny_model, monkeypatch):
     """auto: the CPU engine when there is no GPU, or when the GPU engine cannot take the model; cuda: that refusal
     is the answer (exit 3). The tiny model's head_dim 16 is one the GPU kernels do not take."""
     from ingot.runtime.engines.cpu import CpuEngine
-    from ingot.runtime.server.app import Options, open_serving_engine
-    from ingot.toolchain import probe
-    from ingot.toolchain.errors import IncompatibleError
+    from ingot.runtime.errors import IncompatibleError
+    from ingot.runtime.gpu import probe
+    from ingot.runtime.resolve import Opened
+    from ingot.runtime.server.server import Options, open_serving_engine
 
     for gpus in ((), (probe.Gpu(0, "H200", 90, 141 << 30, 100 << 30),)):
         monkeypatch.setattr(probe, "probe", lambda gpus=gpus: probe.Machine("580", 13000, gpus))
-        engine = open_serving_engine(tiny_model, Options(device="auto", max_seqs=3, ctx=64))
+        engine = open_serving_engine(Opened(tiny_model), Options(device="auto", max_seqs=3, ctx=64))
         assert isinstance(engine, CpuEngine) and (engine.max_seqs, engine.max_ctx) == (3, 64)
         with pytest.raises(IncompatibleError):
-            open_serving_engine(tiny_model, Options(device="cuda"))
+            open_serving_engine(Opened(tiny_model), Options(device="cuda"))

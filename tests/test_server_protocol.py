@@ -1,6 +1,7 @@
 """The three API dialects of `ingot serve`, against a real server process on the tiny synthetic model: response
 and stream shapes, greedy output equal to runtime.generate's, stop strings, errors in each dialect's shape,
 /metrics and /health. The official openai and anthropic clients drive their APIs; Ollama's goes over httpx."""
+
 from __future__ import annotations
 
 import json
@@ -9,11 +10,10 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from server_fixtures import ReferenceRunner, ServerProcess, sse_events
 
 QUESTION = [{"role": "user", "content": "what is the capital of France"}]
-GREEDY_OLLAMA = {"temperature": 0, "repeat_penalty": 1}          # Ollama's defaults sample, with a penalty
+GREEDY_OLLAMA = {"temperature": 0, "repeat_penalty": 1}  # Ollama's defaults sample, with a penalty
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,7 @@ FINISH_OPENAI = {"eos": "stop", "stop": "stop", "length": "length"}
 
 # --- OpenAI ----------------------------------------------------------------------------------------
 
+
 def test_health_and_models(server, oai, model_id):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "model": model_id}
     assert [m.id for m in oai.models.list().data] == [model_id]
@@ -74,8 +75,14 @@ def test_openai_chat_equals_generate(oai, ref, model_id):
 
 def test_openai_chat_stream_format(server, oai, ref, model_id):
     want = ref(QUESTION, max_tokens=10)
-    body = {"model": model_id, "messages": QUESTION, "temperature": 0, "max_tokens": 10, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model_id,
+        "messages": QUESTION,
+        "temperature": 0,
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
@@ -86,11 +93,17 @@ def test_openai_chat_stream_format(server, oai, ref, model_id):
     *deltas, last, usage = chunks
     assert all(c["choices"][0]["finish_reason"] is None and c["usage"] is None for c in deltas)
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in deltas) == want.text
-    assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
-                                  "finish_reason": FINISH_OPENAI[want.finish_reason]}
+    assert last["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": FINISH_OPENAI[want.finish_reason],
+    }
     assert usage["choices"] == [] and usage["usage"] == {
-        "prompt_tokens": want.prompt_tokens, "completion_tokens": want.completion_tokens,
-        "total_tokens": want.prompt_tokens + want.completion_tokens}
+        "prompt_tokens": want.prompt_tokens,
+        "completion_tokens": want.completion_tokens,
+        "total_tokens": want.prompt_tokens + want.completion_tokens,
+    }
     # the official client reads the same stream
     stream = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0, max_tokens=10, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
@@ -100,10 +113,11 @@ def test_openai_completions(oai, ref, model_id):
     want = ref(prompt="the capital of France is", max_tokens=9)
     r = oai.completions.create(model=model_id, prompt="the capital of France is", temperature=0, max_tokens=9)
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == FINISH_OPENAI[want.finish_reason]
-    stream = oai.completions.create(model=model_id, prompt="the capital of France is", temperature=0, max_tokens=9,
-                                    stream=True)
+    stream = oai.completions.create(
+        model=model_id, prompt="the capital of France is", temperature=0, max_tokens=9, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream) == want.text
-    ids = ref.prompt_tokens(prompt="the capital of France is")           # a prompt of token ids
+    ids = ref.prompt_tokens(prompt="the capital of France is")  # a prompt of token ids
     r = oai.completions.create(model=model_id, prompt=ids, temperature=0, max_tokens=9)
     assert r.choices[0].text == want.text
 
@@ -113,24 +127,39 @@ def test_stop_strings_in_each_dialect(server, oai, claude, ref, model_id):
     words = full.text.split()
     assert len(words) >= 4, f"the tiny model's answer is too short to cut: {full.text!r}"
     stop = " " + words[2]
-    cut = full.text[:full.text.find(stop)]
-    assert ref(QUESTION, max_tokens=24, stop=(stop,)).text == cut        # the reference agrees on the cut
+    cut = full.text[: full.text.find(stop)]
+    assert ref(QUESTION, max_tokens=24, stop=(stop,)).text == cut  # the reference agrees on the cut
 
-    r = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0, max_tokens=24,
-                                    stop=[stop, "\x00"])
+    r = oai.chat.completions.create(
+        model=model_id, messages=QUESTION, temperature=0, max_tokens=24, stop=[stop, "\x00"]
+    )
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == (cut, "stop")
-    m = claude.messages.create(model=model_id, messages=QUESTION, max_tokens=24, stop_sequences=["\x00", stop],
-                               extra_body={"temperature": 0})
+    m = claude.messages.create(
+        model=model_id, messages=QUESTION, max_tokens=24, stop_sequences=["\x00", stop], extra_body={"temperature": 0}
+    )
     assert (m.content[0].text, m.stop_reason, m.stop_sequence) == (cut, "stop_sequence", stop)
-    o = httpx.post(f"{server.url}/api/chat", json={"model": model_id, "messages": QUESTION, "stream": False,
-                                                   "options": GREEDY_OLLAMA | {"stop": [stop], "num_predict": 24}})
+    o = httpx.post(
+        f"{server.url}/api/chat",
+        json={
+            "model": model_id,
+            "messages": QUESTION,
+            "stream": False,
+            "options": GREEDY_OLLAMA | {"stop": [stop], "num_predict": 24},
+        },
+    )
     assert (o.json()["message"]["content"], o.json()["done_reason"]) == (cut, "stop")
 
 
 def test_sampling_is_seeded(oai, model_id):
     def sample(seed):
-        return oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=1.5, top_p=1, seed=seed,
-                                           max_tokens=12).choices[0].message.content
+        return (
+            oai.chat.completions.create(
+                model=model_id, messages=QUESTION, temperature=1.5, top_p=1, seed=seed, max_tokens=12
+            )
+            .choices[0]
+            .message.content
+        )
+
     assert sample(11) == sample(11)
 
 
@@ -143,14 +172,16 @@ WITH_SYSTEM = [{"role": "system", "content": "answer in one word"}] + QUESTION
 def test_anthropic_messages_equal_generate(claude, ref, model_id):
     want = ref(WITH_SYSTEM, max_tokens=8)
     content = [{"role": "user", "content": [{"type": "text", "text": QUESTION[0]["content"]}]}]
-    m = claude.messages.create(model=model_id, system=SYSTEM_BLOCKS, messages=content, max_tokens=8,
-                               extra_body={"temperature": 0})
+    m = claude.messages.create(
+        model=model_id, system=SYSTEM_BLOCKS, messages=content, max_tokens=8, extra_body={"temperature": 0}
+    )
     assert m.type == "message" and m.role == "assistant" and m.model == model_id
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == want.text
     assert m.stop_reason == {"eos": "end_turn", "length": "max_tokens"}[want.finish_reason]
     assert (m.usage.input_tokens, m.usage.output_tokens) == (want.prompt_tokens, want.completion_tokens)
-    with claude.messages.stream(model=model_id, system="answer in one word", messages=QUESTION, max_tokens=8,
-                                extra_body={"temperature": 0}) as stream:
+    with claude.messages.stream(
+        model=model_id, system="answer in one word", messages=QUESTION, max_tokens=8, extra_body={"temperature": 0}
+    ) as stream:
         assert "".join(stream.text_stream) == want.text
         assert stream.get_final_message().usage.output_tokens == want.completion_tokens
 
@@ -162,15 +193,20 @@ def test_anthropic_stream_event_order(server, ref, model_id):
         events = sse_events(r)
     names = [name for name, _ in events]
     n_deltas = names.count("content_block_delta")
-    assert names == (["message_start", "content_block_start", "ping"] + ["content_block_delta"] * n_deltas
-                     + ["content_block_stop", "message_delta", "message_stop"])
+    assert names == (
+        ["message_start", "content_block_start", "ping"]
+        + ["content_block_delta"] * n_deltas
+        + ["content_block_stop", "message_delta", "message_stop"]
+    )
     data = [json.loads(d) for _, d in events]
-    assert all(d["type"] == name for d, name in zip(data, names))
+    assert all(d["type"] == name for d, name in zip(data, names, strict=False))
     assert data[0]["message"]["usage"]["input_tokens"] == want.prompt_tokens
     assert "".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta") == want.text
     delta = data[-2]
-    assert delta["delta"] == {"stop_reason": {"eos": "end_turn", "length": "max_tokens"}[want.finish_reason],
-                              "stop_sequence": None}
+    assert delta["delta"] == {
+        "stop_reason": {"eos": "end_turn", "length": "max_tokens"}[want.finish_reason],
+        "stop_sequence": None,
+    }
     assert delta["usage"]["output_tokens"] == want.completion_tokens
 
 
@@ -181,10 +217,11 @@ def test_anthropic_count_tokens(claude, ref, model_id):
 
 # --- Ollama ----------------------------------------------------------------------------------------
 
+
 def test_ollama_chat_stream(server, ref, model_id):
     want = ref(QUESTION, max_tokens=7)
     body = {"model": model_id, "messages": QUESTION, "options": GREEDY_OLLAMA | {"num_predict": 7}}
-    with httpx.stream("POST", f"{server.url}/api/chat", json=body) as r:       # streams by default
+    with httpx.stream("POST", f"{server.url}/api/chat", json=body) as r:  # streams by default
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     *parts, final = lines
@@ -200,14 +237,29 @@ def test_ollama_chat_stream(server, ref, model_id):
 def test_ollama_generate(server, ref, model_id):
     url = f"{server.url}/api/generate"
     templated = ref(QUESTION, max_tokens=7)
-    r = httpx.post(url, json={"model": f"{model_id}:latest", "prompt": QUESTION[0]["content"], "stream": False,
-                              "options": GREEDY_OLLAMA | {"num_predict": 7}}).json()
+    r = httpx.post(
+        url,
+        json={
+            "model": f"{model_id}:latest",
+            "prompt": QUESTION[0]["content"],
+            "stream": False,
+            "options": GREEDY_OLLAMA | {"num_predict": 7},
+        },
+    ).json()
     assert r["response"] == templated.text and r["done"] is True and r["eval_count"] == templated.completion_tokens
     raw = ref(prompt="the capital of France is", max_tokens=7)
-    r = httpx.post(url, json={"model": model_id, "prompt": "the capital of France is", "raw": True, "stream": False,
-                              "options": GREEDY_OLLAMA | {"num_predict": 7}}).json()
+    r = httpx.post(
+        url,
+        json={
+            "model": model_id,
+            "prompt": "the capital of France is",
+            "raw": True,
+            "stream": False,
+            "options": GREEDY_OLLAMA | {"num_predict": 7},
+        },
+    ).json()
     assert r["response"] == raw.text
-    assert httpx.post(url, json={"model": model_id}).json()["done_reason"] == "load"   # empty prompt: load only
+    assert httpx.post(url, json={"model": model_id}).json()["done_reason"] == "load"  # empty prompt: load only
 
 
 def test_ollama_tags_show_version(server, model_id):
@@ -221,6 +273,7 @@ def test_ollama_tags_show_version(server, model_id):
 
 
 # --- errors, in each dialect's shape ------------------------------------------------------------------
+
 
 def openai_shape(body):
     return set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
@@ -239,20 +292,23 @@ DIALECTS = {
     "anthropic": ("/v1/messages", anthropic_shape, lambda m: {"model": m, "messages": QUESTION, "max_tokens": 4}),
     "ollama": ("/api/chat", ollama_shape, lambda m: {"model": m, "messages": QUESTION, "stream": False}),
 }
-LONG = " ".join(["the model"] * 300)                       # ~600 tokens: more than the tiny model's 256
+LONG = " ".join(["the model"] * 300)  # ~600 tokens: more than the tiny model's 256
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-@pytest.mark.parametrize("case, status, says", [
-    ("malformed json", 400, "not valid JSON"),
-    ("unknown model", 404, "not found"),
-    ("wrong type", 400, "must be an array"),
-    ("missing field", 400, "model is required"),
-    ("oversized body", 413, "limit"),
-    ("prompt too long", 400, "longer than the context"),
-    ("max_tokens past the context", 400, "context"),
-    ("wrong method", 405, "Method Not Allowed"),
-])
+@pytest.mark.parametrize(
+    "case, status, says",
+    [
+        ("malformed json", 400, "not valid JSON"),
+        ("unknown model", 404, "not found"),
+        ("wrong type", 400, "must be an array"),
+        ("missing field", 400, "model is required"),
+        ("oversized body", 413, "limit"),
+        ("prompt too long", 400, "longer than the context"),
+        ("max_tokens past the context", 400, "context"),
+        ("wrong method", 405, "Method Not Allowed"),
+    ],
+)
 def test_errors(server, model_id, dialect, case, status, says):
     path, shape, valid = DIALECTS[dialect]
     body = valid(model_id)
@@ -286,16 +342,22 @@ def test_dialect_specific_errors(server, model_id):
     assert r.status_code == 400 and "max_tokens is required" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/messages", json={"model": model_id, "messages": QUESTION, "max_tokens": "4"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(f"{server.url}/v1/chat/completions",
-                   json={"model": model_id, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": model_id, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    )
     assert r.status_code == 400 and "only text" in r.json()["error"]["message"]
-    for path, shape in [("/v1/nothing", openai_shape), ("/v1/messages/nothing", anthropic_shape),
-                        ("/api/nothing", ollama_shape)]:
+    for path, shape in [
+        ("/v1/nothing", openai_shape),
+        ("/v1/messages/nothing", anthropic_shape),
+        ("/api/nothing", ollama_shape),
+    ]:
         r = httpx.post(f"{server.url}{path}", json={})
         assert r.status_code == 404 and shape(r.json())
 
 
 # --- operations -------------------------------------------------------------------------------------
+
 
 def test_metrics(server, oai, model_id):
     before = server.metrics()

@@ -1,6 +1,7 @@
 """The continuous-batching scheduler, in process on the tiny model: concurrent requests share decode steps and
 get the same tokens as one-at-a-time generation, admission respects max_seqs and free KV pages, a cancelled
 request's sequence is released, and a failing engine fails its requests instead of the loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,8 @@ import asyncio
 import pytest
 
 from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.engines.kvcache import PagePool
 from ingot.runtime.generate import GenerationRequest, SamplingParams, generate
-from ingot.runtime.kvcache import PagePool
 from ingot.runtime.server.request import ApiError
 from ingot.runtime.server.scheduler import Job, Scheduler
 
@@ -20,21 +21,31 @@ class Recorder:
     def __init__(self):
         self.batches, self.reasons, self.first_tokens = [], [], 0
 
-    def admitted(self, prompt_tokens, queued_s): pass
-    def first_token(self, seconds): self.first_tokens += 1
-    def step(self, batch, seconds): self.batches.append(batch)
-    def generated(self, n_tokens): pass
-    def retired(self, reason): self.reasons.append(reason)
+    def admitted(self, prompt_tokens, queued_s):
+        pass
+
+    def first_token(self, seconds):
+        self.first_tokens += 1
+
+    def step(self, batch, seconds):
+        self.batches.append(batch)
+
+    def generated(self, n_tokens):
+        pass
+
+    def retired(self, reason):
+        self.reasons.append(reason)
 
 
 class Spy:
-    """A CpuEngine that records how many sequences are alive at each decode, optionally with a page pool."""
+    """A CpuEngine that records how many sequences are alive at each decode, optionally with a smaller KV
+    capacity (a page pool's size and page size, as the GPU engine reports them)."""
 
     def __init__(self, engine: CpuEngine, pages: PagePool | None = None, fail_decode: bool = False):
         self.engine, self.fail_decode, self.widest = engine, fail_decode, 0
         self.max_seqs, self.max_ctx = engine.max_seqs, engine.max_ctx
         if pages is not None:
-            self.pages = pages
+            self.kv_page_size, self.kv_pages_total = pages.page_size, pages.n_pages
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -50,8 +61,16 @@ class Spy:
         return len(self.engine._seqs)
 
 
-PROMPTS = ["the capital of France", "hello world", "one two three four", "what is the name of the city",
-           "water", "the people of the country", "yes no", "find the number"]
+PROMPTS = [
+    "the capital of France",
+    "hello world",
+    "one two three four",
+    "what is the name of the city",
+    "water",
+    "the people of the country",
+    "yes no",
+    "find the number",
+]
 
 
 def _request(tokenizer, text, max_tokens=12):
@@ -86,8 +105,9 @@ async def _serve(engine, tokenizer, requests, cancel_after: int | None = None):
 
 def _one_at_a_time(tiny_model, tokenizer, requests):
     engine = CpuEngine(tiny_model, max_seqs=1)
-    return ["".join(c.text for c in generate(engine, tokenizer, r.prompt_tokens, r.params, r.max_tokens))
-            for r in requests]
+    return [
+        "".join(c.text for c in generate(engine, tokenizer, r.prompt_tokens, r.params, r.max_tokens)) for r in requests
+    ]
 
 
 def test_batched_output_equals_one_at_a_time(tiny_model, tiny_tokenizer):
@@ -95,7 +115,7 @@ def test_batched_output_equals_one_at_a_time(tiny_model, tiny_tokenizer):
     spy = Spy(CpuEngine(tiny_model, max_seqs=4))
     results, observer = asyncio.run(_serve(spy, tiny_tokenizer, requests))
     assert results == _one_at_a_time(tiny_model, tiny_tokenizer, requests)
-    assert spy.widest == 4                                   # steps were shared, never past max_seqs
+    assert spy.widest == 4  # steps were shared, never past max_seqs
     assert observer.first_tokens == len(PROMPTS) and spy.live == 0
 
 
@@ -139,8 +159,9 @@ def test_load_failure_is_reported():
     assert not scheduler.ready.is_set()
 
 
-@pytest.mark.parametrize("stops, text, matched", [((" world", "llo"), "hello world", "llo"),
-                                                  (("b", "ab"), "xab", "ab")])
+@pytest.mark.parametrize(
+    "stops, text, matched", [((" world", "llo"), "hello world", "llo"), (("b", "ab"), "xab", "ab")]
+)
 def test_stop_sequence_is_named(tiny_model, tiny_tokenizer, stops, text, matched):
     """Anthropic's stop_sequence: which stop string ended the text (the earliest one in the text)."""
     request = GenerationRequest((1,), SamplingParams(), 50, stops)
@@ -164,7 +185,7 @@ def test_chunks_that_queue_up_come_out_merged(tiny_tokenizer):
         job = Job(tiny_tokenizer, GenerationRequest((1,), SamplingParams(), 8), asyncio.get_running_loop())
         for item in items:
             job.emit(item)
-        await asyncio.sleep(0)                              # let the emitted items land in the queue
+        await asyncio.sleep(0)  # let the emitted items land in the queue
         got = []
         try:
             async for chunk in job.chunks():

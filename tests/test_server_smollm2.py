@@ -2,6 +2,7 @@
 equal `ingot run`'s for the same prompt; 32 concurrent streams are batched and each gets its one-at-a-time
 answer while clients that go away are cancelled and released; on SIGTERM requests that outlast the grace
 end with a 503."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +14,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from server_fixtures import ServerProcess
 
 QUESTION = "What is the capital of France?"
 RAW = "The capital of France is"
-N = 16                                           # tokens: past the chat answer's end, so EOS is compared too
+N = 16  # tokens: past the chat answer's end, so EOS is compared too
 # Greedy, SmolLM2 answers this with 400+ tokens and no early EOS: a request that is still running when we act.
 NUMBERS = [{"role": "user", "content": "Write the numbers from 1 to 500 separated by commas."}]
 
@@ -58,15 +58,20 @@ def test_greedy_answers_equal_ingot_run(server, model_id, real_model_path, ingot
     claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     m = claude.messages.create(model=model_id, messages=messages, max_tokens=N, extra_body={"temperature": 0})
     assert m.content[0].text == chat and m.stop_reason == "end_turn"
-    with claude.messages.stream(model=model_id, messages=messages, max_tokens=N,
-                                extra_body={"temperature": 0}) as s:
+    with claude.messages.stream(model=model_id, messages=messages, max_tokens=N, extra_body={"temperature": 0}) as s:
         assert "".join(s.text_stream) == chat
 
-    r = httpx.post(f"{server.url}/api/chat", json={"model": model_id, "messages": messages, "stream": False,
-                                                   "options": greedy_ollama}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/api/chat",
+        json={"model": model_id, "messages": messages, "stream": False, "options": greedy_ollama},
+        timeout=60,
+    )
     assert r.json()["message"]["content"] == chat
-    r = httpx.post(f"{server.url}/api/generate", json={"model": model_id, "prompt": RAW, "raw": True,
-                                                       "stream": False, "options": greedy_ollama}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/api/generate",
+        json={"model": model_id, "prompt": RAW, "raw": True, "stream": False, "options": greedy_ollama},
+        timeout=60,
+    )
     assert r.json()["response"] == raw
 
 
@@ -76,8 +81,9 @@ MAX_TOKENS = 16
 
 
 async def _stream(client: openai.AsyncOpenAI, model: str, prompt: str) -> tuple[str, str]:
-    stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                  temperature=0, max_tokens=MAX_TOKENS, stream=True)
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=MAX_TOKENS, stream=True
+    )
     text, finish = "", None
     async for chunk in stream:
         text += chunk.choices[0].delta.content or ""
@@ -105,8 +111,9 @@ async def _walk_away(url: str, model: str, stream: bool) -> None:
 async def _burst(url: str, model: str):
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     leavers = [_walk_away(url, model, stream=True), _walk_away(url, model, stream=False)]
-    *answers, _, _ = await asyncio.gather(*[_stream(client, model, PROMPTS[i % len(PROMPTS)]) for i in range(CLIENTS)],
-                                          *leavers)
+    *answers, _, _ = await asyncio.gather(
+        *[_stream(client, model, PROMPTS[i % len(PROMPTS)]) for i in range(CLIENTS)], *leavers
+    )
     await client.close()
     return answers
 
@@ -114,9 +121,10 @@ async def _burst(url: str, model: str):
 def test_concurrent_streams_are_batched_and_leavers_released(server, model_id):
     oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     alone = {}
-    for p in PROMPTS:                                         # one at a time: the answers to match
-        r = oai.chat.completions.create(model=model_id, messages=[{"role": "user", "content": p}], temperature=0,
-                                        max_tokens=MAX_TOKENS)
+    for p in PROMPTS:  # one at a time: the answers to match
+        r = oai.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=MAX_TOKENS
+        )
         alone[p] = (r.choices[0].message.content, r.choices[0].finish_reason)
     before = server.metrics()
 
@@ -130,7 +138,7 @@ def test_concurrent_streams_are_batched_and_leavers_released(server, model_id):
     assert m["ingot_kv_cache_pages_used"] == 0
     steps = m["ingot_decode_batch_size_count"] - before["ingot_decode_batch_size_count"]
     narrow = m['ingot_decode_batch_size_bucket{le="8.0"}'] - before['ingot_decode_batch_size_bucket{le="8.0"}']
-    assert narrow < steps                                     # some steps decoded more than 8 sequences at once
+    assert narrow < steps  # some steps decoded more than 8 sequences at once
 
 
 def test_sigterm_ends_requests_that_outlast_the_grace(real_model_path, model_id):
@@ -139,8 +147,12 @@ def test_sigterm_ends_requests_that_outlast_the_grace(real_model_path, model_id)
     traceback. (A request that finishes within the grace completes: tests/test_server_operations.py.)"""
     server = ServerProcess(real_model_path, "--device", "cpu", "--ctx", "512").wait_ready()
     with ThreadPoolExecutor(1) as pool:
-        whole = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", timeout=60,
-                            json={"model": model_id, "messages": NUMBERS, "max_tokens": 400, "temperature": 0})
+        whole = pool.submit(
+            httpx.post,
+            f"{server.url}/v1/chat/completions",
+            timeout=60,
+            json={"model": model_id, "messages": NUMBERS, "max_tokens": 400, "temperature": 0},
+        )
         server.wait_metric("ingot_running_sequences", lambda v: v == 1)
         body = {"model": model_id, "messages": NUMBERS, "max_tokens": 400, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/messages", json=body, timeout=60) as r:

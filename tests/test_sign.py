@@ -1,4 +1,5 @@
 """Signing: Ed25519 keys, DSSE envelopes of in-toto statements, `ingot sign` and `verify --pubkey`."""
+
 from __future__ import annotations
 
 import base64
@@ -14,16 +15,18 @@ from bundle_fixtures import craft_tar, run_cli
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ingot.toolchain.manifest import MANIFEST, SIGNATURE
-from ingot.toolchain.sign import pae
+from ingot.runtime.bundle.manifest import MANIFEST, SIGNATURE
+from ingot.runtime.bundle.signature import pae
 
 pytestmark = pytest.mark.usefixtures("stamp_cache")
 
 
 def test_pae_matches_the_dsse_spec_example():
     # secure-systems-lab/dsse protocol.md: PAE("http://example.com/HelloWorld", "hello world")
-    assert pae("http://example.com/HelloWorld", b"hello world") == \
-        b"DSSEv1 29 http://example.com/HelloWorld 11 hello world"
+    assert (
+        pae("http://example.com/HelloWorld", b"hello world")
+        == b"DSSEv1 29 http://example.com/HelloWorld 11 hello world"
+    )
 
 
 def test_keygen_writes_a_private_pkcs8_key_and_a_public_key(monkeypatch, capsys, tmp_path):
@@ -32,7 +35,7 @@ def test_keygen_writes_a_private_pkcs8_key_and_a_public_key(monkeypatch, capsys,
     r = json.loads(out)
     key, pub = tmp_path / "release.key", tmp_path / "release.pub"
     assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
-    assert key.read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")        # PKCS8
+    assert key.read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")  # PKCS8
     private = serialization.load_pem_private_key(key.read_bytes(), password=None)
     public = serialization.load_pem_public_key(pub.read_bytes())
     assert isinstance(private, Ed25519PrivateKey) and isinstance(public, Ed25519PublicKey)
@@ -64,8 +67,9 @@ def test_signature_is_a_dsse_envelope_anyone_can_check(signed_bundle, keys):
     assert statement["predicateType"] == "https://model_signing/signature/v1.0"
     resources = statement["predicate"]["resources"]
     assert [r["name"] for r in resources] == sorted(r["name"] for r in resources)
-    assert {r["name"]: r["digest"] for r in resources if r["name"] != MANIFEST} == \
-        {f["name"]: f["digest"] for f in manifest["files"]}
+    assert {r["name"]: r["digest"] for r in resources if r["name"] != MANIFEST} == {
+        f["name"]: f["digest"] for f in manifest["files"]
+    }
     # model_signing's rule: the subject digest is sha256 over the resource digests in order
     root = hashlib.sha256(b"".join(bytes.fromhex(r["digest"]) for r in resources)).hexdigest()
     assert root == manifest["root_digest"]
@@ -76,7 +80,7 @@ def test_sign_then_verify_with_the_right_and_wrong_keys(monkeypatch, capsys, cop
     code, out, err = run_cli(monkeypatch, capsys, "sign", bundle, "--key", keys["a"]["key"], "--json")
     assert code == 0, err
     assert json.loads(out)["keyid"] == keys["a"]["keyid"]
-    assert bundle.read_bytes() == signed_bundle.read_bytes()       # Ed25519 is deterministic: same bytes
+    assert bundle.read_bytes() == signed_bundle.read_bytes()  # Ed25519 is deterministic: same bytes
     assert run_cli(monkeypatch, capsys, "verify", bundle, "--pubkey", keys["a"]["pub"])[0] == 0
     code, _, err = run_cli(monkeypatch, capsys, "verify", bundle, "--pubkey", keys["b"]["pub"])
     assert code == 4 and "not by --pubkey" in err
@@ -97,11 +101,12 @@ def test_signing_in_place_is_atomic_and_keeps_the_content(monkeypatch, capsys, c
     bundle = copy_of(toy_bundle)
     before = os.stat(bundle).st_ino
     assert run_cli(monkeypatch, capsys, "sign", bundle, "--key", keys["a"]["key"])[0] == 0
-    assert os.stat(bundle).st_ino != before                         # a new file renamed over the old one
+    assert os.stat(bundle).st_ino != before  # a new file renamed over the old one
     assert not list(bundle.parent.glob(f".{bundle.name}.*"))
     with tarfile.open(toy_bundle) as a, tarfile.open(bundle) as b:
-        assert {m.name: a.extractfile(m).read() for m in a.getmembers()} == \
-            {m.name: b.extractfile(m).read() for m in b.getmembers() if m.name != SIGNATURE}
+        assert {m.name: a.extractfile(m).read() for m in a.getmembers()} == {
+            m.name: b.extractfile(m).read() for m in b.getmembers() if m.name != SIGNATURE
+        }
 
 
 def test_a_signature_moved_to_another_bundle_is_refused(monkeypatch, capsys, tmp_path, signed_bundle, big_bundle, keys):
@@ -112,7 +117,7 @@ def test_a_signature_moved_to_another_bundle_is_refused(monkeypatch, capsys, tmp
     moved = craft_tar(big_bundle, tmp_path / "moved.ingot", extra=[(info, sig)])
     code, _, err = run_cli(monkeypatch, capsys, "verify", moved, "--pubkey", keys["a"]["pub"])
     assert code == 4 and "for a different bundle" in err
-    assert run_cli(monkeypatch, capsys, "verify", moved)[0] == 4     # also without a key
+    assert run_cli(monkeypatch, capsys, "verify", moved)[0] == 4  # also without a key
 
 
 def test_signing_a_damaged_bundle_is_refused(monkeypatch, capsys, copy_of, toy_bundle, keys):

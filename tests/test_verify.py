@@ -1,4 +1,5 @@
 """`ingot verify`: every kind of damage or smuggling is refused with exit 4, naming the member (and chunk)."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import tarfile
 import pytest
 from bundle_fixtures import craft_tar, flip_byte, member_offset, run_cli
 
-from ingot.toolchain.manifest import CHUNK_SIZE, MANIFEST, SIGNATURE, canonical_json
+from ingot.runtime.bundle.manifest import CHUNK_SIZE, MANIFEST, SIGNATURE, canonical_json
 
 pytestmark = pytest.mark.usefixtures("stamp_cache")
 
@@ -31,19 +32,28 @@ def _kernel(bundle) -> str:
         return next(n for n in tar.getnames() if n.startswith("kernels/"))
 
 
-@pytest.mark.parametrize("where", ["kernel", "model header", "model tensor data", "manifest", "provenance",
-                                   "signature"])
-def test_one_flipped_byte_anywhere_is_refused_naming_the_member(monkeypatch, capsys, copy_of, signed_bundle, keys,
-                                                                where):
+@pytest.mark.parametrize(
+    "where", ["kernel", "model header", "model tensor data", "manifest", "provenance", "signature"]
+)
+def test_one_flipped_byte_anywhere_is_refused_naming_the_member(
+    monkeypatch, capsys, copy_of, signed_bundle, keys, where
+):
     bundle = copy_of(signed_bundle)
-    name = {"kernel": _kernel(bundle), "model header": "model/toy.gguf", "model tensor data": "model/toy.gguf",
-            "manifest": MANIFEST, "provenance": "provenance.json", "signature": SIGNATURE}[where]
+    name = {
+        "kernel": _kernel(bundle),
+        "model header": "model/toy.gguf",
+        "model tensor data": "model/toy.gguf",
+        "manifest": MANIFEST,
+        "provenance": "provenance.json",
+        "signature": SIGNATURE,
+    }[where]
     offset, size = member_offset(bundle, name)
-    data = bundle.read_bytes()[offset:offset + size]
-    pos = {"model header": 9,                                    # inside the GGUF version / tensor count
-           "model tensor data": size - 3,                        # the last tensor's bytes
-           "signature": data.find(b'"sig":"') + 12,              # inside the base64 of the Ed25519 signature
-           }.get(where, size // 2)
+    data = bundle.read_bytes()[offset : offset + size]
+    pos = {
+        "model header": 9,  # inside the GGUF version / tensor count
+        "model tensor data": size - 3,  # the last tensor's bytes
+        "signature": data.find(b'"sig":"') + 12,  # inside the base64 of the Ed25519 signature
+    }.get(where, size // 2)
     flip_byte(bundle, offset + pos)
     code, report, err = _verify(monkeypatch, capsys, bundle, "--pubkey", keys["a"]["pub"])
     assert code == 4
@@ -56,18 +66,19 @@ def test_damage_in_a_large_member_names_the_chunk(monkeypatch, capsys, copy_of, 
     flip_byte(bundle, offset + CHUNK_SIZE + 1000)
     code, report, err = _verify(monkeypatch, capsys, bundle)
     assert code == 4
-    assert report["problems"] == [{"member": "model/big.gguf", "chunk": 1, "bytes": [CHUNK_SIZE, size],
-                                   "where": report["problems"][0]["where"]}]
+    assert report["problems"] == [
+        {"member": "model/big.gguf", "chunk": 1, "bytes": [CHUNK_SIZE, size], "where": report["problems"][0]["where"]}
+    ]
     assert "chunk 1 of 2" in err
 
 
 def test_a_whole_digest_that_disagrees_with_its_chunks_is_refused(monkeypatch, capsys, tmp_path, big_bundle):
-    from ingot.toolchain.manifest import seal
+    from ingot.runtime.bundle.manifest import seal
 
     m = _manifest(big_bundle)
     m["model"]["sha256"] = "0" * 64
     m["files"] = [f | {"digest": "0" * 64} if f["name"] == "model/big.gguf" else f for f in m["files"]]
-    bad = craft_tar(big_bundle, tmp_path / "bad.ingot", replace={MANIFEST: seal(m)})   # a consistent root
+    bad = craft_tar(big_bundle, tmp_path / "bad.ingot", replace={MANIFEST: seal(m)})  # a consistent root
     code, report, _ = _verify(monkeypatch, capsys, bad)
     assert code == 4 and report["problems"][0]["chunk"] is None and "model/big.gguf" in report["error"]
 
@@ -90,17 +101,20 @@ def _info(name: str, kind=tarfile.REGTYPE, size: int = 0, link: str = "") -> tar
     return info
 
 
-@pytest.mark.parametrize("extra, words", [
-    ((_info("notes.txt", size=2), b"hi"), "notes.txt is in the bundle but not in the manifest"),
-    ((_info("../evil", size=2), b"hi"), "'../evil'"),
-    ((_info("/etc/evil", size=2), b"hi"), "absolute path"),
-    ((_info("kernels/a/../../x", size=2), b"hi"), "'..'"),
-    ((_info("link", tarfile.SYMTYPE, link="/etc/passwd"), None), "link is a symlink"),
-    ((_info("hard", tarfile.LNKTYPE, link=MANIFEST), None), "hard is a hard link"),
-    ((_info("dev", tarfile.CHRTYPE), None), "dev is a device file"),
-    ((_info("dir", tarfile.DIRTYPE), None), "dir is a directory"),
-    ((_info(MANIFEST, size=2), b"{}"), f"member {MANIFEST} appears twice"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ((_info("notes.txt", size=2), b"hi"), "notes.txt is in the bundle but not in the manifest"),
+        ((_info("../evil", size=2), b"hi"), "'../evil'"),
+        ((_info("/etc/evil", size=2), b"hi"), "absolute path"),
+        ((_info("kernels/a/../../x", size=2), b"hi"), "'..'"),
+        ((_info("link", tarfile.SYMTYPE, link="/etc/passwd"), None), "link is a symlink"),
+        ((_info("hard", tarfile.LNKTYPE, link=MANIFEST), None), "hard is a hard link"),
+        ((_info("dev", tarfile.CHRTYPE), None), "dev is a device file"),
+        ((_info("dir", tarfile.DIRTYPE), None), "dir is a directory"),
+        ((_info(MANIFEST, size=2), b"{}"), f"member {MANIFEST} appears twice"),
+    ],
+)
 def test_smuggled_members_are_refused(monkeypatch, capsys, tmp_path, toy_bundle, extra, words):
     bad = craft_tar(toy_bundle, tmp_path / "bad.ingot", extra=[extra])
     code, report, _ = _verify(monkeypatch, capsys, bad)
@@ -124,7 +138,7 @@ def test_data_after_the_archive_end_is_refused(monkeypatch, capsys, copy_of, toy
 def test_damaged_tar_header_is_refused(monkeypatch, capsys, copy_of, toy_bundle):
     bundle = copy_of(toy_bundle)
     offset, _ = member_offset(bundle, "provenance.json")
-    flip_byte(bundle, offset - 512 + 20)          # inside provenance.json's own tar header (its name field)
+    flip_byte(bundle, offset - 512 + 20)  # inside provenance.json's own tar header (its name field)
     code, report, _ = _verify(monkeypatch, capsys, bundle)
     assert code == 4 and "damaged tar header" in report["error"]
 
@@ -138,17 +152,20 @@ def _with_files(m: dict, **fields) -> bytes:
     return canonical_json(m | {"files": [f | fields for f in m["files"]]})
 
 
-@pytest.mark.parametrize("mutate, words", [
-    (lambda m: b"{not json", "not valid UTF-8 JSON"),
-    (lambda m: canonical_json(m | {"files": "all of them"}), "field files has type str"),
-    (lambda m: _with_files(m, size=2**52), "files[0].size is out of range"),
-    (lambda m: _with_files(m, size="12"), "files[0].size has type str"),
-    (lambda m: _with_files(m, digest="AB" * 32), "files[0].digest"),
-    (lambda m: _with_files(m, digest="abc"), "files[0].digest"),
-    (lambda m: json.dumps(m, indent=2).encode(), "not in canonical JSON form"),
-    (lambda m: canonical_json(m | {"name": "renamed"}), "root digest"),
-    (lambda m: canonical_json([m]), "is a list"),
-])
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda m: b"{not json", "not valid UTF-8 JSON"),
+        (lambda m: canonical_json(m | {"files": "all of them"}), "field files has type str"),
+        (lambda m: _with_files(m, size=2**52), "files[0].size is out of range"),
+        (lambda m: _with_files(m, size="12"), "files[0].size has type str"),
+        (lambda m: _with_files(m, digest="AB" * 32), "files[0].digest"),
+        (lambda m: _with_files(m, digest="abc"), "files[0].digest"),
+        (lambda m: json.dumps(m, indent=2).encode(), "not in canonical JSON form"),
+        (lambda m: canonical_json(m | {"name": "renamed"}), "root digest"),
+        (lambda m: canonical_json([m]), "is a list"),
+    ],
+)
 def test_malformed_manifest_is_refused(monkeypatch, capsys, tmp_path, toy_bundle, mutate, words):
     data = mutate(_manifest(toy_bundle))
     bad = craft_tar(toy_bundle, tmp_path / "bad.ingot", replace={MANIFEST: data})

@@ -1,4 +1,5 @@
-"""`python -m ingot.toolchain` runs the `ingot` CLI (for environments without the console script)."""
-from .cli import main
+"""`python -m ingot.toolchain` runs the `ingot` CLI too (kept for scripts written against it)."""
+
+from ingot.toolchain.cli import main
 
 main()

@@ -13,6 +13,7 @@ The cache key covers everything that can change the bytes: the source, every loc
 cache hit) the fatbin is read back and must hold exactly the archs that were asked for, so a silent fallback
 (a dropped arch, PTX where SASS was wanted) fails the build instead of failing on a user's GPU.
 """
+
 from __future__ import annotations
 
 import csv
@@ -25,15 +26,16 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from .archs import Arch, default_policy, kernel_source_dir
-from .errors import BuildError, UsageError
-from .fatbin import Fatbin, parse_fatbin
-from .files import cache_root, write_atomic
-from .nvcc import HIDDEN_INPUT_VARS, Toolkit, host_compiler, require_toolkit
+from ingot.runtime.errors import BuildError, UsageError
+from ingot.runtime.files import cache_root, write_atomic
+from ingot.runtime.gpu.archs import Arch
+from ingot.runtime.gpu.fatbin import Fatbin, parse_fatbin
+from ingot.toolchain.archs import default_policy, kernel_source_dir
+from ingot.toolchain.nvcc import HIDDEN_INPUT_VARS, Toolkit, host_compiler, require_toolkit
 
 CACHE_SCHEMA = "ingot-kernel-cache-v2"
 
@@ -41,10 +43,10 @@ CACHE_SCHEMA = "ingot-kernel-cache-v2"
 @dataclass
 class ArchStat:
     arch: str
-    kind: str           # "sass" or "ptx"
-    bytes: int          # size of this arch's image in the fatbin (stored, i.e. compressed if compressed)
-    seconds: float      # nvcc's own time for this target (`nvcc --time`): front end (shared by sm_XY and
-                        # compute_XY) + ptxas; with --threads these overlap, so they do not add up to wall time
+    kind: str  # "sass" or "ptx"
+    bytes: int  # size of this arch's image in the fatbin (stored, i.e. compressed if compressed)
+    seconds: float  # nvcc's own time for this target (`nvcc --time`): front end (shared by sm_XY and
+    # compute_XY) + ptxas; with --threads these overlap, so they do not add up to wall time
 
 
 @dataclass
@@ -56,11 +58,11 @@ class ModuleBuild:
     archs: dict
     kernels: list[str]
     per_arch: list[ArchStat]
-    command: list[str]      # the exact nvcc argv that produced these bytes (run in `cwd`)
+    command: list[str]  # the exact nvcc argv that produced these bytes (run in `cwd`)
     cwd: str
     cached: bool
     seconds: float
-    inputs: dict = field(default_factory=dict)   # file name -> sha256 of the source and each included header
+    inputs: dict = field(default_factory=dict)  # file name -> sha256 of the source and each included header
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -78,9 +80,14 @@ class BuildResult:
     modules: list[ModuleBuild]
 
     def as_dict(self) -> dict:
-        return {"toolkit": self.toolkit.as_dict(), "host_compiler": self.host_compiler, "archs": self.archs,
-                "flags": self.flags, "out_dir": str(self.out_dir),
-                "fatbins": [m.as_dict() for m in self.modules]}
+        return {
+            "toolkit": self.toolkit.as_dict(),
+            "host_compiler": self.host_compiler,
+            "archs": self.archs,
+            "flags": self.flags,
+            "out_dir": str(self.out_dir),
+            "fatbins": [m.as_dict() for m in self.modules],
+        }
 
 
 def cache_dir() -> Path:
@@ -120,8 +127,14 @@ def nvcc_args(archs: list[Arch], flags: list[str], name: str) -> list[str]:
 
 def _cache_key(src: Path, headers: dict[str, bytes], tk: Toolkit, args: list[str]) -> str:
     h = hashlib.sha256()
-    for part in (CACHE_SCHEMA, tk.version_text, tk.build, str(host_compiler().get("version")), json.dumps(args),
-                 src.name):
+    for part in (
+        CACHE_SCHEMA,
+        tk.version_text,
+        tk.build,
+        str(host_compiler().get("version")),
+        json.dumps(args),
+        src.name,
+    ):
         h.update(part.encode() + b"\0")
     h.update(src.read_bytes() + b"\0")
     for name, data in headers.items():
@@ -151,7 +164,8 @@ def check_archs(name: str, fat: Fatbin, archs: list[Arch]) -> None:
         raise BuildError(
             f"{name}.fatbin does not hold exactly the requested archs: missing {missing or 'none'}, "
             f"unexpected {extra or 'none'}",
-            hint="nvcc dropped or added an image; check the --arch list against `nvcc --list-gpu-code`")
+            hint="nvcc dropped or added an image; check the --arch list against `nvcc --list-gpu-code`",
+        )
 
 
 def _read_cache(key: str) -> tuple[bytes, dict] | None:
@@ -177,13 +191,16 @@ def _compile(src: Path, args: list[str], tk: Toolkit, threads: int) -> tuple[byt
         if proc.returncode != 0:
             lines = proc.stderr.splitlines()
             errors = [ln for ln in lines if "error" in ln or "fatal" in ln] or lines
-            raise BuildError(f"nvcc failed on {src.name}: {errors[0].strip() if errors else 'no output'}",
-                             hint=f"{len(errors)} error line(s); run `{' '.join(argv)}` in {src.parent}")
+            raise BuildError(
+                f"nvcc failed on {src.name}: {errors[0].strip() if errors else 'no output'}",
+                hint=f"{len(errors)} error line(s); run `{' '.join(argv)}` in {src.parent}",
+            )
         return out.read_bytes(), _per_arch_seconds(timing.read_text()), argv
 
 
-def build_module(src: Path, archs: list[Arch], flags: list[str], tk: Toolkit, out_dir: Path,
-                 use_cache: bool = True, threads: int = 0) -> ModuleBuild:
+def build_module(
+    src: Path, archs: list[Arch], flags: list[str], tk: Toolkit, out_dir: Path, use_cache: bool = True, threads: int = 0
+) -> ModuleBuild:
     name = src.stem
     headers = included_headers(src)
     args = nvcc_args(archs, flags, name)
@@ -210,10 +227,20 @@ def build_module(src: Path, archs: list[Arch], flags: list[str], tk: Toolkit, ou
     path = out_dir / f"{name}.fatbin"
     write_atomic(path, data)
     inputs = {src.name: sha256_bytes(src.read_bytes())} | {n: sha256_bytes(b) for n, b in headers.items()}
-    return ModuleBuild(name=name, path=str(path), sha256=sha256_bytes(data), size=len(data),
-                       archs={"sass": fat.sass, "ptx": fat.ptx}, kernels=list(fat.kernels), per_arch=per_arch,
-                       command=argv, cwd=str(src.parent), cached=bool(hit),
-                       seconds=round(time.perf_counter() - t0, 3), inputs=dict(sorted(inputs.items())))
+    return ModuleBuild(
+        name=name,
+        path=str(path),
+        sha256=sha256_bytes(data),
+        size=len(data),
+        archs={"sass": fat.sass, "ptx": fat.ptx},
+        kernels=list(fat.kernels),
+        per_arch=per_arch,
+        command=argv,
+        cwd=str(src.parent),
+        cached=bool(hit),
+        seconds=round(time.perf_counter() - t0, 3),
+        inputs=dict(sorted(inputs.items())),
+    )
 
 
 def _cpus() -> int:
@@ -224,13 +251,20 @@ def _cpus() -> int:
 def _check_targets(archs: list[Arch], tk: Toolkit) -> None:
     unsupported = [a.name for a in archs if tk.targets and a.cc not in tk.targets]
     if unsupported:
-        raise UsageError(f"nvcc {tk.version} cannot target {', '.join(unsupported)}",
-                         hint=f"it targets sm_{', sm_'.join(map(str, tk.targets))}")
+        raise UsageError(
+            f"nvcc {tk.version} cannot target {', '.join(unsupported)}",
+            hint=f"it targets sm_{', sm_'.join(map(str, tk.targets))}",
+        )
 
 
-def build(archs: list[Arch] | None = None, out_dir: Path | str = "dist/kernels", sources: list[Path] | None = None,
-          use_cache: bool = True, on_module: Callable[[str, int], None] | None = None,
-          threads: int = 0) -> BuildResult:
+def build(
+    archs: list[Arch] | None = None,
+    out_dir: Path | str = "dist/kernels",
+    sources: list[Path] | None = None,
+    use_cache: bool = True,
+    on_module: Callable[[str, int], None] | None = None,
+    threads: int = 0,
+) -> BuildResult:
     """Build every source (default: cuda/*.cu). threads: nvcc --threads per module (0 = one per CPU).
     on_module(name, n_done) is called before each module (for progress bars)."""
     tk = require_toolkit()
@@ -250,7 +284,13 @@ def build(archs: list[Arch] | None = None, out_dir: Path | str = "dist/kernels",
         if on_module:
             on_module(src.stem, i)
         modules.append(build_module(src, archs, flags, tk, out_dir, use_cache=use_cache, threads=threads))
-    result = BuildResult(toolkit=tk, host_compiler=host_compiler(), archs=[a.name for a in archs], flags=flags,
-                         out_dir=out_dir, modules=modules)
+    result = BuildResult(
+        toolkit=tk,
+        host_compiler=host_compiler(),
+        archs=[a.name for a in archs],
+        flags=flags,
+        out_dir=out_dir,
+        modules=modules,
+    )
     write_atomic(out_dir / "build.json", (json.dumps(result.as_dict(), indent=2, sort_keys=True) + "\n").encode())
     return result

@@ -3,6 +3,7 @@
 Search order for nvcc: $CUDACXX, `nvcc` on PATH, $CUDA_HOME/bin ($CUDA_PATH/bin), the `nvidia-cuda-nvcc` wheel
 (site-packages/nvidia/cu13/bin for 13.x wheels, nvidia/cuda_nvcc/bin for 12.x), then /usr/local/cuda/bin.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from .errors import IncompatibleError
+from ingot.runtime.errors import IncompatibleError
 
 # Environment variables that change what nvcc compiles without showing on its command line. A release build
 # runs nvcc without them, so the recorded command line is the whole story (NVCC_CCBIN stays: it picks the host
@@ -25,20 +26,25 @@ HIDDEN_INPUT_VARS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "CPATH", "C_INCL
 @dataclass(frozen=True)
 class Toolkit:
     nvcc: Path
-    found_via: str         # "CUDACXX", "PATH", "CUDA_HOME", "/usr/local/cuda", "nvidia-cuda-nvcc wheel"
-    version: str           # "13.0"
-    build: str             # "V13.0.88"
-    version_text: str      # nvcc --version's release line, recorded in provenance
-    targets: tuple[int, ...] = ()   # compute capabilities it can compile SASS for (nvcc --list-gpu-code): 75, 80, ...
+    found_via: str  # "CUDACXX", "PATH", "CUDA_HOME", "/usr/local/cuda", "nvidia-cuda-nvcc wheel"
+    version: str  # "13.0"
+    build: str  # "V13.0.88"
+    version_text: str  # nvcc --version's release line, recorded in provenance
+    targets: tuple[int, ...] = ()  # compute capabilities it can compile SASS for (nvcc --list-gpu-code): 75, 80, ...
 
     @property
     def major(self) -> int:
         return int(self.version.split(".")[0])
 
     def as_dict(self) -> dict:
-        return {"nvcc": str(self.nvcc), "found_via": self.found_via, "version": self.version,
-                "build": self.build, "version_text": self.version_text,
-                "targets": [f"sm_{cc}" for cc in self.targets]}
+        return {
+            "nvcc": str(self.nvcc),
+            "found_via": self.found_via,
+            "version": self.version,
+            "build": self.build,
+            "version_text": self.version_text,
+            "targets": [f"sm_{cc}" for cc in self.targets],
+        }
 
 
 def _candidates() -> list[tuple[Path, str]]:
@@ -78,8 +84,9 @@ def probe_nvcc(path: Path, found_via: str) -> Toolkit | None:
     line = next(ln for ln in text.splitlines() if "release" in ln)
     codes = _run([str(path), "--list-gpu-code"]) or ""
     targets = tuple(sorted({int(c) for c in re.findall(r"\bsm_(\d+)\b", codes)}))
-    return Toolkit(nvcc=path, found_via=found_via, version=m.group(1), build=m.group(2),
-                   version_text=line.strip(), targets=targets)
+    return Toolkit(
+        nvcc=path, found_via=found_via, version=m.group(1), build=m.group(2), version_text=line.strip(), targets=targets
+    )
 
 
 @cache
@@ -96,7 +103,8 @@ def require_toolkit() -> Toolkit:
     if tk is None:
         raise IncompatibleError(
             "no CUDA compiler (nvcc) found on PATH, in $CUDA_HOME, /usr/local/cuda or the nvidia-cuda-nvcc wheel",
-            hint="install the CUDA toolkit 12.x/13.x or `pip install nvidia-cuda-nvcc`, or set CUDACXX")
+            hint="install the CUDA toolkit 12.x/13.x or `pip install nvidia-cuda-nvcc`, or set CUDACXX",
+        )
     return tk
 
 

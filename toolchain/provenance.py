@@ -8,9 +8,10 @@ digests of its source and every header it includes, the nvcc and host-compiler v
 CMakeLists.txt when the build ran from a checkout). No host paths, user names or timestamps, so the same
 build always gives the same bytes.
 """
+
 from __future__ import annotations
 
-from .errors import VerificationError
+from ingot.runtime.errors import VerificationError
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
@@ -38,8 +39,10 @@ def kernel_provenance(record: dict, modules: list[dict], extra_inputs: dict[str,
     deps: dict[str, str] = dict(extra_inputs)
     for k in modules:
         b = built[k["name"]]
-        per_module[k["name"]] = {"command": portable_command(b["command"], k["name"]),
-                                 "inputs": dict(sorted(b["inputs"].items()))}
+        per_module[k["name"]] = {
+            "command": portable_command(b["command"], k["name"]),
+            "inputs": dict(sorted(b["inputs"].items())),
+        }
         deps.update({f"cuda/{n}": d for n, d in b["inputs"].items()})
     tk = record["toolkit"]
     return {
@@ -64,19 +67,28 @@ def kernel_provenance(record: dict, modules: list[dict], extra_inputs: dict[str,
 
 def recorded_build(statement: dict) -> dict:
     """The parts of a provenance statement a rebuild needs; VerificationError if it is not one of ours."""
-    bad = VerificationError("provenance.json is not an Ingot kernel-build provenance statement",
-                            hint="re-pack the bundle with this version of Ingot")
+    bad = VerificationError(
+        "provenance.json is not an Ingot kernel-build provenance statement",
+        hint="re-pack the bundle with this version of Ingot",
+    )
     try:
         d = statement["predicate"]["buildDefinition"]
         if statement["predicateType"] != PREDICATE_TYPE or d["buildType"] != BUILD_TYPE:
             raise bad
         ext, internal = d["externalParameters"], d["internalParameters"]
-        out = {"archs": list(ext["archs"]), "flags": list(ext["flags"]), "modules": dict(internal["modules"]),
-               "nvcc": dict(internal["nvcc"]), "host_compiler": internal["host_compiler"],
-               "subjects": {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}}
+        out = {
+            "archs": list(ext["archs"]),
+            "flags": list(ext["flags"]),
+            "modules": dict(internal["modules"]),
+            "nvcc": dict(internal["nvcc"]),
+            "host_compiler": internal["host_compiler"],
+            "subjects": {s["name"]: s["digest"]["sha256"] for s in statement["subject"]},
+        }
     except (KeyError, TypeError, AttributeError):
         raise bad from None
-    if not all(isinstance(m, dict) and isinstance(m.get("command"), list) and isinstance(m.get("inputs"), dict)
-               for m in out["modules"].values()):
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("command"), list) and isinstance(m.get("inputs"), dict)
+        for m in out["modules"].values()
+    ):
         raise bad
     return out

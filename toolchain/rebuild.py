@@ -5,6 +5,7 @@ The bundle is verified first. Then every module is compiled from this installati
 provenance, by the local nvcc, without the kernel cache. A module that differs is explained by comparing
 what was recorded with what is here: nvcc build, host compiler, source and header digests, command line.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,18 +13,20 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import BuildError
+from ingot.runtime.errors import BuildError
 
 
 def _differences(name: str, recorded: dict, rec_module: dict, local: dict) -> list[str]:
     """Why a rebuilt module may differ: every recorded input that is not the same here."""
     reasons = []
     if recorded["nvcc"]["build"] != local["nvcc"]["build"]:
-        reasons.append(f"nvcc differs: recorded {recorded['nvcc']['version_text']!r}, "
-                       f"here {local['nvcc']['version_text']!r}")
+        reasons.append(
+            f"nvcc differs: recorded {recorded['nvcc']['version_text']!r}, here {local['nvcc']['version_text']!r}"
+        )
     if recorded["host_compiler"] != local["host_compiler"]:
-        reasons.append(f"host compiler differs: recorded {recorded['host_compiler']!r}, "
-                       f"here {local['host_compiler']!r}")
+        reasons.append(
+            f"host compiler differs: recorded {recorded['host_compiler']!r}, here {local['host_compiler']!r}"
+        )
     want, have = rec_module["inputs"], local["inputs"]
     for f in sorted(set(want) | set(have)):
         if f not in have:
@@ -33,20 +36,22 @@ def _differences(name: str, recorded: dict, rec_module: dict, local: dict) -> li
         elif want[f] != have[f]:
             reasons.append(f"source digest of {f} differs: recorded {want[f][:12]}..., here {have[f][:12]}...")
     if rec_module["command"] != local["command"]:
-        reasons.append(f"nvcc command differs: recorded {' '.join(rec_module['command'])!r}, "
-                       f"here {' '.join(local['command'])!r}")
+        reasons.append(
+            f"nvcc command differs: recorded {' '.join(rec_module['command'])!r}, here {' '.join(local['command'])!r}"
+        )
     return reasons or ["all recorded inputs match, yet nvcc produced different bytes (a non-deterministic build?)"]
 
 
 def rebuild_check(bundle: str | Path, *, on_module=None) -> dict:
     """Returns {"identical": bool, "modules": [...]}; on_module(name, n_done) before each module."""
-    from .archs import kernel_source_dir, parse_arch
-    from .build import build_module
-    from .bundle import load_manifest, open_file, read_index, read_member
-    from .manifest import PROVENANCE
-    from .nvcc import host_compiler, require_toolkit
-    from .provenance import portable_command, recorded_build
-    from .verify import check_members
+    from ingot.runtime.bundle.container import load_manifest, open_file, read_index, read_member
+    from ingot.runtime.bundle.manifest import PROVENANCE
+    from ingot.runtime.bundle.verify import check_members
+    from ingot.runtime.gpu.archs import parse_arch
+    from ingot.toolchain.archs import kernel_source_dir
+    from ingot.toolchain.build import build_module
+    from ingot.toolchain.nvcc import host_compiler, require_toolkit
+    from ingot.toolchain.provenance import portable_command, recorded_build
 
     bundle = Path(bundle)
     with open_file(bundle) as f:
@@ -82,10 +87,23 @@ def rebuild_check(bundle: str | Path, *, on_module=None) -> dict:
                 continue
             identical = built.sha256 == k["sha256"]
             local = local_tools | {"command": portable_command(built.command, name), "inputs": built.inputs}
-            modules.append(row | {"rebuilt_sha256": built.sha256, "identical": identical,
-                                  "reasons": [] if identical else _differences(name, recorded, rec_module, local)})
-    return {"bundle": str(bundle), "identical": all(m["identical"] for m in modules),
-            "recorded": {"nvcc": recorded["nvcc"]["version_text"], "host_compiler": recorded["host_compiler"],
-                         "archs": recorded["archs"], "flags": recorded["flags"]},
-            "local": {"nvcc": tk.version_text, "host_compiler": local_tools["host_compiler"]},
-            "modules": modules}
+            modules.append(
+                row
+                | {
+                    "rebuilt_sha256": built.sha256,
+                    "identical": identical,
+                    "reasons": [] if identical else _differences(name, recorded, rec_module, local),
+                }
+            )
+    return {
+        "bundle": str(bundle),
+        "identical": all(m["identical"] for m in modules),
+        "recorded": {
+            "nvcc": recorded["nvcc"]["version_text"],
+            "host_compiler": recorded["host_compiler"],
+            "archs": recorded["archs"],
+            "flags": recorded["flags"],
+        },
+        "local": {"nvcc": tk.version_text, "host_compiler": local_tools["host_compiler"]},
+        "modules": modules,
+    }

@@ -5,28 +5,30 @@ whole chunks of tokens at once so float32 BLAS does the work (perplexity runs hu
 Weights are dequantized to float32 once and kept when the whole model fits the cache budget (4 GiB, or
 INGOT_CPU_WEIGHT_CACHE_MIB); a bigger model (an 8B) is dequantized matrix by matrix on every use instead.
 """
+
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from ingot.toolchain.errors import IngotError, UsageError
+from ingot.runtime import settings
+from ingot.runtime.engines.base import pages_for
+from ingot.runtime.errors import IngotError, UsageError
+from ingot.runtime.model.gguf import Model, expected_shapes
+from ingot.runtime.model.reference import KVCache, forward, logits
+from ingot.runtime.sampling import SamplingParams, sample
 
-from ..model import KVCache, Model, expected_shapes, forward, logits
-from ..sampling import SamplingParams, sample
-
-DEFAULT_MAX_CTX = 8192           # KV capacity per sequence unless asked otherwise (capped by the training context)
-PREFILL_CHUNK = 512              # tokens per forward call: bounds the attention scores to chunk x context
-DEFAULT_CACHE_MIB = 4096
+DEFAULT_MAX_CTX = 8192  # KV capacity per sequence unless asked otherwise (capped by the training context)
+PREFILL_CHUNK = 512  # tokens per forward call: bounds the attention scores to chunk x context
+KV_PAGE = 32  # tokens per KV page, as the GPU engine counts them (admission control)
 
 
 def weight_cache_budget() -> int:
     """Bytes of float32 weights the CPU engine may keep dequantized."""
-    return int(os.environ.get("INGOT_CPU_WEIGHT_CACHE_MIB", DEFAULT_CACHE_MIB)) * 2**20
+    return int(settings.CPU_WEIGHT_CACHE_MIB.get()) * 2**20
 
 
 class DequantizedWeights:
@@ -43,13 +45,18 @@ class DequantizedWeights:
         w = self._cache.get(name)
         if w is None:
             w = self.tensors[name].dequantize()
-            if self.keep_all or w.ndim == 1:   # vectors (norms, biases) are tiny: always keep them
+            if self.keep_all or w.ndim == 1:  # vectors (norms, biases) are tiny: always keep them
                 self._cache[name] = w
         return w
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         cached = self._cache.get("token_embd.weight")
         return cached[tokens] if cached is not None else self.tensors["token_embd.weight"].dequantize_rows(tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """float32 bytes held in the cache now."""
+        return sum(w.nbytes for w in self._cache.values())
 
 
 @dataclass
@@ -61,8 +68,12 @@ class _Sequence:
 
 
 class CpuEngine:
-    def __init__(self, model: Model, *, max_seqs: int = 4, max_ctx: int | None = None,
-                 weight_cache_bytes: int | None = None):
+    name = "cpu"
+    kv_page_size = KV_PAGE
+
+    def __init__(
+        self, model: Model, *, max_seqs: int = 4, max_ctx: int | None = None, weight_cache_bytes: int | None = None
+    ):
         self.model = model
         self.config = model.config
         self.max_seqs = max_seqs
@@ -71,6 +82,7 @@ class CpuEngine:
         self.weights = DequantizedWeights(model, budget)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
+        self.kv_pages_total = max_seqs * pages_for(self.max_ctx, KV_PAGE)
 
     # --- the Engine interface ---
 
@@ -78,37 +90,62 @@ class CpuEngine:
         if len(self._seqs) >= self.max_seqs:
             raise IngotError(f"all {self.max_seqs} sequences are in use", hint="release one first")
         seq, self._next_id = self._next_id, self._next_id + 1
-        self._seqs[seq] = _Sequence(params, np.random.default_rng(params.seed),
-                                    KVCache.empty(self.config, self.max_ctx), [])
+        self._seqs[seq] = _Sequence(
+            params, np.random.default_rng(params.seed), KVCache.empty(self.config, self.max_ctx), []
+        )
         return seq
 
     def prefill(self, seq: int, tokens: Sequence[int]) -> int:
         s = self._admit(seq, tokens)
         hidden = None
         for i in range(0, len(tokens), PREFILL_CHUNK):
-            hidden = self._forward(s, tokens[i:i + PREFILL_CHUNK])
+            hidden = self._forward(s, tokens[i : i + PREFILL_CHUNK])
         return self._sample(s, logits(self.config, self.weights, hidden[-1:])[0])
 
     def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> list[int]:
         if len(seqs) != len(tokens):
             raise UsageError(f"decode got {len(seqs)} sequences but {len(tokens)} tokens")
-        batch = [self._admit(seq, [tok]) for seq, tok in zip(seqs, tokens)]
-        hidden = forward(self.config, self.weights, [(s.cache, [tok]) for s, tok in zip(batch, tokens)])
-        for s, tok in zip(batch, tokens):
+        batch = [self._admit(seq, [tok]) for seq, tok in zip(seqs, tokens, strict=False)]
+        hidden = forward(self.config, self.weights, [(s.cache, [tok]) for s, tok in zip(batch, tokens, strict=False)])
+        for s, tok in zip(batch, tokens, strict=False):
             s.tokens.append(int(tok))
-        rows = logits(self.config, self.weights, hidden)                    # [B, V]
-        return [self._sample(s, row) for s, row in zip(batch, rows)]
+        rows = logits(self.config, self.weights, hidden)  # [B, V]
+        return [self._sample(s, row) for s, row in zip(batch, rows, strict=False)]
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         s = self._admit(seq, tokens)
-        return np.concatenate([logits(self.config, self.weights, self._forward(s, tokens[i:i + PREFILL_CHUNK]))
-                               for i in range(0, len(tokens), PREFILL_CHUNK)])
+        return np.concatenate(
+            [
+                logits(self.config, self.weights, self._forward(s, tokens[i : i + PREFILL_CHUNK]))
+                for i in range(0, len(tokens), PREFILL_CHUNK)
+            ]
+        )
 
     def release(self, seq: int) -> None:
         self._seqs.pop(seq, None)
 
     def seq_len(self, seq: int) -> int:
         return self._get(seq).cache.n
+
+    def kv_pages_used(self) -> int:
+        return sum(pages_for(s.cache.n, KV_PAGE) for s in self._seqs.values())
+
+    def memory_report(self) -> dict:
+        return {
+            "device": "cpu",
+            "weights_bytes": self.weights.nbytes,
+            "engine_bytes": self.weights.nbytes,
+            "kv_pages": self.kv_pages_total,
+        }
+
+    def close(self) -> None:
+        self._seqs.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # --- helpers ---
 
@@ -124,8 +161,10 @@ class CpuEngine:
         if len(tokens) == 0:
             raise UsageError("no tokens to evaluate")
         if s.cache.n + len(tokens) > self.max_ctx:
-            raise UsageError(f"{s.cache.n + len(tokens)} tokens do not fit the context of {self.max_ctx}",
-                             hint="shorten the prompt or ask for a larger context")
+            raise UsageError(
+                f"{s.cache.n + len(tokens)} tokens do not fit the context of {self.max_ctx}",
+                hint="shorten the prompt or ask for a larger context",
+            )
         ids = np.asarray(tokens)
         if ids.min() < 0 or ids.max() >= self.config.n_vocab:
             raise UsageError(f"token id out of range 0..{self.config.n_vocab - 1}")

@@ -18,38 +18,38 @@ then logits = Whead · q8x2(rmsnorm(x) * out_norm) and a token per sequence is s
 Prefill runs the same layers on up to PREFILL_CHUNK tokens of one sequence with tensor-core GEMMs (fp16
 activations) and flash attention; its launch list is built once per chunk length and replayed.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
-from ingot.toolchain.errors import IncompatibleError, IngotError, UsageError
+from ingot.runtime import settings
+from ingot.runtime.engines.cuda_weights import upload_weights
+from ingot.runtime.engines.kvcache import PagePool
+from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
+from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
+from ingot.runtime.gpu.driver import Device, DeviceBuffer, DevicePool, Graph, Launch, PinnedBuffer, Stream
+from ingot.runtime.gpu.kernels import HEAD_DIMS, Kernels, kernel_images
+from ingot.runtime.model.gguf import Model
+from ingot.runtime.model.reference import rope_inv_freq
+from ingot.runtime.sampling import SamplingParams
 
-from ..driver import Device, DeviceBuffer, DevicePool, Graph, Launch, PinnedBuffer, Stream
-from ..kernels import HEAD_DIMS, MAX_SPLITS, MODE_ADD, MODE_SWIGLU, PAGE, Kernels, kernel_images
-from ..kvcache import PagePool
-from ..model import Model, rope_inv_freq
-from ..sampling import SamplingParams
-from .cuda_weights import LAYOUT, upload_weights
-
-PREFILL_CHUNK = 512          # tokens per prefill pass: bounds the prefill buffers (a 1000-token prompt = 2 passes)
+PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the prefill buffers (a 1000-token prompt = 2 passes)
 DEFAULT_MAX_CTX = 8192
-HIST_CAP = 256               # repetition-penalty window kept on the device (repeat_last_n is clamped to it)
-# Decode batches at least this wide use the tensor-core GEMMs (weights read once for all sequences, split-K for
-# parallelism) instead of the dp4a matrix-vector kernels (up to 4 sequences per pass over the weights).
-GEMM_MIN_BATCH = int(os.environ.get("INGOT_DECODE_GEMM_MIN_BATCH", "16"))
+HIST_CAP = 256  # repetition-penalty window kept on the device (repeat_last_n is clamped to it)
 
 
 @dataclass
 class _Seq:
     params: SamplingParams
     seed: int
-    pos: int = 0                                  # tokens in the cache
+    pos: int = 0  # tokens in the cache
     pages: list[int] = field(default_factory=list)
-    recent: list[int] = field(default_factory=list)   # last repeat_last_n tokens (prompt included)
+    recent: list[int] = field(default_factory=list)  # last repeat_last_n tokens (prompt included)
 
 
 class _HostDevice:
@@ -83,17 +83,33 @@ class _HostDevice:
 
 
 class CudaEngine:
-    def __init__(self, model: Model, *, kernels: dict[str, bytes] | None = None, gpu: int = 0, max_seqs: int = 4,
-                 max_ctx: int | None = None, kv_pages: int | None = None):
+    name = "cuda"
+    kv_page_size = PAGE
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        kernels: dict[str, bytes] | None = None,
+        gpu: int = 0,
+        max_seqs: int = 4,
+        max_ctx: int | None = None,
+        kv_pages: int | None = None,
+    ):
         c = self.config = model.config
         self.model = model
         if c.head_dim not in HEAD_DIMS:
-            raise IncompatibleError(f"head_dim {c.head_dim} is not supported by the GPU attention kernels",
-                                    hint=f"supported: {HEAD_DIMS}; use --device cpu")
+            raise IncompatibleError(
+                f"head_dim {c.head_dim} is not supported by the GPU attention kernels",
+                hint=f"supported: {HEAD_DIMS}; use --device cpu",
+            )
         if c.dim % 32 or c.ffn_dim % 32:
             raise IncompatibleError("model dims must be multiples of 32 for the GPU kernels", hint="use --device cpu")
         self.max_seqs = max_seqs
-        self.qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim   # width of the stacked q,k,v rows
+        # Decode batches at least this wide use the tensor-core GEMMs (weights read once for all sequences,
+        # split-K for parallelism) instead of the dp4a matrix-vector kernels (up to 4 sequences per pass).
+        self.gemm_min_batch = settings.DECODE_GEMM_MIN_BATCH.get()
+        self.qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim  # width of the stacked q,k,v rows
         self.max_ctx = max_ctx or min(c.n_ctx_train, DEFAULT_MAX_CTX)
         self.max_pages = (self.max_ctx + PAGE - 1) // PAGE
 
@@ -108,7 +124,7 @@ class CudaEngine:
         except BaseException:
             self.close()
             raise
-        self.layout = LAYOUT
+        self.layout = WEIGHT_LAYOUT
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self._graphs: dict[int, Graph] = {}
@@ -119,13 +135,14 @@ class CudaEngine:
 
     def _alloc_cache(self, kv_pages: int | None) -> None:
         c = self.config
-        page_bytes = PAGE * c.n_kv_heads * c.head_dim * 2            # one page of K (or V) of one layer, fp16
+        page_bytes = PAGE * c.n_kv_heads * c.head_dim * 2  # one page of K (or V) of one layer, fp16
         if kv_pages is None:
             want = self.max_seqs * self.max_pages
             free, _ = self.dev.memory()
-            budget = int(float(os.environ.get("INGOT_KV_FRACTION", "0.5")) * free)
+            budget = int(settings.KV_FRACTION.get() * free)
             kv_pages = max(self.max_pages, min(want, budget // (2 * c.n_layers * page_bytes)))
         self.pages = PagePool(kv_pages, PAGE)
+        self.kv_pages_total = kv_pages
         self.k_cache = [self.pool.alloc(kv_pages * page_bytes, f"k cache {i}") for i in range(c.n_layers)]
         self.v_cache = [self.pool.alloc(kv_pages * page_bytes, f"v cache {i}") for i in range(c.n_layers)]
         # rope[pos, i] = (cos, sin)(pos * theta_i), computed in float64 exactly as the CPU reference does
@@ -142,18 +159,31 @@ class CudaEngine:
         widest = max(D, Dq, F)
         a = self.pool.alloc
         # decode, for up to B sequences
-        self.step = _HostDevice(self.pool, [
-            ("tokens", np.int32, B), ("pos", np.int32, B), ("slots", np.int32, B), ("top_k", np.int32, B),
-            ("hist_len", np.int32, B), ("counter", np.int32, B), ("temperature", np.float32, B),
-            ("top_p", np.float32, B), ("min_p", np.float32, B), ("penalty", np.float32, B),
-            ("seed", np.uint64, B), ("hist", np.int32, B * HIST_CAP), ("block_table", np.int32, B * self.max_pages)])
+        self.step = _HostDevice(
+            self.pool,
+            [
+                ("tokens", np.int32, B),
+                ("pos", np.int32, B),
+                ("slots", np.int32, B),
+                ("top_k", np.int32, B),
+                ("hist_len", np.int32, B),
+                ("counter", np.int32, B),
+                ("temperature", np.float32, B),
+                ("top_p", np.float32, B),
+                ("min_p", np.float32, B),
+                ("penalty", np.float32, B),
+                ("seed", np.uint64, B),
+                ("hist", np.int32, B * HIST_CAP),
+                ("block_table", np.int32, B * self.max_pages),
+            ],
+        )
         self.step.host["slots"][:] = np.arange(B)
         self.out_tokens = a(4 * B, "sampled tokens")
         self.out_host = PinnedBuffer(4 * B)
         self.x = a(4 * B * D, "x")
         self.xf = a(4 * B * widest, "x fp32 normed")
-        self.xq = a(2 * B * widest, "x q8x2")                  # two int8 levels per value
-        self.xd = a(16 * B * widest // 32, "x q8x2 scales")    # float4 per 32 values
+        self.xq = a(2 * B * widest, "x q8x2")  # two int8 levels per value
+        self.xd = a(16 * B * widest // 32, "x q8x2 scales")  # float4 per 32 values
         self.qkv = a(4 * B * Dqkv, "qkv")
         self.att = a(4 * B * Dq, "attention out")
         self.h = a(4 * B * F, "ffn hidden")
@@ -162,14 +192,27 @@ class CudaEngine:
         self.logits_buf = a(4 * B * V, "logits")
         self.part_acc = a(4 * B * c.n_heads * MAX_SPLITS * c.head_dim, "attention partials")
         self.part_ml = a(8 * B * c.n_heads * MAX_SPLITS, "attention partial m,l")
-        self.counters = a(4 * B * c.n_kv_heads, "attention split counters")    # zero between launches
+        self.counters = a(4 * B * c.n_kv_heads, "attention split counters")  # zero between launches
         self.stream.memset(self.counters.ptr, 0, self.counters.nbytes)
         # prefill, for up to T tokens of one sequence (block-table row 0 of its own table)
-        self.pre = _HostDevice(self.pool, [
-            ("tokens", np.int32, T), ("pos", np.int32, T), ("slots", np.int32, T),
-            ("block_table", np.int32, self.max_pages), ("top_k", np.int32, 1), ("hist_len", np.int32, 1),
-            ("counter", np.int32, 1), ("temperature", np.float32, 1), ("top_p", np.float32, 1),
-            ("min_p", np.float32, 1), ("penalty", np.float32, 1), ("seed", np.uint64, 1), ("hist", np.int32, HIST_CAP)])
+        self.pre = _HostDevice(
+            self.pool,
+            [
+                ("tokens", np.int32, T),
+                ("pos", np.int32, T),
+                ("slots", np.int32, T),
+                ("block_table", np.int32, self.max_pages),
+                ("top_k", np.int32, 1),
+                ("hist_len", np.int32, 1),
+                ("counter", np.int32, 1),
+                ("temperature", np.float32, 1),
+                ("top_p", np.float32, 1),
+                ("min_p", np.float32, 1),
+                ("penalty", np.float32, 1),
+                ("seed", np.uint64, 1),
+                ("hist", np.int32, HIST_CAP),
+            ],
+        )
         self.pre.host["slots"][:] = 0
         self.px = a(4 * T * D, "prefill x")
         self.pxh = a(2 * T * widest, "prefill x fp16")
@@ -217,15 +260,29 @@ class CudaEngine:
 
     def _attention(self, layer: int, B: int, splits: int, **outs) -> Launch:
         s = self.step
-        return self.k.attn_decode(self.qkv.ptr, self.rope, self.k_cache[layer].ptr, self.v_cache[layer].ptr,
-                                  s.ptr["block_table"], self.max_pages, s.ptr["pos"], self.part_acc.ptr,
-                                  self.part_ml.ptr, self.counters.ptr, self.att.ptr, B, splits, self.config, **outs)
+        return self.k.attn_decode(
+            self.qkv.ptr,
+            self.rope,
+            self.k_cache[layer].ptr,
+            self.v_cache[layer].ptr,
+            s.ptr["block_table"],
+            self.max_pages,
+            s.ptr["pos"],
+            self.part_acc.ptr,
+            self.part_ml.ptr,
+            self.counters.ptr,
+            self.att.ptr,
+            B,
+            splits,
+            self.config,
+            **outs,
+        )
 
     def _decode_launches(self, B: int) -> list[Launch]:
         c, k, s = self.config, self.k, self.step
         Dqkv, F = self.qkv_dim, c.ffn_dim
         splits = max(1, min(MAX_SPLITS, -(-2 * self.dev.info.sm_count // (B * c.n_kv_heads))))
-        if B >= GEMM_MIN_BATCH:
+        if B >= self.gemm_min_batch:
             return self._decode_launches_gemm(B, splits)
         L: list[Launch] = [k.embed(self.w.embed, s.ptr["tokens"], self.x, B)]
         for i, lw in enumerate(self.w.layers):
@@ -233,8 +290,11 @@ class CudaEngine:
             L.append(k.matvec(lw.wqkv, xin, self.qkv.ptr, B, ldy=Dqkv, bias=lw.bqkv))
             q8 = lw.wo.quantized
             L.append(self._attention(i, B, splits, outq=self.xq.ptr if q8 else None, outd=self.xd.ptr if q8 else None))
-            L.append(k.matvec(lw.wo, (self.xq.ptr, self.xd.ptr) if q8 else self.att.ptr, self.x.ptr, B,
-                              ldy=c.dim, mode=MODE_ADD))
+            L.append(
+                k.matvec(
+                    lw.wo, (self.xq.ptr, self.xd.ptr) if q8 else self.att.ptr, self.x.ptr, B, ldy=c.dim, mode=MODE_ADD
+                )
+            )
             xin = self._norm_input(lw.wgu, self.x.ptr, lw.ffn_norm, B, L)
             L.append(k.matvec(lw.wgu, xin, self.h.ptr, B, ldy=F, mode=MODE_SWIGLU))
             hin = self._quant_input(lw.wdown, self.h.ptr, B * F, L)
@@ -277,10 +337,33 @@ class CudaEngine:
         for i, lw in enumerate(self.w.layers):
             L.append(k.rmsnorm(self.px.ptr, lw.attn_norm, T, c.dim, c.norm_eps, yh=self.pxh))
             L += k.matmul(lw.wqkv, self.pxh.ptr, self.pqkv.ptr, T, ldc=Dqkv, bias=lw.bqkv)
-            L.append(k.rope_kv(self.pqkv.ptr, self.rope, p.ptr["slots"], p.ptr["pos"], p.ptr["block_table"],
-                               self.max_pages, self.k_cache[i].ptr, self.v_cache[i].ptr, T, c))
-            L.append(k.attn_prefill(self.pqkv.ptr, Dqkv, self.k_cache[i].ptr, self.v_cache[i].ptr,
-                                    p.ptr["block_table"], p.ptr["pos"], T, self.pxh.ptr, c))
+            L.append(
+                k.rope_kv(
+                    self.pqkv.ptr,
+                    self.rope,
+                    p.ptr["slots"],
+                    p.ptr["pos"],
+                    p.ptr["block_table"],
+                    self.max_pages,
+                    self.k_cache[i].ptr,
+                    self.v_cache[i].ptr,
+                    T,
+                    c,
+                )
+            )
+            L.append(
+                k.attn_prefill(
+                    self.pqkv.ptr,
+                    Dqkv,
+                    self.k_cache[i].ptr,
+                    self.v_cache[i].ptr,
+                    p.ptr["block_table"],
+                    p.ptr["pos"],
+                    T,
+                    self.pxh.ptr,
+                    c,
+                )
+            )
             L += k.matmul(lw.wo, self.pxh.ptr, self.px.ptr, T, ldc=c.dim, mode=MODE_ADD)
             L.append(k.rmsnorm(self.px.ptr, lw.ffn_norm, T, c.dim, c.norm_eps, yh=self.pxh))
             L += k.matmul(lw.wgu, self.pxh.ptr, self.pgu.ptr, T, ldc=2 * F)
@@ -322,8 +405,10 @@ class CudaEngine:
 
     def _reserve(self, st: _Seq, n_new: int) -> bool:
         if st.pos + n_new > self.max_ctx:
-            raise UsageError(f"sequence would grow to {st.pos + n_new} tokens, past the context of {self.max_ctx}",
-                             hint="shorten the prompt or lower max tokens")
+            raise UsageError(
+                f"sequence would grow to {st.pos + n_new} tokens, past the context of {self.max_ctx}",
+                hint="shorten the prompt or lower max tokens",
+            )
         return self.pages.grow(st.pages, st.pos + n_new)
 
     def _remember(self, st: _Seq, tokens: Sequence[int]) -> None:
@@ -343,7 +428,7 @@ class CudaEngine:
         h["counter"][row] = st.pos
         h["hist_len"][row] = len(st.recent)
         if st.recent:
-            h["hist"][row * HIST_CAP: row * HIST_CAP + len(st.recent)] = st.recent
+            h["hist"][row * HIST_CAP : row * HIST_CAP + len(st.recent)] = st.recent
 
     # --- the Engine interface ----------------------------------------------------------------------
 
@@ -366,9 +451,9 @@ class CudaEngine:
         self._reserve(st, len(tokens))
         out = []
         p = self.pre
-        p.host["block_table"][:len(st.pages)] = st.pages
+        p.host["block_table"][: len(st.pages)] = st.pages
         for start in range(0, len(tokens), PREFILL_CHUNK):
-            chunk = tokens[start:start + PREFILL_CHUNK]
+            chunk = tokens[start : start + PREFILL_CHUNK]
             T = len(chunk)
             last = start + T == len(tokens)
             p.host["tokens"][:T] = chunk
@@ -376,7 +461,7 @@ class CudaEngine:
             self._remember(st, chunk)
             st.pos += T
             if last and not all_logits:
-                st.pos -= 1               # the sampled token's counter is the last prompt position, as in decode
+                st.pos -= 1  # the sampled token's counter is the last prompt position, as in decode
                 self._fill_sampling(p, 0, st)
                 st.pos += 1
             p.upload(self.stream)
@@ -407,7 +492,7 @@ class CudaEngine:
         s = self.step
         grew = False
         states = [self._seq(q) for q in seqs]
-        for b, (st, tok) in enumerate(zip(states, tokens)):
+        for b, (st, tok) in enumerate(zip(states, tokens, strict=False)):
             grew |= self._reserve(st, 1)
             s.host["tokens"][b] = tok
             s.host["pos"][b] = st.pos
@@ -418,10 +503,10 @@ class CudaEngine:
         last = "seed"
         if any(st.params.repetition_penalty != 1.0 for st in states):
             last = "hist"
-        signature = tuple((q, len(st.pages)) for q, st in zip(seqs, states))
+        signature = tuple((q, len(st.pages)) for q, st in zip(seqs, states, strict=False))
         if grew or signature != self._bt_signature:
             for b, st in enumerate(states):
-                s.host["block_table"][b * self.max_pages: b * self.max_pages + len(st.pages)] = st.pages
+                s.host["block_table"][b * self.max_pages : b * self.max_pages + len(st.pages)] = st.pages
             last = "block_table"
             self._bt_signature = signature
         s.upload(self.stream, "tokens", last)
@@ -447,7 +532,17 @@ class CudaEngine:
 
     # --- introspection -----------------------------------------------------------------------------
 
+    def kv_pages_used(self) -> int:
+        return self.pages.n_pages - self.pages.free
+
     def memory_report(self) -> dict:
         free, total = self.dev.memory()
-        return {"device": self.dev.info.name, "weights_bytes": self.w.nbytes, "pool_bytes": self.pool.allocated,
-                "kv_pages": self.pages.n_pages, "kv_pages_free": self.pages.free, "free": free, "total": total}
+        return {
+            "device": self.dev.info.name,
+            "weights_bytes": self.w.nbytes,
+            "engine_bytes": self.pool.allocated,
+            "kv_pages": self.pages.n_pages,
+            "kv_pages_free": self.pages.free,
+            "free": free,
+            "total": total,
+        }

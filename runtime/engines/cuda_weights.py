@@ -5,19 +5,17 @@ q, k and v -> wqkv [(H + 2 Hkv) hd, D]; gate and up -> wgu [2F, D] (the decode k
 two halves). Stacking raw GGUF rows is plain concatenation, so the stacked bytes go to the GPU in one staging
 buffer and one repack kernel splits them. F32/BF16 matrices become F16; norms and biases stay fp32.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from ingot.toolchain.errors import IncompatibleError
-
-from ..driver import DeviceBuffer, DevicePool, Stream
-from ..kernels import GPU_QTYPES, GpuMatrix, Kernels
-from ..model import Model, QTensor
-
-LAYOUT = "soa-v1: quantized matrices repacked at load into separate quant/scale(/min) arrays; q,k,v and gate,up stacked"
+from ingot.runtime.errors import IncompatibleError
+from ingot.runtime.gpu.driver import DeviceBuffer, DevicePool, Stream
+from ingot.runtime.gpu.kernels import GPU_QTYPES, GpuMatrix, Kernels
+from ingot.runtime.model.gguf import Model, QTensor
 
 _QUANT_BYTES_PER_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
@@ -45,8 +43,14 @@ class GpuWeights:
 def _alloc_matrix(pool: DevicePool, qtype: str, rows: int, cols: int, name: str) -> GpuMatrix:
     n, nb = rows * cols, rows * cols // 32
     if qtype in ("Q4_0", "Q4_1"):
-        return GpuMatrix(qtype, rows, cols, qs=pool.alloc(n // 2, name), d=pool.alloc(2 * nb, name),
-                         m=pool.alloc(2 * nb, name) if qtype == "Q4_1" else None)
+        return GpuMatrix(
+            qtype,
+            rows,
+            cols,
+            qs=pool.alloc(n // 2, name),
+            d=pool.alloc(2 * nb, name),
+            m=pool.alloc(2 * nb, name) if qtype == "Q4_1" else None,
+        )
     if qtype == "Q8_0":
         return GpuMatrix(qtype, rows, cols, qs=pool.alloc(n, name), d=pool.alloc(2 * nb, name))
     return GpuMatrix("F16", rows, cols, w=pool.alloc(2 * n, name))
@@ -58,14 +62,16 @@ class WeightUploader:
     def __init__(self, model: Model, pool: DevicePool, stream: Stream, kernels: Kernels):
         self.model, self.pool, self.stream, self.k = model, pool, stream, kernels
         self.staging: DeviceBuffer | None = None
-        self._keep: list[np.ndarray] = []      # host arrays whose async copies may still be in flight
+        self._keep: list[np.ndarray] = []  # host arrays whose async copies may still be in flight
 
     def matrix(self, names: list[str]) -> GpuMatrix:
         ts: list[QTensor] = [self.model.tensors[n] for n in names]
         qtypes = {t.qtype for t in ts}
         if len(qtypes) != 1:
-            raise IncompatibleError(f"{', '.join(names)} mix quant types {sorted(qtypes)}",
-                                    hint="the GPU engine stacks these matrices; requantize them to one type")
+            raise IncompatibleError(
+                f"{', '.join(names)} mix quant types {sorted(qtypes)}",
+                hint="the GPU engine stacks these matrices; requantize them to one type",
+            )
         qtype = qtypes.pop()
         if qtype not in GPU_QTYPES + ("F32", "BF16"):
             raise IncompatibleError(f"{names[0]}: quant type {qtype} is not supported on the GPU yet")
@@ -79,7 +85,7 @@ class WeightUploader:
             return W
         raw = sum(t.raw.nbytes for t in ts)
         if self.staging is None or self.staging.nbytes < raw:
-            self.stream.synchronize()             # the old staging buffer may still feed a repack
+            self.stream.synchronize()  # the old staging buffer may still feed a repack
             self.staging = self.pool.alloc(self._largest_stack(), "staging")
         offset = 0
         for t in ts:
@@ -131,15 +137,17 @@ def upload_weights(model: Model, pool: DevicePool, stream: Stream, kernels: Kern
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
-        layers.append(LayerWeights(
-            attn_norm=up.vector(p + "attn_norm.weight"),
-            wqkv=up.matrix([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
-            bqkv=up.vectors([p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]) if c.qkv_bias else None,
-            wo=up.matrix([p + "attn_output.weight"]),
-            ffn_norm=up.vector(p + "ffn_norm.weight"),
-            wgu=up.matrix([p + "ffn_gate.weight", p + "ffn_up.weight"]),
-            wdown=up.matrix([p + "ffn_down.weight"]),
-        ))
+        layers.append(
+            LayerWeights(
+                attn_norm=up.vector(p + "attn_norm.weight"),
+                wqkv=up.matrix([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+                bqkv=up.vectors([p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]) if c.qkv_bias else None,
+                wo=up.matrix([p + "attn_output.weight"]),
+                ffn_norm=up.vector(p + "ffn_norm.weight"),
+                wgu=up.matrix([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                wdown=up.matrix([p + "ffn_down.weight"]),
+            )
+        )
     out_norm = up.vector("output_norm.weight")
     head = embed if c.tied_embeddings else up.matrix(["output.weight"])
     up.finish()

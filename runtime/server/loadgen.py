@@ -11,6 +11,7 @@ no prompt is cached), greedy unless --temperature is given. The report:
     decode_tok_s p50     per stream: (tokens - 1) / (end - first token)
 Generation can end early at an end-of-text token; the token counts are the server's (usage), not assumed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,17 @@ class Sample:
     error: str | None = None
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
-               temperature: float) -> Sample:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int, temperature: float
+) -> Sample:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     s = Sample(time.perf_counter())
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -73,8 +81,16 @@ async def _wait_ready(client: httpx.AsyncClient, url: str, timeout: float) -> No
         await asyncio.sleep(0.5)
 
 
-async def run(url: str, clients: int, requests: int, prompt_tokens: int, max_tokens: int, temperature: float,
-              api_key: str | None, seed: int) -> dict:
+async def run(
+    url: str,
+    clients: int,
+    requests: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    temperature: float,
+    api_key: str | None,
+    seed: int,
+) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 2)
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -94,14 +110,21 @@ async def run(url: str, clients: int, requests: int, prompt_tokens: int, max_tok
         wall = time.perf_counter() - start
 
     ok = [s for s in samples if s.error is None]
-    texts = [s for s in ok if s.first is not None]        # a stream of control tokens only has no first text
+    texts = [s for s in ok if s.first is not None]  # a stream of control tokens only has no first text
     ttft = np.array([s.first - s.sent for s in texts]) * 1000
     decode = np.array([(s.tokens - 1) / (s.end - s.first) for s in texts if s.tokens > 1 and s.end > s.first])
     generated = sum(s.tokens for s in ok)
     return {
-        "url": url, "model": model, "clients": clients, "requests": len(samples), "failed": len(samples) - len(ok),
-        "errors": sorted({s.error for s in samples if s.error})[:5], "prompt_tokens": prompt_tokens,
-        "max_tokens": max_tokens, "generated_tokens": generated, "wall_s": round(wall, 3),
+        "url": url,
+        "model": model,
+        "clients": clients,
+        "requests": len(samples),
+        "failed": len(samples) - len(ok),
+        "errors": sorted({s.error for s in samples if s.error})[:5],
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "generated_tokens": generated,
+        "wall_s": round(wall, 3),
         "generated_tok_s": round(generated / wall, 2) if wall > 0 else 0.0,
         "ttft_ms": {"p50": _pct(ttft, 50), "p95": _pct(ttft, 95), "max": _pct(ttft, 100)},
         "decode_tok_s_per_stream": {"p50": _pct(decode, 50), "p5": _pct(decode, 5)},
@@ -123,8 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--api-key")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    report = asyncio.run(run(a.url.rstrip("/"), a.clients, a.requests, a.prompt_tokens, a.max_tokens,
-                             a.temperature, a.api_key, a.seed))
+    report = asyncio.run(
+        run(a.url.rstrip("/"), a.clients, a.requests, a.prompt_tokens, a.max_tokens, a.temperature, a.api_key, a.seed)
+    )
     json.dump(report, sys.stdout, indent=2)
     sys.stdout.write("\n")
     if report["failed"]:

@@ -1,29 +1,37 @@
 """/metrics in the Prometheus text format (prometheus-client), one registry per server.
 
-    ingot_requests_total{endpoint,status}       HTTP requests, by route and status code
-    ingot_prompt_tokens_total                   prompt tokens prefilled
-    ingot_generated_tokens_total                tokens generated (rate() of it is the server's tokens/s)
-    ingot_sequences_total{reason}               sequences ended: eos, stop, length, cancelled, error
-    ingot_time_to_first_token_seconds           from the request's arrival to its first token (queueing included)
-    ingot_queue_wait_seconds                    from arrival to admission
-    ingot_decode_tokens_per_second              tokens per second of the last batched decode step
-    ingot_decode_batch_size                     sequences per decode step (histogram)
-    ingot_queue_depth, ingot_running_sequences  requests waiting for admission, sequences being generated
-    ingot_kv_cache_pages_used, _free            KV-cache pages in use and free
+ingot_requests_total{endpoint,status}       HTTP requests, by route and status code
+ingot_prompt_tokens_total                   prompt tokens prefilled
+ingot_generated_tokens_total                tokens generated (rate() of it is the server's tokens/s)
+ingot_sequences_total{reason}               sequences ended: eos, stop, length, cancelled, error
+ingot_time_to_first_token_seconds           from the request's arrival to its first token (queueing included)
+ingot_queue_wait_seconds                    from arrival to admission
+ingot_decode_tokens_per_second              tokens per second of the last batched decode step
+ingot_decode_batch_size                     sequences per decode step (histogram)
+ingot_queue_depth, ingot_running_sequences  requests waiting for admission, sequences being generated
+ingot_kv_cache_pages_used, _free            KV-cache pages in use and free
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .scheduler import Stats
+from ingot.runtime.server.scheduler import Stats
 
-disable_created_metrics()      # no *_created series: they double the output and nothing here reads them
+disable_created_metrics()  # no *_created series: they double the output and nothing here reads them
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -31,19 +39,24 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class Metrics:
     def __init__(self, stats: Callable[[], Stats]):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("ingot_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=r)
+        self.requests = Counter(
+            "ingot_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
         self.prompt_tokens = Counter("ingot_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("ingot_generated_tokens", "Tokens generated", registry=r)
         self.sequences = Counter("ingot_sequences", "Sequences ended, by reason", ["reason"], registry=r)
-        self.ttft = Histogram("ingot_time_to_first_token_seconds", "Request arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("ingot_queue_wait_seconds", "Request arrival to admission",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.decode_rate = Gauge("ingot_decode_tokens_per_second", "Tokens per second of the last decode step",
-                                 registry=r)
-        self.batch = Histogram("ingot_decode_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS,
-                               registry=r)
+        self.ttft = Histogram(
+            "ingot_time_to_first_token_seconds", "Request arrival to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "ingot_queue_wait_seconds", "Request arrival to admission", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.decode_rate = Gauge(
+            "ingot_decode_tokens_per_second", "Tokens per second of the last decode step", registry=r
+        )
+        self.batch = Histogram(
+            "ingot_decode_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS, registry=r
+        )
         for name, doc, read in [
             ("ingot_queue_depth", "Requests waiting for admission", lambda s: s.waiting),
             ("ingot_running_sequences", "Sequences being generated", lambda s: s.running),
@@ -86,7 +99,7 @@ class RequestCounter:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 500                           # if the app fails before it starts a response
+        status = 500  # if the app fails before it starts a response
 
         async def send_status(message: Message) -> None:
             nonlocal status
@@ -97,5 +110,5 @@ class RequestCounter:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            route = scope.get("route")         # set by the router once a route matched
+            route = scope.get("route")  # set by the router once a route matched
             self.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()

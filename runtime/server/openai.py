@@ -6,23 +6,22 @@ finish_reason ("stop": end of text or a stop string, "length": max_tokens or the
 empty choices when stream_options.include_usage is set, then `data: [DONE]`. Errors are
 {"error": {message, type, param, code}}.
 """
+
 from __future__ import annotations
 
 import json
 import secrets
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from collections.abc import AsyncIterator
 
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..sampling import SamplingParams
-from .request import ApiError, Fields, TextRequest, text_of
-from .scheduler import Job
-
-if TYPE_CHECKING:
-    from .app import Server
+from ingot.runtime.sampling import SamplingParams
+from ingot.runtime.server.request import ApiError, Fields, TextRequest, text_of
+from ingot.runtime.server.scheduler import Job
+from ingot.runtime.server.server import Server
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -39,16 +38,24 @@ def error_body(e: ApiError) -> dict:
 
 # --- requests ------------------------------------------------------------------------------------
 
+
 def _common(body: Fields) -> dict:
     """The fields chat and text completions share."""
     if body.get("n", int, default=1) != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
     if body.get("logprobs", bool, int, default=False):
         raise ApiError(400, "logprobs are not supported", param="logprobs")
-    params = SamplingParams(temperature=body.get("temperature", float, default=1.0),
-                            top_p=body.get("top_p", float, default=1.0), seed=body.seed())
-    return {"model": body.get("model", str, required=True), "params": params, "stop": body.strings("stop"),
-            "stream": body.get("stream", bool, default=False)}
+    params = SamplingParams(
+        temperature=body.get("temperature", float, default=1.0),
+        top_p=body.get("top_p", float, default=1.0),
+        seed=body.seed(),
+    )
+    return {
+        "model": body.get("model", str, required=True),
+        "params": params,
+        "stop": body.strings("stop"),
+        "stream": body.get("stream", bool, default=False),
+    }
 
 
 def parse_chat(body: Fields) -> TextRequest:
@@ -60,8 +67,12 @@ def parse_chat(body: Fields) -> TextRequest:
         m = Fields(m, f"messages[{i}]")
         role = m.get("role", str, required=True)
         content = m.obj.get("content")
-        turns.append({"role": "system" if role == "developer" else role,
-                      "content": "" if content is None else text_of(content, m.name("content"))})
+        turns.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": "" if content is None else text_of(content, m.name("content")),
+            }
+        )
     max_tokens = body.at_least("max_completion_tokens", 1) or body.at_least("max_tokens", 1)
     return TextRequest(messages=turns, max_tokens=max_tokens, **_common(body))
 
@@ -72,8 +83,9 @@ def parse_completion(body: Fields) -> TextRequest:
         if len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         elif not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ApiError(400, "prompt must be a string, one string in an array, or an array of token ids",
-                           param="prompt")
+            raise ApiError(
+                400, "prompt must be a string, one string in an array, or an array of token ids", param="prompt"
+            )
     if body.get("echo", bool, default=False):
         raise ApiError(400, "echo is not supported", param="echo")
     return TextRequest(prompt=prompt, max_tokens=body.at_least("max_tokens", 1, default=16), **_common(body))
@@ -81,9 +93,13 @@ def parse_completion(body: Fields) -> TextRequest:
 
 # --- responses -----------------------------------------------------------------------------------
 
+
 def _usage(job: Job) -> dict:
-    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens,
-            "total_tokens": job.prompt_tokens + job.completion_tokens}
+    return {
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.completion_tokens,
+        "total_tokens": job.prompt_tokens + job.completion_tokens,
+    }
 
 
 def _event(obj) -> ServerSentEvent:
@@ -121,8 +137,12 @@ def _stream_error(e: ApiError) -> ServerSentEvent:
 
 async def _respond(server: Server, request: Request, req: TextRequest, body: Fields, chat: bool) -> Response:
     job = await server.start(req)
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", "object": "text_completion",
-            "created": int(time.time()), "model": server.model_id}
+    head = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": server.model_id,
+    }
     if req.stream:
         options = body.fields("stream_options")
         include_usage = bool(options and options.get("include_usage", bool, default=False))
@@ -132,8 +152,12 @@ async def _respond(server: Server, request: Request, req: TextRequest, body: Fie
     finish = FINISH[job.generation.finish_reason]
     if chat:
         head["object"] = "chat.completion"
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": None, "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     return JSONResponse(head | {"choices": [choice], "usage": _usage(job)})
@@ -166,5 +190,9 @@ async def get_model(server: Server, request: Request) -> Response:
     return JSONResponse(_model_card(server))
 
 
-ROUTES = [("/v1/chat/completions", chat_completions, ["POST"]), ("/v1/completions", completions, ["POST"]),
-          ("/v1/models", list_models, ["GET"]), ("/v1/models/{model:path}", get_model, ["GET"])]
+ROUTES = [
+    ("/v1/chat/completions", chat_completions, ["POST"]),
+    ("/v1/completions", completions, ["POST"]),
+    ("/v1/models", list_models, ["GET"]),
+    ("/v1/models/{model:path}", get_model, ["GET"]),
+]

@@ -5,12 +5,13 @@ conversation for the model's chat template or a raw prompt, sampling parameters,
 strings. app.py runs it through the scheduler; the dialect shapes the chunks that come back. Errors are
 ApiError(status, message, param): each dialect renders them in its own error body.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sampling import SamplingParams
+from ingot.runtime.sampling import SamplingParams
 
 
 class ApiError(Exception):
@@ -25,20 +26,26 @@ class ApiError(Exception):
 @dataclass(frozen=True)
 class TextRequest:
     model: str
-    messages: list[dict[str, str]] | None = None   # {"role", "content"} text messages, for the chat template
-    prompt: str | list[int] | None = None          # raw text (encoded as `ingot run -p` does) or token ids
+    messages: list[dict[str, str]] | None = None  # {"role", "content"} text messages, for the chat template
+    prompt: str | list[int] | None = None  # raw text (encoded as `ingot run -p` does) or token ids
     params: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int | None = None                  # None: until the context is full
+    max_tokens: int | None = None  # None: until the context is full
     stop: tuple[str, ...] = ()
     stream: bool = False
 
 
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
-               dict: "an object"}
+_TYPE_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    list: "an array",
+    dict: "an object",
+}
 
 
 def _is(value: Any, kind: type) -> bool:
-    if isinstance(value, bool):                      # JSON true is not a number
+    if isinstance(value, bool):  # JSON true is not a number
         return kind is bool
     if kind is float:
         return isinstance(value, (int, float))

@@ -16,22 +16,22 @@ engine keeps a whole-context cache per sequence, which is counted here in pages 
 The engine thread also loads the model (`load`), so the HTTP socket is up, answering /health with 503, while
 weights are read.
 """
+
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Protocol
+from typing import Protocol
 
-from ingot.toolchain.errors import UsageError
-
-from ..engines.base import Engine
-from ..generate import Chunk, Generation, GenerationRequest, StopStrings
-from ..kernels import PAGE
-from ..tokenizer import Tokenizer
-from .request import ApiError
+from ingot.runtime.engines.base import Engine
+from ingot.runtime.errors import UsageError
+from ingot.runtime.generate import Chunk, Generation, GenerationRequest, StopStrings
+from ingot.runtime.model.tokenizer import Tokenizer
+from ingot.runtime.server.request import ApiError
 
 
 class Observer(Protocol):
@@ -46,6 +46,7 @@ class Observer(Protocol):
 
 class _StopMatch(StopStrings):
     """StopStrings that also records which stop string ended the text (Anthropic's stop_sequence)."""
+
     matched: str | None = None
 
     def push(self, text: str) -> tuple[str, bool]:
@@ -67,9 +68,9 @@ class Job:
         self.cancelled = False
         self.seq: int | None = None
         self.last_token = 0
-        self.kv_pages = 0                          # pages reserved for it while it runs
+        self.kv_pages = 0  # pages reserved for it while it runs
         self.submitted = time.perf_counter_ns()
-        self.started = self.first_token = self.ended = 0   # perf_counter_ns: prefill start, first token, end
+        self.started = self.first_token = self.ended = 0  # perf_counter_ns: prefill start, first token, end
         self._loop = loop
         self._queue: asyncio.Queue[Chunk | ApiError] = asyncio.Queue()
 
@@ -88,7 +89,7 @@ class Job:
     def emit(self, item: Chunk | ApiError) -> None:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:           # the event loop is closed: nobody is left to read it
+        except RuntimeError:  # the event loop is closed: nobody is left to read it
             pass
 
     async def chunks(self) -> AsyncIterator[Chunk]:
@@ -103,8 +104,15 @@ class Job:
                 items.append(self._queue.get_nowait())
             chunks = [c for c in items if isinstance(c, Chunk)]
             if chunks:
-                yield Chunk("".join(c.text for c in chunks), tuple(t for c in chunks for t in c.token_ids),
-                            chunks[-1].finish_reason) if len(chunks) > 1 else chunks[0]
+                yield (
+                    Chunk(
+                        "".join(c.text for c in chunks),
+                        tuple(t for c in chunks for t in c.token_ids),
+                        chunks[-1].finish_reason,
+                    )
+                    if len(chunks) > 1
+                    else chunks[0]
+                )
                 if chunks[-1].finish_reason:
                     return
             if isinstance(items[-1], ApiError):
@@ -114,6 +122,7 @@ class Job:
 @dataclass(frozen=True)
 class Stats:
     """A snapshot the engine thread publishes after each step (read by /metrics from other threads)."""
+
     waiting: int = 0
     running: int = 0
     kv_pages_used: int = 0
@@ -124,23 +133,22 @@ class Scheduler:
     def __init__(self, observer: Observer):
         self.observer = observer
         self.engine: Engine | None = None
-        self.failure: BaseException | None = None    # what `load` raised, or what ended the engine thread
+        self.failure: BaseException | None = None  # what `load` raised, or what ended the engine thread
         self.ready = threading.Event()
         self.stats = Stats()
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._stopping = False
-        self._deadline: float | None = None            # set by drain()
-        self._reserved = 0                             # KV pages reserved by running jobs
+        self._deadline: float | None = None  # set by drain()
+        self._reserved = 0  # KV pages reserved by running jobs
         self._kv_total = self._page_tokens = 0
         self._thread: threading.Thread | None = None
 
     # --- called from the event loop ---------------------------------------------------------------
 
     def start(self, load: Callable[[], Engine], on_failure: Callable[[BaseException], None]) -> None:
-        self._thread = threading.Thread(target=self._main, args=(load, on_failure), name="ingot-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._main, args=(load, on_failure), name="ingot-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -174,10 +182,9 @@ class Scheduler:
     def _main(self, load: Callable[[], Engine], on_failure: Callable[[BaseException], None]) -> None:
         try:
             self.engine = load()
-            pool = getattr(self.engine, "pages", None)        # the GPU engine's PagePool
-            self._page_tokens = pool.page_size if pool else PAGE
-            self._kv_total = pool.n_pages if pool else self.engine.max_seqs * self._pages(self.engine.max_ctx)
-        except BaseException as e:     # reported by `ingot serve` as its exit status
+            self._page_tokens = self.engine.kv_page_size
+            self._kv_total = self.engine.kv_pages_total
+        except BaseException as e:  # reported by `ingot serve` as its exit status
             self.failure = e
             on_failure(e)
             return
@@ -191,7 +198,7 @@ class Scheduler:
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     self._end_all()
                 self._publish()
-        except BaseException as e:     # a bug here would leave every request waiting: stop the server instead
+        except BaseException as e:  # a bug here would leave every request waiting: stop the server instead
             self.failure = e
             on_failure(e)
             raise
@@ -258,7 +265,7 @@ class Scheduler:
                 self._fail(job, e)
             return
         self.observer.step(len(batch), time.perf_counter() - t0)
-        self.observer.generated(sum(self._accept(job, token) for job, token in zip(batch, tokens)))
+        self.observer.generated(sum(self._accept(job, token) for job, token in zip(batch, tokens, strict=False)))
 
     def _accept(self, job: Job, token: int) -> int:
         """Feed one sampled token to the job's Generation and emit the chunk; returns tokens generated (0 for
@@ -282,17 +289,12 @@ class Scheduler:
     def _fail(self, job: Job, e: Exception, reason: str = "error") -> None:
         """End the job with an error (its consumer, if still there, raises it)."""
         self._retire(job, reason)
-        if isinstance(e, UsageError):          # e.g. a prompt that does not fit the context
+        if isinstance(e, UsageError):  # e.g. a prompt that does not fit the context
             e = ApiError(400, str(e))
         job.emit(e if isinstance(e, ApiError) else ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
 
     def _publish(self) -> None:
-        pool = getattr(self.engine, "pages", None)
-        if pool is not None:
-            used = pool.n_pages - pool.free
-        else:
-            used = sum(self._pages(self.engine.seq_len(j.seq)) for j in self._running)
-        self.stats = Stats(len(self._waiting), len(self._running), used, self._kv_total)
+        self.stats = Stats(len(self._waiting), len(self._running), self.engine.kv_pages_used(), self._kv_total)
 
     def _end_all(self) -> None:
         """End every queued and running request with a 503 (shutdown)."""
@@ -303,9 +305,9 @@ class Scheduler:
 
     def _shut_down(self) -> None:
         with self._cv:
-            self._stopping = True                      # later submits get 503
+            self._stopping = True  # later submits get 503
         self._end_all()
         self._publish()
-        close = getattr(self.engine, "close", None)      # the GPU engine frees its device memory
+        close = getattr(self.engine, "close", None)  # the GPU engine frees its device memory
         if close is not None:
             close()

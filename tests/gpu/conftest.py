@@ -1,10 +1,11 @@
 """GPU test fixtures. Every test here is skipped cleanly when no NVIDIA GPU/driver is present (CI)."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ingot.toolchain.probe import probe
+from ingot.runtime.gpu.probe import probe
 
 _machine = probe()
 HAVE_GPU = bool(_machine.gpus)
@@ -23,8 +24,8 @@ class Gpu:
     """A device, stream, memory pool and all kernels, plus numpy <-> device helpers for kernel tests."""
 
     def __init__(self):
-        from ingot.runtime.driver import Device, DevicePool, Stream
-        from ingot.runtime.kernels import Kernels, kernel_images
+        from ingot.runtime.gpu.driver import Device, DevicePool, Stream
+        from ingot.runtime.gpu.kernels import Kernels, kernel_images
 
         self.dev = Device(0)
         self.stream = Stream()

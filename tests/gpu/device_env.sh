@@ -4,9 +4,11 @@
 # package without installing it, and builds the kernels for the local GPU into /tmp/kernels (INGOT_KERNELS).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 mkdir -p /tmp/pkg/ingot
+ln -sfn "$PWD/ingot/__init__.py" /tmp/pkg/ingot/__init__.py
+ln -sfn "$PWD/ingot/__main__.py" /tmp/pkg/ingot/__main__.py
 ln -sfn "$PWD/toolchain" /tmp/pkg/ingot/toolchain
 ln -sfn "$PWD/runtime" /tmp/pkg/ingot/runtime
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
-python3 -m ingot.toolchain build --arch "sm_${cc}" --out /tmp/kernels --json > /tmp/kernels.json || return 1
+python3 -m ingot build --arch "sm_${cc}" --out /tmp/kernels --json > /tmp/kernels.json || return 1
 export INGOT_KERNELS=/tmp/kernels

@@ -7,6 +7,7 @@ graph replays), so launch gaps of the real decode graph are included but Python 
 random; weight matrices are generated directly in the GPU layout (the repack kernels are tested elsewhere).
 GB/s counts the weight bytes each launch must read once; the decode step is bound by this number.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -18,9 +19,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import Gpu  # noqa: E402
 
-from ingot.runtime import kernels as K  # noqa: E402
-from ingot.runtime.driver import Event, Graph  # noqa: E402
 from ingot.runtime.engines.cuda_weights import _alloc_matrix  # noqa: E402
+from ingot.runtime.gpu import kernels as K  # noqa: E402
+from ingot.runtime.gpu.driver import Event, Graph  # noqa: E402
 
 BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "F16": 2.0}
 
@@ -58,7 +59,10 @@ def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=K.MODE_STORE):
     out_rows = rows // 2 if mode == K.MODE_SWIGLU else rows
     y = gpu.empty(4 * B * out_rows, 0)
     if W.quantized:
-        x = (gpu.empty(2 * B * cols, 1).ptr, gpu.put(np.tile([0.01, 0.0001, 0.0, 0.0], B * cols // 32).astype(np.float32)).ptr)
+        x = (
+            gpu.empty(2 * B * cols, 1).ptr,
+            gpu.put(np.tile([0.01, 0.0001, 0.0, 0.0], B * cols // 32).astype(np.float32)).ptr,
+        )
     else:
         x = gpu.put(rng.standard_normal(B * cols).astype(np.float32)).ptr
     us = timed(gpu, gpu.k.matvec(W, x, y.ptr, B, ldy=out_rows, mode=mode))
@@ -80,8 +84,10 @@ def matmul_row(gpu, rng, name, qtype, rows, cols, M):
 
 def small_kernels(gpu, rng, name, D, H, Hkv, hd, V, ctx):
     """The per-token kernels that are not weight-bound: norm, attention at `ctx`, quantize, greedy sampling."""
+
     class Cfg:
         n_heads, n_kv_heads, head_dim, rope_dim, rope_neox = H, Hkv, hd, hd, False
+
     x, w = gpu.put(rng.standard_normal(D).astype(np.float32)), gpu.put(np.ones(D, np.float32))
     xq, xd = gpu.empty(2 * 8192), gpu.empty(16 * 8192 // 32)
     norm = timed(gpu, gpu.k.rmsnorm(x.ptr, w, 1, D, 1e-5, yq=xq, yd=xd))
@@ -92,20 +98,45 @@ def small_kernels(gpu, rng, name, D, H, Hkv, hd, V, ctx):
     angle = np.arange(ctx + 1)[:, None] * (10000.0 ** (-np.arange(0, hd, 2) / hd))[None, :]
     rope = gpu.put(np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32))
     splits = min(32, -(-264 // Hkv))
-    att = gpu.k.attn_decode(qkv.ptr, rope, kc.ptr, vc.ptr, gpu.put(np.arange(pages, dtype=np.int32)).ptr, pages,
-                            gpu.put(np.array([ctx], np.int32)).ptr, gpu.empty(4 * H * 32 * hd).ptr,
-                            gpu.empty(8 * H * 32).ptr, gpu.empty(4 * Hkv, 0).ptr, gpu.empty(4 * H * hd).ptr, 1,
-                            splits, Cfg, outq=xq.ptr, outd=xd.ptr)
+    att = gpu.k.attn_decode(
+        qkv.ptr,
+        rope,
+        kc.ptr,
+        vc.ptr,
+        gpu.put(np.arange(pages, dtype=np.int32)).ptr,
+        pages,
+        gpu.put(np.array([ctx], np.int32)).ptr,
+        gpu.empty(4 * H * 32 * hd).ptr,
+        gpu.empty(8 * H * 32).ptr,
+        gpu.empty(4 * Hkv, 0).ptr,
+        gpu.empty(4 * H * hd).ptr,
+        1,
+        splits,
+        Cfg,
+        outq=xq.ptr,
+        outd=xd.ptr,
+    )
     attn = timed(gpu, att)
     quant = timed(gpu, gpu.k.quantize(gpu.empty(4 * 8192, 0).ptr, xq.ptr, xd.ptr, 8192))
     logits = gpu.put(rng.standard_normal(V).astype(np.float32))
     zeros = lambda dt: gpu.put(np.zeros(1, dt)).ptr  # noqa: E731
-    p = {"temperature": zeros(np.float32), "top_k": zeros(np.int32), "top_p": gpu.put(np.ones(1, np.float32)).ptr,
-         "min_p": zeros(np.float32), "penalty": gpu.put(np.ones(1, np.float32)).ptr, "hist": zeros(np.int32),
-         "hist_len": zeros(np.int32), "hist_cap": 1, "seed": zeros(np.uint64), "counter": zeros(np.int32)}
+    p = {
+        "temperature": zeros(np.float32),
+        "top_k": zeros(np.int32),
+        "top_p": gpu.put(np.ones(1, np.float32)).ptr,
+        "min_p": zeros(np.float32),
+        "penalty": gpu.put(np.ones(1, np.float32)).ptr,
+        "hist": zeros(np.int32),
+        "hist_len": zeros(np.int32),
+        "hist_cap": 1,
+        "seed": zeros(np.uint64),
+        "counter": zeros(np.int32),
+    }
     samp = timed(gpu, gpu.k.sample(logits.ptr, V, V, 1, p, gpu.empty(4).ptr))
-    print(f"{name}: rmsnorm {norm:.1f} us, attention@{ctx} ({splits} splits) {attn:.1f} us, quantize {quant:.1f} us, "
-          f"greedy sample {samp:.1f} us")
+    print(
+        f"{name}: rmsnorm {norm:.1f} us, attention@{ctx} ({splits} splits) {attn:.1f} us, quantize {quant:.1f} us, "
+        f"greedy sample {samp:.1f} us"
+    )
 
 
 def engine_step(path: str) -> None:
@@ -113,7 +144,7 @@ def engine_step(path: str) -> None:
     import time
 
     from ingot.runtime.engines.cuda import CudaEngine
-    from ingot.runtime.model import load_model
+    from ingot.runtime.model.gguf import load_model
     from ingot.runtime.sampling import SamplingParams
 
     eng = CudaEngine(load_model(path), max_seqs=1, max_ctx=512)
@@ -133,8 +164,10 @@ def engine_step(path: str) -> None:
     for _ in range(50):
         tok = eng.decode([s], [tok])[0]
     wall_ms = (time.perf_counter() - t0) * 1000 / 50
-    print(f"{Path(path).name}: decode step B=1: device {gpu_ms:.3f} ms, engine.decode wall {wall_ms:.3f} ms "
-          f"({len(eng._decode_launches(1))} kernels)")
+    print(
+        f"{Path(path).name}: decode step B=1: device {gpu_ms:.3f} ms, engine.decode wall {wall_ms:.3f} ms "
+        f"({len(eng._decode_launches(1))} kernels)"
+    )
     eng.close()
 
 

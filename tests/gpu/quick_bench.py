@@ -1,11 +1,12 @@
 """Device-session helper: engine benchmarks on one GGUF without the CLI (python3 tests/gpu/quick_bench.py M.gguf)."""
+
 import json
 import sys
 import time
 
 from ingot.runtime.bench import run_benchmarks
 from ingot.runtime.engines.cuda import CudaEngine
-from ingot.runtime.model import load_model
+from ingot.runtime.model.gguf import load_model
 
 path = sys.argv[1]
 batches = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,4,16,64").split(",")]

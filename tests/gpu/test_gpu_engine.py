@@ -5,19 +5,19 @@ steps must match the CPU reference (relative L2 error < 1e-2, same argmax), and 
 the same first 32 tokens. The small random models below run everywhere a GPU is; real models run when named in
 INGOT_TEST_MODELS (colon-separated GGUF paths), e.g. the SmolLM2 default model and a synthetic llama3-8b.
 """
+
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from ingot.runtime.engines.cpu import CpuEngine
-from ingot.runtime.model import load_model
-from ingot.runtime.sampling import SamplingParams
-
 from tiny_models import VARIANTS, write_model
+
+from ingot.runtime import settings
+from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.model.gguf import load_model
+from ingot.runtime.sampling import SamplingParams
 
 PREFILLS = (1, 7, 128, 1000)
 DECODE_STEPS = 64
@@ -32,7 +32,7 @@ def rel_err(a, b) -> float:
 
 def _models() -> list:
     params = [pytest.param(("tiny", v), id=v) for v in VARIANTS]
-    for p in filter(None, os.environ.get("INGOT_TEST_MODELS", "").split(":")):
+    for p in filter(None, (settings.TEST_MODELS.get() or "").split(":")):
         params.append(pytest.param(("file", p), id=Path(p).stem))
     return params
 
@@ -53,12 +53,12 @@ def engines(request, tmp_path_factory):
 
     kind, what = request.param
     path = write_model(tmp_path_factory.mktemp("m") / f"{what}.gguf", what) if kind == "tiny" else Path(what)
-    from ingot.runtime.engines.cuda import GEMM_MIN_BATCH
+    GEMM_MIN_BATCH = settings.DECODE_GEMM_MIN_BATCH.get()
 
     model = load_model(path)
     cpu = CpuEngine(model, max_seqs=max(8, GEMM_MIN_BATCH), max_ctx=2048)
     gpu = CudaEngine(model, max_seqs=max(8, GEMM_MIN_BATCH), max_ctx=2048)
-    gpu.strict = kind == "file"                # real models: argmax must match exactly
+    gpu.strict = kind == "file"  # real models: argmax must match exactly
     yield model, cpu, gpu
     gpu.close()
 
@@ -133,10 +133,10 @@ def test_batched_decode_equals_single(engines):
         gpu.release(s)
         alone.append(seq)
     seqs = [gpu.new_sequence(SamplingParams()) for _ in prompts]
-    together = [[gpu.prefill(s, p)] for s, p in zip(seqs, prompts)]
+    together = [[gpu.prefill(s, p)] for s, p in zip(seqs, prompts, strict=False)]
     for _ in range(16):
         nxt = gpu.decode(seqs, [t[-1] for t in together])
-        for t, x in zip(together, nxt):
+        for t, x in zip(together, nxt, strict=False):
             t.append(x)
     for s in seqs:
         gpu.release(s)
@@ -145,7 +145,7 @@ def test_batched_decode_equals_single(engines):
 
 def test_wide_batch_decode_matches_cpu(engines):
     """Batches of >= GEMM_MIN_BATCH sequences take the tensor-core path; each sequence still matches the CPU."""
-    from ingot.runtime.engines.cuda import GEMM_MIN_BATCH
+    GEMM_MIN_BATCH = settings.DECODE_GEMM_MIN_BATCH.get()
 
     model, cpu, gpu = engines
     B = GEMM_MIN_BATCH
@@ -153,8 +153,8 @@ def test_wide_batch_decode_matches_cpu(engines):
     cs = [cpu.new_sequence(SamplingParams()) for _ in range(B)]
     gs = [gpu.new_sequence(SamplingParams()) for _ in range(B)]
     try:
-        nxt = [int(np.argmax(cpu.logits(c, p)[-1])) for c, p in zip(cs, prompts)]
-        for g, p in zip(gs, prompts):
+        nxt = [int(np.argmax(cpu.logits(c, p)[-1])) for c, p in zip(cs, prompts, strict=False)]
+        for g, p in zip(gs, prompts, strict=False):
             gpu.prefill(g, p)
         for step in range(8):
             out = gpu.decode_logits(gs, nxt)
@@ -166,7 +166,7 @@ def test_wide_batch_decode_matches_cpu(engines):
                 assert same_choice(out[b], ref, strict=False), f"step {step}, sequence {b}: argmax differs"
                 nxt[b] = int(np.argmax(ref))
     finally:
-        for c, g in zip(cs, gs):
+        for c, g in zip(cs, gs, strict=False):
             cpu.release(c)
             gpu.release(g)
 
@@ -177,7 +177,7 @@ def test_seeded_sampling_is_reproducible(engines):
     probe = gpu.new_sequence(SamplingParams())
     logits = gpu.logits(probe, tokens)[-1].astype(np.float64)
     gpu.release(probe)
-    temperature = float(np.std(logits))           # raise it until the likeliest token has at most half the mass
+    temperature = float(np.std(logits))  # raise it until the likeliest token has at most half the mass
     while True:
         p = np.exp((logits - logits.max()) / temperature)
         if p.max() / p.sum() <= 0.5:

@@ -4,15 +4,16 @@ Outputs are poisoned (0xFF bytes: NaN for floats) before each launch, so an elem
 fails the comparison. Tolerances: exact integer paths (dequantization, q8x2 dot products against an emulated
 q8x2 input) ~1e-5 relative; fp16 operands (tensor-core GEMM, fp16 KV cache) ~2e-3.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from ingot.runtime import kernels as K
 from ingot.runtime.engines.cuda_weights import _alloc_matrix
-from ingot.runtime.kernels import GpuMatrix
+from ingot.runtime.gpu import kernels as K
+from ingot.runtime.gpu.kernels import GpuMatrix
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F16"]
 
@@ -100,7 +101,7 @@ def test_rmsnorm_all_outputs(gpu, rng, n, dim):
 
 def test_quantize_q8x2(gpu, rng):
     x = (rng.standard_normal(32 * 37) * rng.uniform(0.01, 10, 32 * 37)).astype(np.float32)
-    x[:32] = 0.0                                              # an all-zero block must give d = 0, q = 0
+    x[:32] = 0.0  # an all-zero block must give d = 0, q = 0
     q_ref, d_ref = q8x2(x)
     xq, xd = gpu.empty(2 * x.size), gpu.empty(16 * x.size // 32)
     gpu.run(gpu.k.quantize(gpu.put(x).ptr, xq.ptr, xd.ptr, x.size))
@@ -166,24 +167,27 @@ def test_matmul(gpu, rng, qtype, M, N, K_, split_k):
     bias = rng.standard_normal(N).astype(np.float32)
     C = gpu.empty(4 * M * N)
     _run_steps(gpu, gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias), split_k=split_k))
-    Wh = Wref.astype(np.float16).astype(np.float64)           # the kernel multiplies fp16-rounded weights
+    Wh = Wref.astype(np.float16).astype(np.float64)  # the kernel multiplies fp16-rounded weights
     ref = A.astype(np.float64) @ Wh.T + bias
     assert rel_err(gpu.get(C, np.float32, (M, N)), ref) < 1e-3
     resid = rng.standard_normal((M, N)).astype(np.float32)
     Cb = gpu.put(resid)
-    _run_steps(gpu, gpu.k.matmul(W, gpu.put(A).ptr, Cb.ptr, M, ldc=N, mode=K.MODE_ADD, bias=gpu.put(bias),
-                                 split_k=split_k))
+    _run_steps(
+        gpu, gpu.k.matmul(W, gpu.put(A).ptr, Cb.ptr, M, ldc=N, mode=K.MODE_ADD, bias=gpu.put(bias), split_k=split_k)
+    )
     assert rel_err(gpu.get(Cb, np.float32, (M, N)), resid + A.astype(np.float64) @ Wh.T + bias) < 1e-3
 
 
 class _Cfg:
     """The Config fields the attention/rope kernels read."""
+
     def __init__(self, H, Hkv, hd, neox=False):
         self.n_heads, self.n_kv_heads, self.head_dim, self.rope_dim, self.rope_neox = H, Hkv, hd, hd, neox
 
 
 def _rope_ref(x, pos, inv_freq, neox):
-    from ingot.runtime.model import rope
+    from ingot.runtime.model.reference import rope
+
     return rope(x.astype(np.float32), pos, inv_freq, neox).astype(np.float64)
 
 
@@ -193,24 +197,36 @@ def test_rope_and_kv_write(gpu, rng, neox, hd):
     H, Hkv, n, n_pages, max_pages = 6, 2, 9, 40, 8
     cfg = _Cfg(H, Hkv, hd, neox)
     qkv = rng.standard_normal((n, (H + 2 * Hkv) * hd)).astype(np.float32)
-    slot = rng.choice(3 * max_pages * K.PAGE, size=n, replace=False)     # distinct (sequence, position) pairs
+    slot = rng.choice(3 * max_pages * K.PAGE, size=n, replace=False)  # distinct (sequence, position) pairs
     seq, pos = (slot // (max_pages * K.PAGE)).astype(np.int32), (slot % (max_pages * K.PAGE)).astype(np.int32)
-    table = rng.permutation(n_pages)[:3 * max_pages].reshape(3, max_pages).astype(np.int32)
+    table = rng.permutation(n_pages)[: 3 * max_pages].reshape(3, max_pages).astype(np.int32)
     inv_freq = 10000.0 ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
     angle = np.arange(max_pages * K.PAGE)[:, None] * inv_freq[None, :]
     rope_tab = np.stack([np.cos(angle), np.sin(angle)], axis=-1).astype(np.float32)
     page_elems = K.PAGE * Hkv * hd
     kc, vc = gpu.empty(2 * n_pages * page_elems, 0), gpu.empty(2 * n_pages * page_elems, 0)
     dq = gpu.put(qkv)
-    gpu.run(gpu.k.rope_kv(dq.ptr, gpu.put(rope_tab), gpu.put(seq).ptr, gpu.put(pos).ptr, gpu.put(table).ptr,
-                          max_pages, kc.ptr, vc.ptr, n, cfg))
+    gpu.run(
+        gpu.k.rope_kv(
+            dq.ptr,
+            gpu.put(rope_tab),
+            gpu.put(seq).ptr,
+            gpu.put(pos).ptr,
+            gpu.put(table).ptr,
+            max_pages,
+            kc.ptr,
+            vc.ptr,
+            n,
+            cfg,
+        )
+    )
     out = gpu.get(dq, np.float32, qkv.shape)
-    q_ref = _rope_ref(qkv[:, :H * hd].reshape(n, H, hd), pos, inv_freq, neox).reshape(n, -1)
-    k_ref = _rope_ref(qkv[:, H * hd:(H + Hkv) * hd].reshape(n, Hkv, hd), pos, inv_freq, neox)
-    assert rel_err(out[:, :H * hd], q_ref) < 1e-5
+    q_ref = _rope_ref(qkv[:, : H * hd].reshape(n, H, hd), pos, inv_freq, neox).reshape(n, -1)
+    k_ref = _rope_ref(qkv[:, H * hd : (H + Hkv) * hd].reshape(n, Hkv, hd), pos, inv_freq, neox)
+    assert rel_err(out[:, : H * hd], q_ref) < 1e-5
     kcache = gpu.get(kc, np.float16, (n_pages, Hkv, K.PAGE, hd))
     vcache = gpu.get(vc, np.float16, (n_pages, Hkv, K.PAGE, hd))
-    v_ref = qkv[:, (H + Hkv) * hd:].reshape(n, Hkv, hd)
+    v_ref = qkv[:, (H + Hkv) * hd :].reshape(n, Hkv, hd)
     for i in range(n):
         page, slot = table[seq[i], pos[i] // K.PAGE], pos[i] % K.PAGE
         assert rel_err(kcache[page, :, slot], k_ref[i]) < 1e-3
@@ -252,13 +268,29 @@ def test_attention_decode_fused(gpu, rng, hd, H, Hkv, neox, splits):
     counters = gpu.empty(4 * B * Hkv, 0)
     out, outq, outd = gpu.empty(4 * B * H * hd), gpu.empty(2 * B * H * hd), gpu.empty(16 * B * H * hd // 32)
     outh = gpu.empty(2 * B * H * hd)
-    launch = gpu.k.attn_decode(gpu.put(qkv).ptr, gpu.put(rope_tab), kc.ptr, vc.ptr, gpu.put(table).ptr, max_pages,
-                               gpu.put(lens - 1).ptr, acc.ptr, ml.ptr, counters.ptr, out.ptr, B, splits, cfg,
-                               outq=outq.ptr, outd=outd.ptr, outh=outh.ptr)
+    launch = gpu.k.attn_decode(
+        gpu.put(qkv).ptr,
+        gpu.put(rope_tab),
+        kc.ptr,
+        vc.ptr,
+        gpu.put(table).ptr,
+        max_pages,
+        gpu.put(lens - 1).ptr,
+        acc.ptr,
+        ml.ptr,
+        counters.ptr,
+        out.ptr,
+        B,
+        splits,
+        cfg,
+        outq=outq.ptr,
+        outd=outd.ptr,
+        outh=outh.ptr,
+    )
     gpu.run(launch)
     first = gpu.get(out, np.float32, (B, H, hd))
     gpu.stream.memset(out.ptr, 0xFF, 4 * B * H * hd)
-    gpu.run(launch)                               # the counters were reset: a replay gives the same result
+    gpu.run(launch)  # the counters were reset: a replay gives the same result
     got = gpu.get(out, np.float32, (B, H, hd))
     assert np.array_equal(first, got)
     assert not gpu.get(counters, np.int32, (B * Hkv,)).any()
@@ -267,18 +299,18 @@ def test_attention_decode_fused(gpu, rng, hd, H, Hkv, neox, splits):
     G = H // Hkv
     for b, n in enumerate(lens):
         p = n - 1
-        q = _rope_ref(qkv[b, :H * hd].reshape(1, H, hd), np.array([p]), inv_freq, neox)[0]
-        k_new = _rope_ref(qkv[b, H * hd:(H + Hkv) * hd].reshape(1, Hkv, hd), np.array([p]), inv_freq, neox)[0]
-        v_new = qkv[b, (H + Hkv) * hd:].reshape(Hkv, hd)
+        q = _rope_ref(qkv[b, : H * hd].reshape(1, H, hd), np.array([p]), inv_freq, neox)[0]
+        k_new = _rope_ref(qkv[b, H * hd : (H + Hkv) * hd].reshape(1, Hkv, hd), np.array([p]), inv_freq, neox)[0]
+        v_new = qkv[b, (H + Hkv) * hd :].reshape(Hkv, hd)
         page, slot = table[b, p // K.PAGE], p % K.PAGE
-        assert rel_err(kcache[page, :, slot], k_new) < 1e-3           # the new key landed in its page
-        kh[page, :, slot], vh[page, :, slot] = k_new, v_new              # the reference cache, updated
-        pages = table[b, :(n + K.PAGE - 1) // K.PAGE]
+        assert rel_err(kcache[page, :, slot], k_new) < 1e-3  # the new key landed in its page
+        kh[page, :, slot], vh[page, :, slot] = k_new, v_new  # the reference cache, updated
+        pages = table[b, : (n + K.PAGE - 1) // K.PAGE]
         for kvh in range(Hkv):
             k = kh[pages, kvh].reshape(-1, hd)[:n]
             v = vh[pages, kvh].reshape(-1, hd)[:n]
-            ref = _attend(q[kvh * G:(kvh + 1) * G], k, v)
-            assert rel_err(got[b, kvh * G:(kvh + 1) * G], ref) < 2e-3, (b, n, kvh)
+            ref = _attend(q[kvh * G : (kvh + 1) * G], k, v)
+            assert rel_err(got[b, kvh * G : (kvh + 1) * G], ref) < 2e-3, (b, n, kvh)
     deq = dequant_q8x2(gpu.get(outq, np.int8, (B * H * hd // 32, 64)), gpu.get(outd, np.float32, (B * H * hd // 32, 4)))
     assert rel_err(deq.ravel(), got.ravel()) < 1e-4
     assert rel_err(gpu.get(outh, np.float16, got.shape), got) < 1e-3
@@ -294,8 +326,19 @@ def test_attention_prefill_causal(gpu, rng, hd, H, Hkv, start, T):
     qkv = rng.standard_normal((T, (H + 2 * Hkv) * hd)).astype(np.float32)
     out = gpu.empty(2 * T * H * hd)
     positions = np.arange(start, start + T, dtype=np.int32)
-    gpu.run(gpu.k.attn_prefill(gpu.put(qkv).ptr, qkv.shape[1], kc.ptr, vc.ptr, gpu.put(row).ptr,
-                               gpu.put(positions).ptr, T, out.ptr, _Cfg(H, Hkv, hd)))
+    gpu.run(
+        gpu.k.attn_prefill(
+            gpu.put(qkv).ptr,
+            qkv.shape[1],
+            kc.ptr,
+            vc.ptr,
+            gpu.put(row).ptr,
+            gpu.put(positions).ptr,
+            T,
+            out.ptr,
+            _Cfg(H, Hkv, hd),
+        )
+    )
     got = gpu.get(out, np.float16, (T, H, hd))
     G = H // Hkv
     for t in range(T):
@@ -303,7 +346,7 @@ def test_attention_prefill_causal(gpu, rng, hd, H, Hkv, start, T):
         for h in range(H):
             k = kh[row, h // G].reshape(-1, hd)[:n]
             v = vh[row, h // G].reshape(-1, hd)[:n]
-            ref = _attend(qkv[t, h * hd:(h + 1) * hd][None], k, v)[0]
+            ref = _attend(qkv[t, h * hd : (h + 1) * hd][None], k, v)[0]
             assert rel_err(got[t, h], ref) < 2e-3, (t, h)
 
 
@@ -319,14 +362,23 @@ def test_swiglu(gpu, rng):
 class _Sampler:
     """Per-sequence sampling parameter arrays on the device, as the engine lays them out."""
 
-    def __init__(self, gpu, B, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, hist=None,
-                 seed=0, counter=0):
+    def __init__(
+        self, gpu, B, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, hist=None, seed=0, counter=0
+    ):
         hist = np.zeros((B, 1), np.int32) if hist is None else np.asarray(hist, np.int32)
-        f = lambda v, dt: gpu.put(np.broadcast_to(np.asarray(v, dt), (B,)).copy()).ptr   # noqa: E731
-        self.args = {"temperature": f(temperature, np.float32), "top_k": f(top_k, np.int32),
-                     "top_p": f(top_p, np.float32), "min_p": f(min_p, np.float32), "penalty": f(penalty, np.float32),
-                     "hist": gpu.put(hist).ptr, "hist_len": f(hist.shape[1], np.int32), "hist_cap": hist.shape[1],
-                     "seed": f(seed, np.uint64), "counter": f(counter, np.int32)}
+        f = lambda v, dt: gpu.put(np.broadcast_to(np.asarray(v, dt), (B,)).copy()).ptr  # noqa: E731
+        self.args = {
+            "temperature": f(temperature, np.float32),
+            "top_k": f(top_k, np.int32),
+            "top_p": f(top_p, np.float32),
+            "min_p": f(min_p, np.float32),
+            "penalty": f(penalty, np.float32),
+            "hist": gpu.put(hist).ptr,
+            "hist_len": f(hist.shape[1], np.int32),
+            "hist_cap": hist.shape[1],
+            "seed": f(seed, np.uint64),
+            "counter": f(counter, np.int32),
+        }
 
 
 def _sample(gpu, logits, **kw):
@@ -339,7 +391,7 @@ def _sample(gpu, logits, **kw):
 @pytest.mark.parametrize("V", [1000, 49152, 128256])
 def test_sample_greedy_argmax_lowest_id_on_ties(gpu, rng, V):
     logits = rng.standard_normal((4, V)).astype(np.float32)
-    logits[1, [17, 900]] = 50.0                               # a tie: the lower id wins
+    logits[1, [17, 900]] = 50.0  # a tie: the lower id wins
     assert list(_sample(gpu, logits)) == [int(np.argmax(r)) for r in logits]
 
 
@@ -348,7 +400,7 @@ def test_sample_repetition_penalty_changes_greedy_choice(gpu, rng):
     best = int(np.argmax(logits))
     logits[0, best] = abs(logits[0, best]) + 0.5
     second = int(np.argsort(logits[0])[-2])
-    hist = np.array([[best, best, 3]], np.int32)              # repeated ids are penalized once
+    hist = np.array([[best, best, 3]], np.int32)  # repeated ids are penalized once
     got = _sample(gpu, logits, penalty=1e6, hist=hist)
     assert got[0] == (second if second != 3 else int(np.argsort(logits[0])[-3]))
 
@@ -363,10 +415,11 @@ def test_sample_top_k_top_p_min_p_and_seed(gpu, rng, V):
     got = _sample(gpu, logits, temperature=1.0, top_k=5, seed=np.arange(B, dtype=np.uint64))
     assert set(got) <= set(order[:5]) and len(set(got)) > 1
     # top-p: every draw is inside the smallest prefix holding p of the mass
-    p = np.exp(base - base.max()); p /= p.sum()
+    p = np.exp(base - base.max())
+    p /= p.sum()
     cut = int(np.searchsorted(np.cumsum(p[order]), 0.5)) + 1
     got = _sample(gpu, logits, temperature=1.0, top_p=0.5, seed=np.arange(B, dtype=np.uint64) + 1000)
-    assert set(got) <= set(order[:cut + 1])
+    assert set(got) <= set(order[: cut + 1])
     # min-p: only tokens at least min_p times as likely as the best
     got = _sample(gpu, logits, temperature=1.0, min_p=0.2, seed=np.arange(B, dtype=np.uint64))
     assert all(p[t] >= 0.2 * p.max() * (1 - 1e-4) for t in got)

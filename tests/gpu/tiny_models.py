@@ -4,6 +4,7 @@ Each variant exercises a different path of the GPU engine: quant type of the mat
 matvec, each GEMM tile loader), the embedding type, tied vs separate output head, GQA group size, and qwen2's
 QKV bias with NEOX rope.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,11 +14,11 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 VARIANTS = {
     #  name:          (arch,   matrices, embed,  D,   L, H, Hkv, hd,  F,   V,    tied)
-    "q4_0-tied":      ("llama", "Q4_0", "Q8_0", 256, 2, 4, 2, 64, 512, 1000, True),
-    "q4_1-gqa3":      ("llama", "Q4_1", "Q4_1", 576, 2, 9, 3, 64, 1536, 777, True),
-    "q8_0-untied":    ("llama", "Q8_0", "Q4_0", 256, 3, 2, 1, 128, 384, 513, False),
-    "f16-mha":        ("llama", "F16", "F16", 256, 2, 4, 4, 64, 320, 600, False),
-    "qwen2-bias":     ("qwen2", "Q8_0", "Q8_0", 256, 2, 4, 2, 64, 512, 700, True),
+    "q4_0-tied": ("llama", "Q4_0", "Q8_0", 256, 2, 4, 2, 64, 512, 1000, True),
+    "q4_1-gqa3": ("llama", "Q4_1", "Q4_1", 576, 2, 9, 3, 64, 1536, 777, True),
+    "q8_0-untied": ("llama", "Q8_0", "Q4_0", 256, 3, 2, 1, 128, 384, 513, False),
+    "f16-mha": ("llama", "F16", "F16", 256, 2, 4, 4, 64, 320, 600, False),
+    "qwen2-bias": ("qwen2", "Q8_0", "Q8_0", 256, 2, 4, 2, 64, 512, 700, True),
 }
 
 
@@ -55,7 +56,7 @@ def write_model(path: Path, variant: str, seed: int = 0) -> Path:
     w.add_eos_token_id(1)
 
     def mat(rows, cols, scale=None):
-        return rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)
+        return rng.standard_normal((rows, cols)) * (scale or cols**-0.5)
 
     def vocab_rows(scale):
         # Row norms spread over a decade, as trained vocabularies have: the top logits then stand apart instead
@@ -79,7 +80,7 @@ def write_model(path: Path, variant: str, seed: int = 0) -> Path:
         _tensor(w, p + "ffn_down.weight", mat(D, F), mq)
     _tensor(w, "output_norm.weight", 1 + 0.1 * rng.standard_normal(D), "F32")
     if not tied:
-        _tensor(w, "output.weight", vocab_rows(D ** -0.5), mq)
+        _tensor(w, "output.weight", vocab_rows(D**-0.5), mq)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -3,11 +3,14 @@
 Atomic writes: a temp file in the destination folder, then a rename, so a reader (or a crash) never sees half a
 file. Every small output Ingot writes (fatbins, build records, keys, stamps, index entries) goes through here;
 streamed outputs (bundles, downloads) follow the same temp-then-rename rule in their modules."""
+
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+
+from ingot.runtime import settings
 
 
 def write_atomic(path: str | Path, data: bytes, mode: int | None = None) -> None:
@@ -33,6 +36,7 @@ def write_atomic(path: str | Path, data: bytes, mode: int | None = None) -> None
 def cache_root() -> Path:
     """$INGOT_CACHE_DIR if set, else $XDG_CACHE_HOME/ingot, else ~/.cache/ingot. Callers add their own folder
     (kernels/, models/, verified/, index/)."""
-    if os.environ.get("INGOT_CACHE_DIR"):
-        return Path(os.environ["INGOT_CACHE_DIR"])
+    root = settings.CACHE_DIR.get()
+    if root is not None:
+        return root
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ingot"

@@ -13,6 +13,7 @@ shares a block with the next one. The layouts (ggml-common.h), with x the dequan
 The GPU kernels implement the same formulas; tests/test_quants.py checks these against gguf's own
 reference dequantizer (gguf.quants.dequantize) for every type.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,21 +24,24 @@ import numpy as np
 @dataclass(frozen=True)
 class QuantType:
     name: str
-    block: int        # weights per block
+    block: int  # weights per block
     block_bytes: int  # bytes per block
 
     def row_bytes(self, cols: int) -> int:
         return cols // self.block * self.block_bytes
 
 
-QUANT_TYPES = {t.name: t for t in (
-    QuantType("F32", 1, 4),
-    QuantType("F16", 1, 2),
-    QuantType("BF16", 1, 2),
-    QuantType("Q8_0", 32, 34),
-    QuantType("Q4_0", 32, 18),
-    QuantType("Q4_1", 32, 20),
-)}
+QUANT_TYPES = {
+    t.name: t
+    for t in (
+        QuantType("F32", 1, 4),
+        QuantType("F16", 1, 2),
+        QuantType("BF16", 1, 2),
+        QuantType("Q8_0", 32, 34),
+        QuantType("Q4_0", 32, 18),
+        QuantType("Q4_1", 32, 20),
+    )
+}
 
 # Dequantize this many weights at a time, so a 2 GiB embedding matrix needs no 6 GiB of temporaries.
 _CHUNK_WEIGHTS = 1 << 23
@@ -50,8 +54,8 @@ def dequantize(raw: np.ndarray, qtype: str, cols: int) -> np.ndarray:
     out = np.empty((rows.shape[0], cols), dtype=np.float32)
     step = max(1, _CHUNK_WEIGHTS // cols)
     for r in range(0, rows.shape[0], step):
-        blocks = np.ascontiguousarray(rows[r:r + step]).reshape(-1, t.block_bytes)
-        out[r:r + step] = _DEQUANT[qtype](blocks).reshape(-1, cols)
+        blocks = np.ascontiguousarray(rows[r : r + step]).reshape(-1, t.block_bytes)
+        out[r : r + step] = _DEQUANT[qtype](blocks).reshape(-1, cols)
     return out.reshape(*raw.shape[:-1], cols)
 
 
@@ -68,8 +72,8 @@ def _bf16(b: np.ndarray) -> np.ndarray:
 
 
 def _q8_0(b: np.ndarray) -> np.ndarray:
-    d = b[:, 0:2].view(np.float16).astype(np.float32)      # [n, 1]
-    q = b[:, 2:34].view(np.int8).astype(np.float32)        # [n, 32]
+    d = b[:, 0:2].view(np.float16).astype(np.float32)  # [n, 1]
+    q = b[:, 2:34].view(np.int8).astype(np.float32)  # [n, 32]
     return q * d
 
 

@@ -13,6 +13,7 @@ Flags: 0x2000 LZ4, 0x8000 zstd, 0x100000 arch-specific ('sm_90a'), 0x200000 fami
 `--compress-mode=speed` gives LZ4, `default`/`balance`/`size` zstd (nvcc 13.0), `none` raw.
 Any malformed input raises UsageError with a one-line message; nothing else escapes.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,7 +21,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
+from ingot.runtime.errors import UsageError
 
 MAGIC = 0xBA55ED50
 KIND_PTX, KIND_ELF = 1, 2
@@ -37,18 +38,18 @@ _MAGIC_BYTES = struct.pack("<I", MAGIC)
 
 @dataclass(frozen=True)
 class Entry:
-    kind: str               # "sass" or "ptx"
-    arch: str               # "sm_90", "sm_90a", "sm_100f", "compute_120"
-    cc: int                 # compute capability as an int: 90, 100, 120
-    variant: str            # "", "a" or "f"
-    isa: str | None         # PTX ISA "9.0" for PTX entries, None for SASS
-    compression: str        # "none", "zstd" or "lz4"
-    stored_size: int        # bytes in the file (compressed if compressed)
-    size: int               # uncompressed bytes
+    kind: str  # "sass" or "ptx"
+    arch: str  # "sm_90", "sm_90a", "sm_100f", "compute_120"
+    cc: int  # compute capability as an int: 90, 100, 120
+    variant: str  # "", "a" or "f"
+    isa: str | None  # PTX ISA "9.0" for PTX entries, None for SASS
+    compression: str  # "none", "zstd" or "lz4"
+    stored_size: int  # bytes in the file (compressed if compressed)
+    size: int  # uncompressed bytes
     kernels: tuple[str, ...]
-    offset: int             # of the entry header, from the start of the file
+    offset: int  # of the entry header, from the start of the file
     toolkit: str | None = None  # CUDA release that built a SASS image ("13.0"), from the cubin's tool notes
-    container: int = 0      # which of the concatenated containers holds it
+    container: int = 0  # which of the concatenated containers holds it
 
     @property
     def toolkit_major(self) -> int | None:
@@ -56,9 +57,17 @@ class Entry:
 
     def as_dict(self) -> dict:
         return {
-            "kind": self.kind, "arch": self.arch, "cc": self.cc, "variant": self.variant, "isa": self.isa,
-            "compression": self.compression, "stored_size": self.stored_size, "size": self.size,
-            "kernels": list(self.kernels), "offset": self.offset, "toolkit": self.toolkit,
+            "kind": self.kind,
+            "arch": self.arch,
+            "cc": self.cc,
+            "variant": self.variant,
+            "isa": self.isa,
+            "compression": self.compression,
+            "stored_size": self.stored_size,
+            "size": self.size,
+            "kernels": list(self.kernels),
+            "offset": self.offset,
+            "toolkit": self.toolkit,
             "container": self.container,
         }
 
@@ -79,8 +88,13 @@ class Fatbin:
         return sorted({e.arch for e in self.entries if e.kind == "ptx"}, key=_arch_sort_key)
 
     def as_dict(self) -> dict:
-        return {"size": self.size, "containers": self.containers, "archs": {"sass": self.sass, "ptx": self.ptx},
-                "kernels": list(self.kernels), "entries": [e.as_dict() for e in self.entries]}
+        return {
+            "size": self.size,
+            "containers": self.containers,
+            "archs": {"sass": self.sass, "ptx": self.ptx},
+            "kernels": list(self.kernels),
+            "entries": [e.as_dict() for e in self.entries],
+        }
 
 
 def _arch_sort_key(arch: str) -> tuple[int, str]:
@@ -109,18 +123,22 @@ def parse_fatbin(data: bytes, name: str = "<bytes>") -> Fatbin:
             nonzero = _NONZERO.search(data, pos)
             pos = nonzero.start() if nonzero else len(data)
             continue
-        if data[pos:pos + 4] != _MAGIC_BYTES:
+        if data[pos : pos + 4] != _MAGIC_BYTES:
             if not entries:
-                raise UsageError(f"{name}: not a CUDA fatbin (no 0xBA55ED50 magic at offset {pos})",
-                                 hint="pass a .fatbin produced by nvcc -fatbin or `ingot build`")
+                raise UsageError(
+                    f"{name}: not a CUDA fatbin (no 0xBA55ED50 magic at offset {pos})",
+                    hint="pass a .fatbin produced by nvcc -fatbin or `ingot build`",
+                )
             raise UsageError(f"{name}: unexpected bytes after fatbin container at offset {pos}")
         if pos + _CONTAINER.size > len(data):
             raise UsageError(f"{name}: truncated fatbin (partial container header at offset {pos})")
         _magic, _version, header_size, payload_size = _CONTAINER.unpack_from(data, pos)
         end = pos + header_size + payload_size
         if header_size < _CONTAINER.size or end > len(data):
-            raise UsageError(f"{name}: truncated fatbin (container at {pos} needs {end} bytes, file has {len(data)})",
-                             hint="the file was cut short; rebuild or re-download it")
+            raise UsageError(
+                f"{name}: truncated fatbin (container at {pos} needs {end} bytes, file has {len(data)})",
+                hint="the file was cut short; rebuild or re-download it",
+            )
         entries.extend(_parse_entries(data, pos + header_size, end, name, containers))
         containers += 1
         pos = end
@@ -137,16 +155,16 @@ def _parse_entries(data: bytes, pos: int, end: int, name: str, container: int) -
     while pos < end:
         if pos + _ENTRY_MIN > end:
             raise UsageError(f"{name}: corrupt fatbin (partial entry header at offset {pos})")
-        kind, = struct.unpack_from("<H", data, pos)
-        header_size, = struct.unpack_from("<I", data, pos + 4)
-        padded, = struct.unpack_from("<Q", data, pos + 8)
-        compressed, = struct.unpack_from("<I", data, pos + 16)
+        (kind,) = struct.unpack_from("<H", data, pos)
+        (header_size,) = struct.unpack_from("<I", data, pos + 4)
+        (padded,) = struct.unpack_from("<Q", data, pos + 8)
+        (compressed,) = struct.unpack_from("<I", data, pos + 16)
         minor, major, arch = struct.unpack_from("<HHI", data, pos + 24)
-        flags, = struct.unpack_from("<Q", data, pos + 40)
-        uncompressed, = struct.unpack_from("<Q", data, pos + 56)
+        (flags,) = struct.unpack_from("<Q", data, pos + 40)
+        (uncompressed,) = struct.unpack_from("<Q", data, pos + 56)
         if kind not in (KIND_PTX, KIND_ELF) or header_size < _ENTRY_MIN or pos + header_size + padded > end:
             raise UsageError(f"{name}: corrupt fatbin entry header at offset {pos}")
-        payload = data[pos + header_size: pos + header_size + padded]
+        payload = data[pos + header_size : pos + header_size + padded]
         compression = "zstd" if flags & FLAG_ZSTD else "lz4" if flags & FLAG_LZ4 else "none"
         stored = compressed if compression != "none" else padded
         if stored > padded:
@@ -154,13 +172,39 @@ def _parse_entries(data: bytes, pos: int, end: int, name: str, container: int) -
         raw = _decompress(payload[:stored], compression, uncompressed, name, pos)
         variant = "a" if flags & FLAG_ARCH_SPECIFIC else "f" if flags & FLAG_FAMILY else ""
         if kind == KIND_PTX:
-            out.append(Entry("ptx", f"compute_{arch}{variant}", arch, variant, f"{major}.{minor}", compression,
-                             stored, len(raw), tuple(_ptx_kernels(raw)), pos, container=container))
+            out.append(
+                Entry(
+                    "ptx",
+                    f"compute_{arch}{variant}",
+                    arch,
+                    variant,
+                    f"{major}.{minor}",
+                    compression,
+                    stored,
+                    len(raw),
+                    tuple(_ptx_kernels(raw)),
+                    pos,
+                    container=container,
+                )
+            )
         else:
             tk = re.search(rb"Cuda compilation tools, release (\d+\.\d+)", raw)
-            out.append(Entry("sass", f"sm_{arch}{variant}", arch, variant, None, compression,
-                             stored, len(raw), tuple(_elf_kernels(raw, name, pos)), pos,
-                             toolkit=tk.group(1).decode() if tk else None, container=container))
+            out.append(
+                Entry(
+                    "sass",
+                    f"sm_{arch}{variant}",
+                    arch,
+                    variant,
+                    None,
+                    compression,
+                    stored,
+                    len(raw),
+                    tuple(_elf_kernels(raw, name, pos)),
+                    pos,
+                    toolkit=tk.group(1).decode() if tk else None,
+                    container=container,
+                )
+            )
         pos += header_size + padded
     return out
 
@@ -169,17 +213,20 @@ def _decompress(payload: bytes, compression: str, size: int, name: str, pos: int
     try:
         if compression == "zstd":
             import zstandard
+
             raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=size)
         elif compression == "lz4":
             import lz4.block
+
             raw = lz4.block.decompress(payload, uncompressed_size=size)
         else:
             return payload
     except Exception as e:  # the codecs raise their own error types
         raise UsageError(f"{name}: cannot decompress {compression} entry at offset {pos}: {e}") from None
     if len(raw) != size:
-        raise UsageError(f"{name}: {compression} entry at offset {pos} decompressed to {len(raw)} bytes, "
-                         f"header says {size}")
+        raise UsageError(
+            f"{name}: {compression} entry at offset {pos} decompressed to {len(raw)} bytes, header says {size}"
+        )
     return raw
 
 
@@ -193,7 +240,7 @@ def _elf_kernels(elf: bytes, name: str, pos: int) -> list[str]:
     if elf[:4] != b"\x7fELF" or len(elf) < 0x40 or elf[4] != 2:
         raise UsageError(f"{name}: SASS entry at offset {pos} is not a 64-bit ELF cubin")
     try:
-        shoff, = struct.unpack_from("<Q", elf, 0x28)
+        (shoff,) = struct.unpack_from("<Q", elf, 0x28)
         shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
         sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
         kernels = []
@@ -205,7 +252,7 @@ def _elf_kernels(elf: bytes, name: str, pos: int) -> list[str]:
                 st_name, st_info, st_other = struct.unpack_from("<IBB", elf, off + i * entsize)
                 if st_info & 0xF == 2 and st_other & 0x10:  # STT_FUNC, STO_CUDA_ENTRY
                     end = elf.index(b"\0", str_off + st_name)
-                    kernels.append(elf[str_off + st_name:end].decode())
+                    kernels.append(elf[str_off + st_name : end].decode())
         return kernels
     except (struct.error, IndexError, ValueError, UnicodeDecodeError):
         raise UsageError(f"{name}: corrupt cubin in the SASS entry at offset {pos}") from None

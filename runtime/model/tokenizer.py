@@ -14,26 +14,30 @@ Two kinds of vocabulary:
 Control tokens (token_type 3) are special: recognized in text only with parse_special, never printed.
 User-defined tokens (type 4) are always recognized.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ingot.toolchain.errors import ModelError
-
-from .model import Model, Vocab
+from ingot.runtime.errors import ModelError
+from ingot.runtime.model.gguf import Model, Vocab
 
 CONTROL, USER_DEFINED = 3, 4
 
 # llama.cpp's pre-tokenizer regexes, by `tokenizer.ggml.pre` name.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS = {
     "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
     "gpt2": [_GPT2],
@@ -48,11 +52,20 @@ PRE_TOKENIZERS = {
     "qwen2": [_QWEN2],
     "stablelm2": [_QWEN2],
 }
-IGNORE_MERGES = ("llama-bpe", "llama3")   # Llama 3 takes a whole piece that is in the vocabulary as one token
+IGNORE_MERGES = ("llama-bpe", "llama3")  # Llama 3 takes a whole piece that is in the vocabulary as one token
 
 # Tokens that end a turn or a text even when the GGUF does not name them as EOS/EOT (llama.cpp's list).
-END_OF_GENERATION_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-                           "<EOT>", "_<EOT>", "<|end_of_text|>")
+END_OF_GENERATION_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+)
 
 
 class Tokenizer:
@@ -66,15 +79,21 @@ class Tokenizer:
             self._hf = _sentencepiece_bpe(vocab)
         else:
             raise ModelError(f"unsupported tokenizer model {vocab.model!r}", hint="supported: gpt2, llama")
-        control = [AddedToken(t, special=True, normalized=False)
-                   for t, kind in zip(vocab.tokens, vocab.types) if kind == CONTROL]
-        user = [AddedToken(t, special=False, normalized=False)
-                for t, kind in zip(vocab.tokens, vocab.types) if kind == USER_DEFINED]
+        control = [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(vocab.tokens, vocab.types, strict=False)
+            if kind == CONTROL
+        ]
+        user = [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(vocab.tokens, vocab.types, strict=False)
+            if kind == USER_DEFINED
+        ]
         self._hf.add_special_tokens(control)
         self._hf.add_tokens(user)
         named = {vocab.eos_id, vocab.eot_id, vocab.eom_id} - {None}
         self.eog_ids = frozenset(named | {i for i, t in enumerate(vocab.tokens) if t in END_OF_GENERATION_TEXTS})
-        self._lock = threading.Lock()   # encode flips a flag on the shared HF tokenizer (the server has threads)
+        self._lock = threading.Lock()  # encode flips a flag on the shared HF tokenizer (the server has threads)
 
     @classmethod
     def from_model(cls, model: Model) -> Tokenizer:
@@ -104,22 +123,25 @@ class Tokenizer:
 def _vocab_ids(vocab: Vocab) -> dict[str, int]:
     ids: dict[str, int] = {}
     for i, t in enumerate(vocab.tokens):
-        ids.setdefault(t, i)        # a few vocabularies repeat a string; the first id wins, as in llama.cpp
+        ids.setdefault(t, i)  # a few vocabularies repeat a string; the first id wins, as in llama.cpp
     return ids
 
 
 def _byte_level_bpe(vocab: Vocab) -> HFTokenizer:
     regexes = PRE_TOKENIZERS.get(vocab.pre)
     if regexes is None:
-        raise ModelError(f"unsupported pre-tokenizer {vocab.pre!r} (tokenizer.ggml.pre)",
-                         hint=f"supported: {', '.join(PRE_TOKENIZERS)}")
+        raise ModelError(
+            f"unsupported pre-tokenizer {vocab.pre!r} (tokenizer.ggml.pre)",
+            hint=f"supported: {', '.join(PRE_TOKENIZERS)}",
+        )
     if not vocab.merges:
         raise ModelError("byte-level BPE vocabulary without merges (tokenizer.ggml.merges)")
     merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
     tok = HFTokenizer(models.BPE(_vocab_ids(vocab), merges, ignore_merges=vocab.pre in IGNORE_MERGES))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -129,8 +151,9 @@ def _sentencepiece_bpe(vocab: Vocab) -> HFTokenizer:
         raise ModelError("SentencePiece vocabulary without scores (tokenizer.ggml.scores)")
     ids = _vocab_ids(vocab)
     unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
-    tok = HFTokenizer(models.BPE(ids, _merges_from_scores(ids, vocab.scores), unk_token=unk, fuse_unk=True,
-                                 byte_fallback=True))
+    tok = HFTokenizer(
+        models.BPE(ids, _merges_from_scores(ids, vocab.scores), unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
     spaces = [normalizers.Replace(" ", "\u2581")]
     tok.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if vocab.add_space_prefix else []) + spaces)
     strip = [decoders.Strip(" ", 1, 0)] if vocab.add_space_prefix else []

@@ -4,29 +4,31 @@ This is the one place that knows grid/block/shared-memory sizes and argument ord
 cuda/*.cu. Each method returns a driver.Launch (arguments packed once), so the engine can replay it directly
 or capture it into a CUDA graph. Shapes are given per method; all activations are row-major, one row per token.
 """
+
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ingot.toolchain.errors import IncompatibleError
-
-from .driver import DeviceBuffer, Kernel, Launch, Memset, Module
+from ingot.runtime import settings
+from ingot.runtime.errors import IncompatibleError
+from ingot.runtime.gpu.constants import (
+    MATMUL_TILE,
+    MATVEC_COLS,
+    MATVEC_ROWS_PER_BLOCK,
+    MAX_SPLITS,
+    MODE_STORE,
+    MODE_SWIGLU,
+    PAGE,
+    PREFILL_QUERIES,
+    QK,
+    SAMPLE_THREADS,
+)
+from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch, Memset, Module
 
 MODULES = ("activation", "attention", "embed", "matmul", "matvec", "norm", "repack", "rope", "sample")
-PAGE = 32                      # tokens per KV-cache page: PAGE in cuda/common.cuh
-QK = 32                        # values per quantization block
-MODE_STORE, MODE_ADD, MODE_SWIGLU = 0, 1, 2
-MATVEC_ROWS_PER_BLOCK = 8      # 4 warps x 2 rows (matvec.cu)
-MATVEC_COLS = 4                # batch columns per block (matvec.cu MV_COLS)
-MAX_SPLITS = 32                # split-KV partials per (sequence, head): one per lane in the merge (attention.cu)
-MATMUL_TILE = 64               # matmul.cu BM = BN
-PREFILL_QUERIES = 16           # attention.cu: queries per prefill block
-SAMPLE_THREADS = 1024
-SAMPLE_STATIC_SMEM = 4480      # sample.cu static shared memory (ptxas -v), kept beside the staged logits
 GPU_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "F16")
 HEAD_DIMS = (64, 128)
 
@@ -36,17 +38,22 @@ i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
 @dataclass
 class GpuMatrix:
     """A weight matrix [rows, cols] on the GPU in the soa-v1 layout (cuda/common.cuh)."""
-    qtype: str                         # one of GPU_QTYPES
+
+    qtype: str  # one of GPU_QTYPES
     rows: int
     cols: int
-    qs: DeviceBuffer | None = None     # quants (Q4: rows*cols/2 bytes, Q8_0: rows*cols)
-    d: DeviceBuffer | None = None      # f16 scales [rows, cols/32]
-    m: DeviceBuffer | None = None      # f16 mins [rows, cols/32] (Q4_1)
-    w: DeviceBuffer | None = None      # f16 weights [rows, cols] (F16)
+    qs: DeviceBuffer | None = None  # quants (Q4: rows*cols/2 bytes, Q8_0: rows*cols)
+    d: DeviceBuffer | None = None  # f16 scales [rows, cols/32]
+    m: DeviceBuffer | None = None  # f16 mins [rows, cols/32] (Q4_1)
+    w: DeviceBuffer | None = None  # f16 weights [rows, cols] (F16)
 
     def args(self) -> list:
-        return {"Q4_0": [self.qs, self.d], "Q4_1": [self.qs, self.d, self.m], "Q8_0": [self.qs, self.d],
-                "F16": [self.w]}[self.qtype]
+        return {
+            "Q4_0": [self.qs, self.d],
+            "Q4_1": [self.qs, self.d, self.m],
+            "Q8_0": [self.qs, self.d],
+            "F16": [self.w],
+        }[self.qtype]
 
     @property
     def quantized(self) -> bool:
@@ -56,14 +63,16 @@ class GpuMatrix:
 def kernel_images(kernel_dir: Path | None = None) -> dict[str, bytes]:
     """Fatbins for running a bare GGUF without a bundle: kernel_dir, else $INGOT_KERNELS (a folder of
     fatbins, e.g. `ingot build --out DIR`), else the ones `pip install` built (ingot/runtime/fatbins)."""
-    from ingot.toolchain.archs import installed_kernel_dir
+    from ingot.runtime.gpu.archs import installed_kernel_dir
 
-    kdir = Path(kernel_dir or os.environ.get("INGOT_KERNELS") or installed_kernel_dir())
+    kdir = Path(kernel_dir or settings.KERNELS.get() or installed_kernel_dir())
     images = {p.stem: p.read_bytes() for p in sorted(kdir.glob("*.fatbin"))}
     missing = [m for m in MODULES if m not in images]
     if missing:
-        raise IncompatibleError(f"GPU kernels missing from {kdir}: {', '.join(missing)}",
-                                hint="reinstall with nvcc present, or run a bundle built by `ingot pack`")
+        raise IncompatibleError(
+            f"GPU kernels missing from {kdir}: {', '.join(missing)}",
+            hint="reinstall with nvcc present, or run a bundle built by `ingot pack`",
+        )
     return images
 
 
@@ -71,7 +80,7 @@ class Kernels:
     """All kernel modules loaded into the current context, and the launch geometry of each op."""
 
     def __init__(self, device, images: dict[str, bytes]):
-        from ingot.toolchain.fatbin import parse_fatbin
+        from ingot.runtime.gpu.fatbin import parse_fatbin
 
         self.device = device
         self.modules = []
@@ -83,7 +92,8 @@ class Kernels:
             self.modules.append(mod)
             self.k.update(mod.kernels)
         self.k["attn_prefill_f16"].allow_dynamic_smem(self._prefill_smem(128))
-        self.sample_smem_limit = device.info.max_smem_optin - SAMPLE_STATIC_SMEM
+        # the staged logits share the block's shared memory with the kernel's own static arrays
+        self.sample_smem_limit = device.info.max_smem_optin - self.k["sample_f32"].static_smem
 
     def close(self) -> None:
         for m in self.modules:
@@ -97,8 +107,7 @@ class Kernels:
             n = W.rows * W.cols
             return Launch(self.k[f"convert_{qtype.lower()}_f16"], ((n + 255) // 256,), 256, [src, W.w, i64(n)])
         nblocks = W.rows * W.cols // QK
-        return Launch(self.k[f"repack_{qtype.lower()}"], ((nblocks + 255) // 256,), 256,
-                      [src, *W.args(), i64(nblocks)])
+        return Launch(self.k[f"repack_{qtype.lower()}"], ((nblocks + 255) // 256,), 256, [src, *W.args(), i64(nblocks)])
 
     # --- per-token ops ---------------------------------------------------------------------------
 
@@ -106,31 +115,47 @@ class Kernels:
         """x[n, dim] fp32 = E[tokens[i]]."""
         return Launch(self.k[f"embed_{E.qtype.lower()}"], (n,), 128, [tokens, *E.args(), x, i32(E.cols)])
 
-    def rmsnorm(self, x: int, w: DeviceBuffer, n: int, dim: int, eps: float, *, y=None, yq=None, yd=None,
-                yh=None) -> Launch:
+    def rmsnorm(
+        self, x: int, w: DeviceBuffer, n: int, dim: int, eps: float, *, y=None, yq=None, yd=None, yh=None
+    ) -> Launch:
         """x[n, dim] -> normalized rows in any of: y fp32, (yq, yd) q8x2, yh fp16."""
         # One warp per 32-value block when the row allows (decode is latency-bound: one row, one block).
         threads = min(1024, dim)
         return Launch(self.k["rmsnorm_f32"], (n,), threads, [x, w, y, yq, yd, yh, i32(dim), f32(eps)])
 
-    def matvec(self, W: GpuMatrix, x, y: int, ncols: int, *, ldy: int, mode: int = MODE_STORE,
-               bias: DeviceBuffer | None = None) -> Launch:
+    def matvec(
+        self, W: GpuMatrix, x, y: int, ncols: int, *, ldy: int, mode: int = MODE_STORE, bias: DeviceBuffer | None = None
+    ) -> Launch:
         """y[c, :] (op)= W · x[c, :] for c < ncols. x is (xq, xd) q8x2 for quantized W, fp32 for F16 W.
         MODE_SWIGLU: W stacks [gate; up] and y gets silu(gate·x) * (up·x), rows/2 outputs per column."""
         rows = W.rows // 2 if mode == MODE_SWIGLU else W.rows
         per_block = MATVEC_ROWS_PER_BLOCK // 2 if mode == MODE_SWIGLU else MATVEC_ROWS_PER_BLOCK
         grid = ((rows + per_block - 1) // per_block, (ncols + MATVEC_COLS - 1) // MATVEC_COLS)
         xs = list(x) if W.quantized else [x]
-        return Launch(self.k[f"matvec_{W.qtype.lower()}"], grid, 128,
-                      [*W.args(), *xs, bias, y, i32(rows), i32(W.cols), i32(ncols), i32(ldy), i32(mode)])
+        return Launch(
+            self.k[f"matvec_{W.qtype.lower()}"],
+            grid,
+            128,
+            [*W.args(), *xs, bias, y, i32(rows), i32(W.cols), i32(ncols), i32(ldy), i32(mode)],
+        )
 
     def quantize(self, x: int, xq: int, xd: int, n_values: int) -> Launch:
         """x fp32 [n_values] -> q8x2: xq int8 [2 * n_values], xd float4 [n_values / 32] (cuda/common.cuh)."""
         nblocks = n_values // QK
         return Launch(self.k["quantize_q8x2"], ((nblocks + 3) // 4,), 128, [x, xq, xd, i64(nblocks)])
 
-    def matmul(self, W: GpuMatrix, A: int, C: int, M: int, *, ldc: int, mode: int = MODE_STORE,
-               bias: DeviceBuffer | None = None, split_k: bool = False) -> list:
+    def matmul(
+        self,
+        W: GpuMatrix,
+        A: int,
+        C: int,
+        M: int,
+        *,
+        ldc: int,
+        mode: int = MODE_STORE,
+        bias: DeviceBuffer | None = None,
+        split_k: bool = False,
+    ) -> list:
         """C[M, N] (op)= A[M, K] fp16 · W[N, K]^T, C fp32 with row stride ldc. Returns the steps to run.
         split_k: when the tiles alone would not fill the GPU twice over, slice K too (decode batches; the sums
         then go through atomics, so leave it off where bit-reproducibility matters)."""
@@ -142,42 +167,134 @@ class Kernels:
         if splits > 1 and mode == MODE_STORE:
             if ldc != W.rows:
                 raise ValueError("split-K MODE_STORE needs a dense output (ldc == N)")
-            steps.append(Memset(C, 0, M * W.rows))          # the slices add into zeros
-        steps.append(Launch(self.k[f"matmul_{W.qtype.lower()}"], grid, 128,
-                            [*W.args(), A, bias, C, i32(M), i32(W.rows), i32(W.cols), i32(ldc), i32(mode)]))
+            steps.append(Memset(C, 0, M * W.rows))  # the slices add into zeros
+        steps.append(
+            Launch(
+                self.k[f"matmul_{W.qtype.lower()}"],
+                grid,
+                128,
+                [*W.args(), A, bias, C, i32(M), i32(W.rows), i32(W.cols), i32(ldc), i32(mode)],
+            )
+        )
         return steps
 
-    def rope_kv(self, qkv: int, rope: DeviceBuffer, tok_seq: int, tok_pos: int, block_table: int, max_pages: int,
-                k_cache: int, v_cache: int, n: int, cfg) -> Launch:
+    def rope_kv(
+        self,
+        qkv: int,
+        rope: DeviceBuffer,
+        tok_seq: int,
+        tok_pos: int,
+        block_table: int,
+        max_pages: int,
+        k_cache: int,
+        v_cache: int,
+        n: int,
+        cfg,
+    ) -> Launch:
         """Rotate q,k of qkv[n, (H+2Hkv)*hd] in place; write k,v of token i to the cache at tok_pos[i]."""
-        return Launch(self.k["rope_kv_f32"], (n,), 128,
-                      [qkv, rope, tok_seq, tok_pos, block_table, i32(max_pages), k_cache, v_cache,
-                       i32(cfg.n_heads), i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(cfg.rope_dim),
-                       i32(1 if cfg.rope_neox else 0)])
+        return Launch(
+            self.k["rope_kv_f32"],
+            (n,),
+            128,
+            [
+                qkv,
+                rope,
+                tok_seq,
+                tok_pos,
+                block_table,
+                i32(max_pages),
+                k_cache,
+                v_cache,
+                i32(cfg.n_heads),
+                i32(cfg.n_kv_heads),
+                i32(cfg.head_dim),
+                i32(cfg.rope_dim),
+                i32(1 if cfg.rope_neox else 0),
+            ],
+        )
 
-    def attn_decode(self, qkv: int, rope: DeviceBuffer, k_cache: int, v_cache: int, block_table: int,
-                    max_pages: int, pos: int, part_acc: int, part_ml: int, counters: int, out: int, B: int,
-                    splits: int, cfg, *, outq=None, outd=None, outh=None) -> Launch:
+    def attn_decode(
+        self,
+        qkv: int,
+        rope: DeviceBuffer,
+        k_cache: int,
+        v_cache: int,
+        block_table: int,
+        max_pages: int,
+        pos: int,
+        part_acc: int,
+        part_ml: int,
+        counters: int,
+        out: int,
+        B: int,
+        splits: int,
+        cfg,
+        *,
+        outq=None,
+        outd=None,
+        outh=None,
+    ) -> Launch:
         """One new token per sequence (at pos[b]): rope, KV write, split-KV attention and the merge, in one launch.
         out [B, H*hd] fp32, also as q8x2 (outq, outd) and/or fp16 (outh) when given; partials [B, H, splits, hd];
         counters [B*Hkv] zeroed. splits <= MAX_SPLITS."""
         assert 1 <= splits <= MAX_SPLITS
-        return Launch(self.k["attn_decode_f16"], (splits, cfg.n_kv_heads, B), 128,
-                      [qkv, rope, i32(cfg.rope_dim), i32(1 if cfg.rope_neox else 0), k_cache, v_cache, block_table,
-                       i32(max_pages), pos, part_acc, part_ml, counters, out, outq, outd, outh, i32(cfg.n_heads),
-                       i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(splits), f32(cfg.head_dim ** -0.5)])
+        return Launch(
+            self.k["attn_decode_f16"],
+            (splits, cfg.n_kv_heads, B),
+            128,
+            [
+                qkv,
+                rope,
+                i32(cfg.rope_dim),
+                i32(1 if cfg.rope_neox else 0),
+                k_cache,
+                v_cache,
+                block_table,
+                i32(max_pages),
+                pos,
+                part_acc,
+                part_ml,
+                counters,
+                out,
+                outq,
+                outd,
+                outh,
+                i32(cfg.n_heads),
+                i32(cfg.n_kv_heads),
+                i32(cfg.head_dim),
+                i32(splits),
+                f32(cfg.head_dim**-0.5),
+            ],
+        )
 
     @staticmethod
     def _prefill_smem(hd: int) -> int:
         return (PREFILL_QUERIES * hd + PAGE * (hd + 1) + PAGE * hd) * 4
 
-    def attn_prefill(self, qkv: int, ldqkv: int, k_cache: int, v_cache: int, block_row: int, tok_pos: int, T: int,
-                     out: int, cfg) -> Launch:
+    def attn_prefill(
+        self, qkv: int, ldqkv: int, k_cache: int, v_cache: int, block_row: int, tok_pos: int, T: int, out: int, cfg
+    ) -> Launch:
         """out[T, H*hd] fp16 for tokens at positions tok_pos[0]..tok_pos[0]+T-1 of one sequence (causal)."""
-        return Launch(self.k["attn_prefill_f16"], ((T + PREFILL_QUERIES - 1) // PREFILL_QUERIES, cfg.n_heads), 128,
-                      [qkv, i32(ldqkv), k_cache, v_cache, block_row, tok_pos, i32(T), out, i32(cfg.n_heads),
-                       i32(cfg.n_kv_heads), i32(cfg.head_dim), f32(cfg.head_dim ** -0.5)],
-                      smem=self._prefill_smem(cfg.head_dim))
+        return Launch(
+            self.k["attn_prefill_f16"],
+            ((T + PREFILL_QUERIES - 1) // PREFILL_QUERIES, cfg.n_heads),
+            128,
+            [
+                qkv,
+                i32(ldqkv),
+                k_cache,
+                v_cache,
+                block_row,
+                tok_pos,
+                i32(T),
+                out,
+                i32(cfg.n_heads),
+                i32(cfg.n_kv_heads),
+                i32(cfg.head_dim),
+                f32(cfg.head_dim**-0.5),
+            ],
+            smem=self._prefill_smem(cfg.head_dim),
+        )
 
     def swiglu(self, gu: int, h: int, F: int, n: int) -> Launch:
         """h[n, F] fp16 = silu(gu[:, :F]) * gu[:, F:]."""
@@ -190,7 +307,26 @@ class Kernels:
         smem = V * 4 if use_smem else 0
         if use_smem and smem > 48 * 1024:
             self.k["sample_f32"].allow_dynamic_smem(smem)
-        return Launch(self.k["sample_f32"], (B,), SAMPLE_THREADS,
-                      [logits, i32(V), i32(ld), p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["penalty"],
-                       p["hist"], p["hist_len"], i32(p["hist_cap"]), p["seed"], p["counter"], out_tokens,
-                       i32(1 if use_smem else 0)], smem=smem)
+        return Launch(
+            self.k["sample_f32"],
+            (B,),
+            SAMPLE_THREADS,
+            [
+                logits,
+                i32(V),
+                i32(ld),
+                p["temperature"],
+                p["top_k"],
+                p["top_p"],
+                p["min_p"],
+                p["penalty"],
+                p["hist"],
+                p["hist_len"],
+                i32(p["hist_cap"]),
+                p["seed"],
+                p["counter"],
+                out_tokens,
+                i32(1 if use_smem else 0),
+            ],
+            smem=smem,
+        )

@@ -1,36 +1,38 @@
-"""Llama-family models from GGUF, and the reference forward pass every Ingot engine computes.
+"""Llama-family models from GGUF: the one place that reads GGUF metadata keys.
 
-This is the one place that reads GGUF metadata keys. Sections:
+Sections:
   - Config: hyperparameters, read once into a frozen dataclass
   - Vocab: the embedded tokenizer data (tokens, merges, scores, special ids, chat template)
   - QTensor / Model / load_model: the opened GGUF, tensors mapped in place (zero-copy)
-  - the forward pass, in numpy, written like the math (llama2.c / gpt-fast style)
 
 Supported: architectures llama (SmolLM2, TinyLlama, Llama 2/3), mistral, qwen2 (QKV bias, NEOX rope); tensor
 types F32, F16, BF16, Q8_0, Q4_0, Q4_1. Anything else is refused with a ModelError naming what and where.
 """
+
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ingot.toolchain.errors import ModelError, UsageError
+from ingot.runtime.errors import ModelError, UsageError
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
-from .quants import QUANT_TYPES, dequantize
+from ingot.runtime.model.quants import QUANT_TYPES, dequantize
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
-NEOX_ROPE_ARCHITECTURES = ("qwen2",)   # rotate (x[i], x[i + rope_dim/2]); the others rotate (x[2i], x[2i+1])
+NEOX_ROPE_ARCHITECTURES = ("qwen2",)  # rotate (x[i], x[i + rope_dim/2]); the others rotate (x[2i], x[2i+1])
 
 
 # --- Config ---------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Config:
@@ -45,11 +47,11 @@ class Config:
     ffn_dim: int
     norm_eps: float
     rope_theta: float
-    rope_dim: int                  # the first rope_dim dims of each head are rotated
+    rope_dim: int  # the first rope_dim dims of each head are rotated
     rope_neox: bool
     rope_freq_factors: tuple[float, ...] | None  # [rope_dim/2] divisors of the rope frequencies (Llama 3.1)
     qkv_bias: bool
-    tied_embeddings: bool          # no output.weight: the output head is token_embd
+    tied_embeddings: bool  # no output.weight: the output head is token_embd
 
     @property
     def n_rep(self) -> int:
@@ -62,14 +64,15 @@ class Config:
 
 # --- Vocab ----------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Vocab:
-    model: str                      # "gpt2" (byte-level BPE) or "llama" (SentencePiece-style, scored)
-    pre: str                        # pre-tokenizer name, e.g. "smollm", "llama-bpe", "qwen2", "default"
+    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece-style, scored)
+    pre: str  # pre-tokenizer name, e.g. "smollm", "llama-bpe", "qwen2", "default"
     tokens: list[str]
-    types: list[int]                # gguf.TokenType per token: 1 normal, 3 control, 4 user-defined, 6 byte...
+    types: list[int]  # gguf.TokenType per token: 1 normal, 3 control, 4 user-defined, 6 byte...
     scores: list[float] | None
-    merges: list[str] | None        # "left right" per merge, highest priority first
+    merges: list[str] | None  # "left right" per merge, highest priority first
     bos_id: int | None
     eos_id: int | None
     eot_id: int | None
@@ -83,10 +86,12 @@ class Vocab:
 
 # --- tensors and the opened model -----------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class QTensor:
     """One tensor, mapped in place. shape is in math order: (rows, cols) for a matrix (GGUF lists ne0=cols first)
     and (n,) for a vector; a matrix multiplies as y = W @ x with x of length cols."""
+
     name: str
     qtype: str
     shape: tuple[int, ...]
@@ -108,13 +113,12 @@ class QTensor:
 @dataclass(frozen=True)
 class Model:
     path: Path
-    offset: int                     # where the GGUF starts inside `path` (non-zero inside a bundle)
+    offset: int  # where the GGUF starts inside `path` (non-zero inside a bundle)
     size: int
     name: str
     config: Config
     vocab: Vocab
     tensors: dict[str, QTensor] = field(repr=False)
-    kernels: dict[str, bytes] | None = field(default=None, repr=False)  # a bundle's verified fatbins, by module
 
     @property
     def n_tensors(self) -> int:
@@ -162,7 +166,7 @@ def _window_reader_class():
             offset, size = self._window
             # A plain ndarray view of the map: the reader slices it ~10 times per vocabulary entry, and np.memmap's
             # per-slice bookkeeping would double the load time of a 128k-token vocabulary.
-            self._data = whole[offset:None if size is None else offset + size].view(np.ndarray)
+            self._data = whole[offset : None if size is None else offset + size].view(np.ndarray)
 
         def _get(self, offset, dtype, count=1, override_order=None):
             end = offset + np.dtype(dtype).itemsize * int(count)
@@ -209,19 +213,23 @@ def _parse_model(path: Path, offset: int, size: int | None) -> tuple[Model, dict
     meta = _Metadata(reader, path)
     arch = meta.get_str("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ModelError(f"{path}: unsupported architecture {arch!r}",
-                         hint=f"Ingot runs Llama-family models: {', '.join(ARCHITECTURES)}")
+        raise ModelError(
+            f"{path}: unsupported architecture {arch!r}",
+            hint=f"Ingot runs Llama-family models: {', '.join(ARCHITECTURES)}",
+        )
     if meta.get_int(f"{arch}.expert_count", 0) > 0:
         raise ModelError(f"{path}: mixture-of-experts models are not supported")
 
     tensors, starts = {}, {}
     for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # GGUF lists ne0 (cols) first
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists ne0 (cols) first
         qtype = t.tensor_type.name
         if qtype not in QUANT_TYPES:
-            raise ModelError(f"{path}: tensor {t.name} has unsupported type {qtype}",
-                             hint=f"supported types: {', '.join(QUANT_TYPES)}; requantize with llama-quantize")
-        raw = reader.data[t.data_offset:t.data_offset + t.n_bytes]
+            raise ModelError(
+                f"{path}: tensor {t.name} has unsupported type {qtype}",
+                hint=f"supported types: {', '.join(QUANT_TYPES)}; requantize with llama-quantize",
+            )
+        raw = reader.data[t.data_offset : t.data_offset + t.n_bytes]
         if len(shape) == 2:
             raw = raw.reshape(shape[0], QUANT_TYPES[qtype].row_bytes(shape[1]))
         tensors[t.name] = QTensor(t.name, qtype, shape, raw)
@@ -229,8 +237,15 @@ def _parse_model(path: Path, offset: int, size: int | None) -> tuple[Model, dict
 
     config = _read_config(meta, arch, tensors, path)
     _check_tensors(config, tensors, path)
-    model = Model(path=path, offset=offset, size=len(reader.data), name=meta.get_str("general.name", path.stem),
-                  config=config, vocab=_read_vocab(meta, path), tensors=tensors)
+    model = Model(
+        path=path,
+        offset=offset,
+        size=len(reader.data),
+        name=meta.get_str("general.name", path.stem),
+        config=config,
+        vocab=_read_vocab(meta, path),
+        tensors=tensors,
+    )
     return model, starts
 
 
@@ -248,25 +263,39 @@ def _index_file(path: Path, offset: int, size: int | None) -> Path:
     import hashlib
     import json
 
-    from ingot.toolchain.files import cache_root
+    from ingot.runtime.files import cache_root
 
     st = path.stat()
-    key = json.dumps([_INDEX_SCHEMA, str(path.resolve()), offset, size, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
-                      st.st_ino, st.st_dev])
+    key = json.dumps(
+        [
+            _INDEX_SCHEMA,
+            str(path.resolve()),
+            offset,
+            size,
+            st.st_size,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+            st.st_ino,
+            st.st_dev,
+        ]
+    )
     return cache_root() / "index" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
 
 def _save_index(model: Model, starts: dict[str, int], index: Path) -> None:
     import json
 
-    from ingot.toolchain.files import write_atomic
+    from ingot.runtime.files import write_atomic
 
     data = {
-        "schema": _INDEX_SCHEMA, "name": model.name, "size": model.size,
-        "config": asdict(model.config), "vocab": asdict(model.vocab),
+        "schema": _INDEX_SCHEMA,
+        "name": model.name,
+        "size": model.size,
+        "config": asdict(model.config),
+        "vocab": asdict(model.vocab),
         "tensors": [[t.name, t.qtype, list(t.shape), starts[t.name], t.raw.nbytes] for t in model.tensors.values()],
     }
-    try:                                       # a cache: failing to write it must not fail the load
+    try:  # a cache: failing to write it must not fail the load
         write_atomic(index, json.dumps(data).encode())
     except OSError:
         pass
@@ -279,18 +308,25 @@ def _load_indexed(path: Path, offset: int, index: Path) -> Model | None:
         data = json.loads(index.read_text())
         if data.get("schema") != _INDEX_SCHEMA:
             return None
-        window = np.memmap(path, mode="r")[offset:offset + data["size"]].view(np.ndarray)
+        window = np.memmap(path, mode="r")[offset : offset + data["size"]].view(np.ndarray)
         tensors = {}
         for name, qtype, shape, start, nbytes in data["tensors"]:
-            raw = window[start:start + nbytes]
+            raw = window[start : start + nbytes]
             if len(shape) == 2:
                 raw = raw.reshape(shape[0], QUANT_TYPES[qtype].row_bytes(shape[1]))
             tensors[name] = QTensor(name, qtype, tuple(shape), raw)
         c = data["config"]
         if c.get("rope_freq_factors") is not None:
             c["rope_freq_factors"] = tuple(c["rope_freq_factors"])
-        return Model(path=path, offset=offset, size=data["size"], name=data["name"], config=Config(**c),
-                     vocab=Vocab(**data["vocab"]), tensors=tensors)
+        return Model(
+            path=path,
+            offset=offset,
+            size=data["size"],
+            name=data["name"],
+            config=Config(**c),
+            vocab=Vocab(**data["vocab"]),
+            tensors=tensors,
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -365,8 +401,10 @@ def _read_config(meta: _Metadata, arch: str, tensors: dict[str, QTensor], path: 
 
     scaling = meta.get_str(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "") and meta.get_float(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
-        raise ModelError(f"{path}: rope scaling {scaling!r} is not supported",
-                         hint="Llama 3.1-style scaling via rope_freqs.weight is")
+        raise ModelError(
+            f"{path}: rope scaling {scaling!r} is not supported",
+            hint="Llama 3.1-style scaling via rope_freqs.weight is",
+        )
     factors = None
     if "rope_freqs.weight" in tensors:
         factors = tuple(float(f) for f in tensors["rope_freqs.weight"].dequantize().reshape(-1))
@@ -453,143 +491,55 @@ def _read_vocab(meta: _Metadata, path: Path) -> Vocab:
     )
 
 
-# --- the forward pass -----------------------------------------------------------------------------
-#
-# Shapes: T tokens in a batch, D = dim, H = n_heads, KV = n_kv_heads, hd = head_dim, V = n_vocab.
-# Float32 throughout, with float64 for the two reductions where rounding matters (RMSNorm's mean of squares
-# and softmax's sum). Matrices are [out, in], so a layer is x @ W.T (`linear`), like torch.nn.Linear.
-
-class Weights(Protocol):
-    """Where the forward pass gets float32 weights from (the CPU engine caches them, or dequantizes on use)."""
-
-    def __getitem__(self, name: str) -> np.ndarray: ...
-
-    def embed(self, tokens: np.ndarray) -> np.ndarray: ...   # [T] -> [T, D]
+# --- the description a bundle records -------------------------------------------------------------
 
 
-@dataclass
-class KVCache:
-    """One sequence's keys and values: [n_layers, capacity, KV, hd] each, and how many positions are filled."""
-    k: np.ndarray
-    v: np.ndarray
-    n: int = 0
-
-    @classmethod
-    def empty(cls, c: Config, capacity: int) -> KVCache:
-        shape = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
-        # np.zeros maps fresh zero pages lazily: a long capacity costs memory only where it is written.
-        return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
+def _scalar(value):
+    """GGUF metadata values -> plain JSON scalars (numpy ints/floats/bools come out of the reader)."""
+    if isinstance(value, (bool, str)):
+        return value
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x * w / sqrt(mean(x^2) + eps) over the last axis."""
-    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
-    return x * (1.0 / np.sqrt(ms + eps)).astype(np.float32) * w
+def describe_file(path: Path) -> dict:
+    """What a bundle's manifest records about a GGUF: architecture, name, hyperparameters (every `<arch>.*`
+    metadata key, as stored), quant types, tensor count and tokenizer summary. Read with gguf's own reader,
+    whole-file, so it describes even a model this runtime cannot run (pack refuses those at the self-test)."""
+    import gguf  # deferred: gguf imports ~100 ms of numpy-heavy modules; `ingot run` reads the index cache
 
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on bad files
+        raise ModelError(
+            f"{path}: not a readable GGUF model ({type(e).__name__}: {e})",
+            hint="pass a .gguf file (llama.cpp's convert_hf_to_gguf.py writes them)",
+        ) from None
 
-def rope_inv_freq(c: Config) -> np.ndarray:
-    """[rope_dim/2] float64: theta_i = base^(-2i/rope_dim), divided by the freq factors when the model has them."""
-    inv = c.rope_theta ** (-np.arange(0, c.rope_dim, 2, dtype=np.float64) / c.rope_dim)
-    return inv if c.rope_freq_factors is None else inv / np.asarray(c.rope_freq_factors, dtype=np.float64)
+    def value(key: str, default=None):
+        field = reader.fields.get(key)
+        return _scalar(field.contents()) if field is not None and len(field.types) == 1 else default
 
-
-def rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool) -> np.ndarray:
-    """Rotate x [T, heads, hd] by angle pos * theta_i, pair i being (x[2i], x[2i+1]) (llama.cpp "normal" rope,
-    what GGUF's permuted llama q/k weights expect) or (x[i], x[i + rope_dim/2]) (NEOX). Dims past rope_dim pass."""
-    angle = pos[:, None].astype(np.float64) * inv_freq[None, :]           # [T, rope_dim/2]
-    cos = np.cos(angle).astype(np.float32)[:, None, :]                    # [T, 1, rope_dim/2]
-    sin = np.sin(angle).astype(np.float32)[:, None, :]
-    rd = 2 * inv_freq.shape[0]
-    out = x.copy()
-    if neox:
-        a, b = x[..., :rd // 2], x[..., rd // 2:rd]
-        out[..., :rd // 2] = a * cos - b * sin
-        out[..., rd // 2:rd] = a * sin + b * cos
-    else:
-        a, b = x[..., 0:rd:2], x[..., 1:rd:2]
-        out[..., 0:rd:2] = a * cos - b * sin
-        out[..., 1:rd:2] = a * sin + b * cos
-    return out
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
-    """Causal grouped-query attention of t new queries at positions start.. over the n = start + t cached keys.
-    q [t, H, hd], k/v [n, KV, hd] -> [t, H*hd]. Query head h reads KV head h // (H/KV)."""
-    t, n_heads, hd = q.shape
-    n, n_kv, _ = k.shape
-    rep = n_heads // n_kv
-    future = np.arange(n)[None, :] > (start + np.arange(t))[:, None]      # [t, n]: key after the query
-    scale = np.float32(1.0 / math.sqrt(hd))
-    out = np.empty((t, n_heads, hd), dtype=np.float32)
-    # One plain 2-D matmul per KV head and its `rep` query heads (numpy's broadcast batched matmul skips BLAS).
-    for g in range(n_kv):
-        heads = slice(g * rep, (g + 1) * rep)
-        qg = q[:, heads].transpose(1, 0, 2).reshape(rep * t, hd)             # [rep*t, hd]
-        scores = np.where(future, -np.inf, (qg @ k[:, g].T).reshape(rep, t, n) * scale)   # [rep, t, n]
-        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        p /= p.sum(axis=-1, keepdims=True, dtype=np.float64).astype(np.float32)   # softmax, summed in float64
-        out[:, heads] = (p.reshape(rep * t, n) @ v[:, g]).reshape(rep, t, hd).transpose(1, 0, 2)
-    return out.reshape(t, n_heads * hd)
-
-
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [T, in] @ w.T for w [out, in] -> [T, out]. Written as (w @ x.T).T: for one token that is a BLAS gemv,
-    which is ~8x faster than the M=1 gemm that x @ w.T becomes."""
-    return (w @ x.T).T
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):     # exp(-x) overflows to inf for x < -88: silu is then -0, as it should be
-        return x / (1.0 + np.exp(-x))
-
-
-def forward(c: Config, w: Weights, batch: Sequence[tuple[KVCache, Sequence[int]]]) -> np.ndarray:
-    """Run tokens through the model, appending their keys/values to each sequence's cache.
-
-    batch: (cache, tokens) per sequence; the tokens go at positions cache.n, cache.n + 1, ... Every matrix
-    multiply covers all tokens of all sequences at once; only attention is per sequence.
-    Returns the final-normed hidden states [T, D] of all tokens, in batch order (see `logits`).
-    """
-    tokens = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
-    pos = np.concatenate([np.arange(cache.n, cache.n + len(t)) for cache, t in batch])
-    spans = np.cumsum([0] + [len(t) for _, t in batch])
-    inv_freq = rope_inv_freq(c)
-    T = len(tokens)
-
-    x = w.embed(tokens)                                                    # [T, D]
-    for layer in range(c.n_layers):
-        b = f"blk.{layer}."
-        h = rms_norm(x, w[b + "attn_norm.weight"], c.norm_eps)
-        q = linear(h, w[b + "attn_q.weight"])                             # [T, H*hd]
-        k = linear(h, w[b + "attn_k.weight"])                             # [T, KV*hd]
-        v = linear(h, w[b + "attn_v.weight"])
-        if c.qkv_bias:
-            q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
-        q = rope(q.reshape(T, c.n_heads, c.head_dim), pos, inv_freq, c.rope_neox)
-        k = rope(k.reshape(T, c.n_kv_heads, c.head_dim), pos, inv_freq, c.rope_neox)
-        v = v.reshape(T, c.n_kv_heads, c.head_dim)
-
-        att = np.empty((T, c.n_heads * c.head_dim), dtype=np.float32)
-        for (cache, _), s, e in zip(batch, spans[:-1], spans[1:]):
-            start = cache.n
-            cache.k[layer, start:start + e - s] = k[s:e]
-            cache.v[layer, start:start + e - s] = v[s:e]
-            att[s:e] = attention(q[s:e], cache.k[layer, :start + e - s], cache.v[layer, :start + e - s], start)
-        x = x + linear(att, w[b + "attn_output.weight"])
-
-        h = rms_norm(x, w[b + "ffn_norm.weight"], c.norm_eps)
-        x = x + linear(silu(linear(h, w[b + "ffn_gate.weight"])) * linear(h, w[b + "ffn_up.weight"]),
-                       w[b + "ffn_down.weight"])
-
-    for cache, t in batch:
-        cache.n += len(t)
-    return rms_norm(x, w["output_norm.weight"], c.norm_eps)
-
-
-def logits(c: Config, w: Weights, hidden: np.ndarray) -> np.ndarray:
-    """[T, D] final hidden states -> [T, V] float32 logits (output head, or token_embd when tied)."""
-    return np.ascontiguousarray(linear(hidden, w["token_embd.weight" if c.tied_embeddings else "output.weight"]))
+    arch = value("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelError(f"{path}: GGUF has no general.architecture", hint="re-convert the model with llama.cpp")
+    hyper = {
+        k[len(arch) + 1 :]: value(k) for k, f in reader.fields.items() if k.startswith(arch + ".") and len(f.types) == 1
+    }
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return {
+        "architecture": arch,
+        "name": value("general.name"),
+        "hyperparameters": dict(sorted(hyper.items())),
+        "quant_types": sorted({t.tensor_type.name for t in reader.tensors}),
+        "n_tensors": len(reader.tensors),
+        "tokenizer": {
+            "model": value("tokenizer.ggml.model"),
+            "pre": value("tokenizer.ggml.pre"),
+            "n_tokens": len(tokens.data) if tokens is not None else 0,
+            "chat_template": "tokenizer.chat_template" in reader.fields,
+        },
+    }

@@ -4,9 +4,10 @@ The cache itself lives on the GPU as [layer][page, kv_head, slot, head_dim] fp16
 in its pages in order (token p in page pages[p // PAGE], slot p % PAGE), so sequences of any length share one
 pool without fragmentation, and the server can admit a request only when its pages are free.
 """
+
 from __future__ import annotations
 
-from ingot.toolchain.errors import IngotError
+from ingot.runtime.errors import IngotError
 
 
 class CacheFullError(IngotError):
@@ -16,7 +17,7 @@ class CacheFullError(IngotError):
 class PagePool:
     def __init__(self, n_pages: int, page_size: int):
         self.n_pages, self.page_size = n_pages, page_size
-        self._free = list(range(n_pages - 1, -1, -1))      # pop() hands out low page ids first
+        self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out low page ids first
 
     @property
     def free(self) -> int:
@@ -31,8 +32,10 @@ class PagePool:
         if need <= 0:
             return False
         if need > len(self._free):
-            raise CacheFullError(f"KV cache full: {need} more pages needed, {len(self._free)} free",
-                                 hint="finish or cancel other sequences, or start with a larger --kv-pages")
+            raise CacheFullError(
+                f"KV cache full: {need} more pages needed, {len(self._free)} free",
+                hint="finish or cancel other sequences, or lower --max-seqs or --ctx, or raise INGOT_KV_FRACTION",
+            )
         pages.extend(self._free.pop() for _ in range(need))
         return True
 

@@ -9,23 +9,25 @@ Each model carries a small byte-level BPE tokenizer (the 256 byte tokens, merges
 common English words, ChatML special tokens, reserved control tokens up to the vocabulary size) and a ChatML
 chat template, so `ingot run` and the server work on it like on a real model.
 """
+
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ingot.toolchain.errors import UsageError
+from ingot.runtime.errors import UsageError
 
 if TYPE_CHECKING:
     from gguf import GGUFWriter
 
-from .model import Config, expected_shapes
-from .quants import QUANT_TYPES
+from ingot.runtime.model.gguf import Config, expected_shapes
+from ingot.runtime.model.quants import QUANT_TYPES
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Shape:
     rope_theta: float
     tied: bool
     qkv_bias: bool = False
-    llama3_rope_scaling: bool = False   # write a rope_freqs.weight tensor as Llama 3.1 GGUFs have
+    llama3_rope_scaling: bool = False  # write a rope_freqs.weight tensor as Llama 3.1 GGUFs have
 
 
 SHAPES = {
@@ -52,10 +54,12 @@ SHAPES = {
     "llama3-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, 8192, 500000.0, tied=False),
 }
 
-CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
-                   " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                   "{% endif %}")
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")   # ids 0, 1 (BOS), 2 (EOS), as in SmolLM2
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1 (BOS), 2 (EOS), as in SmolLM2
 WORDS = """the of and to in is that it for was on are as with be at by this have from or an they which one you had
 not but what all were when we there can your said each she do how their if will up other about out many then them
 these so some her would make like him into time has look two more write go see number no way could people my than
@@ -65,17 +69,29 @@ hello world model token text question four five six seven eight nine ten yes nam
 
 def config_of(shape: Shape) -> Config:
     head_dim = shape.dim // shape.n_heads
-    return Config(arch=shape.arch, n_vocab=shape.n_vocab, n_ctx_train=shape.n_ctx, dim=shape.dim,
-                  n_layers=shape.n_layers, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, head_dim=head_dim,
-                  ffn_dim=shape.ffn_dim, norm_eps=1e-5, rope_theta=shape.rope_theta, rope_dim=head_dim,
-                  rope_neox=shape.arch == "qwen2",
-                  rope_freq_factors=llama3_freq_factors(head_dim, shape.rope_theta) if shape.llama3_rope_scaling
-                  else None,
-                  qkv_bias=shape.qkv_bias, tied_embeddings=shape.tied)
+    return Config(
+        arch=shape.arch,
+        n_vocab=shape.n_vocab,
+        n_ctx_train=shape.n_ctx,
+        dim=shape.dim,
+        n_layers=shape.n_layers,
+        n_heads=shape.n_heads,
+        n_kv_heads=shape.n_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=shape.ffn_dim,
+        norm_eps=1e-5,
+        rope_theta=shape.rope_theta,
+        rope_dim=head_dim,
+        rope_neox=shape.arch == "qwen2",
+        rope_freq_factors=llama3_freq_factors(head_dim, shape.rope_theta) if shape.llama3_rope_scaling else None,
+        qkv_bias=shape.qkv_bias,
+        tied_embeddings=shape.tied,
+    )
 
 
-def llama3_freq_factors(rope_dim: int, theta: float, factor: float = 8.0, low: float = 1.0, high: float = 4.0,
-                        original_ctx: int = 8192) -> tuple[float, ...]:
+def llama3_freq_factors(
+    rope_dim: int, theta: float, factor: float = 8.0, low: float = 1.0, high: float = 4.0, original_ctx: int = 8192
+) -> tuple[float, ...]:
     """Llama 3.1's rope scaling as its GGUF converter writes it: long wavelengths slowed by `factor`, short
     ones kept, a smooth blend between."""
     out = []
@@ -92,6 +108,7 @@ def llama3_freq_factors(rope_dim: int, theta: float, factor: float = 8.0, low: f
 
 
 # --- the tokenizer ---------------------------------------------------------------------------------
+
 
 def _byte_symbols() -> list[str]:
     """GPT-2's byte -> printable unicode character mapping, in byte order."""
@@ -125,6 +142,7 @@ def vocabulary(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
 
 # --- weights ---------------------------------------------------------------------------------------
 
+
 def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, std: float) -> np.ndarray:
     """[rows, row_bytes] uint8 of `qtype` whose dequantized values have std ~`std` and mean ~0 (Q4_0's
     x = d * (q - 8) keeps a small offset of -d/2: its nibbles cannot be centred)."""
@@ -140,7 +158,7 @@ def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, st
     spread = 73.9 if qtype == "Q8_0" else 4.61
     d = (std / spread * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
     blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
-    if qtype == "Q4_1":   # x = d*q + m with q in 0..15: m = -7.5 d centres it
+    if qtype == "Q4_1":  # x = d*q + m with q in 0..15: m = -7.5 d centres it
         blocks[:, 2:4] = (-7.5 * d.astype(np.float32)).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, t.row_bytes(cols))
 
@@ -149,14 +167,15 @@ def _tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], qtype: 
     if name == "rope_freqs.weight":
         return np.asarray(freq_factors, dtype=np.float32)
     if len(shape) == 1:
-        base = 1.0 if name.endswith("norm.weight") else 0.0          # norms ~1, biases ~0
+        base = 1.0 if name.endswith("norm.weight") else 0.0  # norms ~1, biases ~0
         return (base + 0.02 * rng.standard_normal(shape)).astype(np.float32)
     rows, cols = shape
     return random_blocks(rng, qtype, rows, cols, std=1 / math.sqrt(cols))
 
 
-def synthesize(shape_name: str, qtype: str, out: str | Path, *, seed: int = 0,
-               on_tensor: Callable[[int, int], None] | None = None) -> Path:
+def synthesize(
+    shape_name: str, qtype: str, out: str | Path, *, seed: int = 0, on_tensor: Callable[[int, int], None] | None = None
+) -> Path:
     """Write a random model of the named shape with its matrices in `qtype`; returns the path.
     on_tensor(done, total) is called after each tensor."""
     if shape_name not in SHAPES:
@@ -172,7 +191,7 @@ def synthesize(shape_name: str, qtype: str, out: str | Path, *, seed: int = 0,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{os.getpid()}.part"
     try:
-        from gguf import GGMLQuantizationType, GGUFWriter   # only when writing (keeps CLI start-up light)
+        from gguf import GGMLQuantizationType, GGUFWriter  # only when writing (keeps CLI start-up light)
 
         w = GGUFWriter(tmp, shape.arch)
         _write_metadata(w, shape_name, shape, c)

@@ -1,23 +1,24 @@
 """`ingot verify`: stream every member of a bundle, recompute its digests, check the root digest and the
 signature, and name exactly what is wrong.
 
-Order of checks: the tar structure (bundle.read_index: only unique, safely named regular files, nothing
+Order of checks: the tar structure (container.read_index: only unique, safely named regular files, nothing
 after the end), the manifest (canonical form, schema, root digest), the member set (every listed file
 present, nothing extra), sizes, then the sha256 of every member with 8 MiB reads. A member whose digest is
 wrong is re-read chunk by chunk (64 MiB) to name the damaged chunk. Nothing is extracted to disk.
 """
+
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from .bundle import Member, load_manifest, open_file, read_index, read_signature, write_stamp
-from .errors import VerificationError
-from .manifest import CHUNK_SIZE, MANIFEST, SIGNATURE, files_by_name, hash_range
-
-_DAMAGED = "the bundle is corrupt or was modified after packing; re-download or re-pack it"
+from ingot.runtime.bundle.container import DAMAGED as _DAMAGED
+from ingot.runtime.bundle.container import Member, load_manifest, open_file, read_index, read_signature
+from ingot.runtime.bundle.manifest import CHUNK_SIZE, MANIFEST, SIGNATURE, files_by_name, hash_range
+from ingot.runtime.bundle.signature import check_signature, load_public_key
+from ingot.runtime.bundle.stamps import write_stamp
+from ingot.runtime.errors import VerificationError
 
 
 class MemberError(VerificationError):
@@ -28,27 +29,28 @@ class MemberError(VerificationError):
         self.problems = problems
 
 
-@dataclass(frozen=True)
-class SignatureCheck:
-    keyid: str
-    authenticated: bool     # True: checked against a public key the caller supplied
-
-
 def check_member_set(index: list[Member], manifest: dict) -> None:
     listed = files_by_name(manifest)
     present = {m.name for m in index}
     missing = sorted(set(listed) - present)
     extra = sorted(present - set(listed) - {MANIFEST, SIGNATURE})
     if missing:
-        raise VerificationError(f"member {missing[0]} is listed in the manifest but missing from the bundle"
-                                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""), hint=_DAMAGED)
+        raise VerificationError(
+            f"member {missing[0]} is listed in the manifest but missing from the bundle"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+            hint=_DAMAGED,
+        )
     if extra:
-        raise VerificationError(f"member {extra[0]} is in the bundle but not in the manifest"
-                                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""), hint=_DAMAGED)
+        raise VerificationError(
+            f"member {extra[0]} is in the bundle but not in the manifest"
+            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""),
+            hint=_DAMAGED,
+        )
     for m in index:
         if m.name in listed and listed[m.name]["size"] != m.size:
-            raise VerificationError(f"member {m.name} is {m.size:,} bytes but the manifest says "
-                                    f"{listed[m.name]['size']:,}", hint=_DAMAGED)
+            raise VerificationError(
+                f"member {m.name} is {m.size:,} bytes but the manifest says {listed[m.name]['size']:,}", hint=_DAMAGED
+            )
 
 
 def check_members(f, index: list[Member], manifest: dict, on_bytes=None) -> None:
@@ -69,8 +71,9 @@ def check_members(f, index: list[Member], manifest: dict, on_bytes=None) -> None
     if problems:
         first = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise MemberError(f"member {first['member']}: sha256 mismatch in {first['where']}{more}", problems,
-                          hint=_DAMAGED)
+        raise MemberError(
+            f"member {first['member']}: sha256 mismatch in {first['where']}{more}", problems, hint=_DAMAGED
+        )
 
 
 def _locate(f, m: Member, entry: dict) -> list[dict]:
@@ -85,30 +88,22 @@ def _locate(f, m: Member, entry: dict) -> list[dict]:
     for i, (got, want) in enumerate(zip(chunks, entry["chunks"], strict=True)):
         if got != want:
             lo, hi = i * CHUNK_SIZE, min((i + 1) * CHUNK_SIZE, m.size)
-            out.append({"member": m.name, "chunk": i, "bytes": [lo, hi],
-                        "where": f"chunk {i} of {n} (bytes {lo:,}-{hi - 1:,})"})
+            out.append(
+                {
+                    "member": m.name,
+                    "chunk": i,
+                    "bytes": [lo, hi],
+                    "where": f"chunk {i} of {n} (bytes {lo:,}-{hi - 1:,})",
+                }
+            )
     return out or whole
-
-
-def check_signature(envelope: bytes | None, manifest: dict, pubkey) -> SignatureCheck | None:
-    """The signature member, if any: it must sign this manifest's root digest. With pubkey it must be by
-    that key (and an unsigned bundle fails); without, it is checked against the key it carries."""
-    if envelope is None:
-        if pubkey is not None:
-            raise VerificationError("bundle is unsigned but a signature by --pubkey was required",
-                                    hint="sign it with `ingot sign BUNDLE --key PREFIX.key`")
-        return None
-    from .sign import verify_signature_document
-    return verify_signature_document(envelope, manifest, pubkey)
 
 
 def verify_bundle(path: str | Path, *, pubkey=None, on_bytes=None) -> dict:
     """Full verification of one bundle file; returns the report `ingot verify --json` prints."""
     path = Path(path)
     t0 = time.perf_counter()
-    if pubkey is not None:          # a bad key file is a usage error, whatever the bundle holds
-        from .sign import Ed25519Verifier
-        Ed25519Verifier.from_pem_file(pubkey)
+    trusted = load_public_key(pubkey) if pubkey is not None else None
     with open_file(path) as f:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -117,15 +112,20 @@ def verify_bundle(path: str | Path, *, pubkey=None, on_bytes=None) -> dict:
         index = read_index(f, size)
         manifest = load_manifest(f, index)
         check_members(f, index, manifest, on_bytes=on_bytes)
-        sig = check_signature(read_signature(f, index), manifest, pubkey)
+        sig = check_signature(read_signature(f, index), manifest, trusted)
     # A full pass also vouches for this exact file to open_bundle (`ingot run` right after starts fast).
-    write_stamp(os.path.realpath(path), st, manifest["root_digest"],
-                [sig.keyid] if sig and sig.authenticated else [])
+    write_stamp(os.path.realpath(path), st, manifest["root_digest"], [sig.keyid] if sig and sig.authenticated else [])
     seconds = time.perf_counter() - t0
     hashed = sum(e["size"] for e in manifest["files"])
     return {
-        "ok": True, "bundle": str(path), "name": manifest["name"], "size": size,
-        "root_digest": manifest["root_digest"], "members": len(index), "hashed_bytes": hashed,
-        "seconds": round(seconds, 3), "mb_per_s": round(hashed / 1e6 / seconds, 1) if seconds else None,
+        "ok": True,
+        "bundle": str(path),
+        "name": manifest["name"],
+        "size": size,
+        "root_digest": manifest["root_digest"],
+        "members": len(index),
+        "hashed_bytes": hashed,
+        "seconds": round(seconds, 3),
+        "mb_per_s": round(hashed / 1e6 / seconds, 1) if seconds else None,
         "signature": None if sig is None else {"keyid": sig.keyid, "authenticated": sig.authenticated},
     }

@@ -1,5 +1,6 @@
 """What this machine has: the NVIDIA driver and its GPUs, read through NVML (nvidia-ml-py) or, failing
 that, the CUDA driver API. A machine with no driver or no GPU is a normal answer, not an error."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -9,9 +10,9 @@ from dataclasses import asdict, dataclass
 class Gpu:
     index: int
     name: str
-    cc: int                     # compute capability as an int, 90 for 9.0
-    memory_total: int           # bytes
-    memory_free: int | None     # bytes (None where only the driver API answered: it needs a context for that)
+    cc: int  # compute capability as an int, 90 for 9.0
+    memory_total: int  # bytes
+    memory_free: int | None  # bytes (None where only the driver API answered: it needs a context for that)
 
     def as_dict(self) -> dict:
         return asdict(self) | {"compute_capability": f"{self.cc // 10}.{self.cc % 10}"}
@@ -19,17 +20,21 @@ class Gpu:
 
 @dataclass(frozen=True)
 class Machine:
-    driver_version: str | None      # "580.159.04"
-    driver_cuda: int | None         # 13000 for CUDA 13.0
+    driver_version: str | None  # "580.159.04"
+    driver_cuda: int | None  # 13000 for CUDA 13.0
     gpus: tuple[Gpu, ...] = ()
-    problem: str | None = None      # why no driver/GPU could be read
-    source: str | None = None       # "nvml" or "cuda driver API"
+    problem: str | None = None  # why no driver/GPU could be read
+    source: str | None = None  # "nvml" or "cuda driver API"
 
     def as_dict(self) -> dict:
         cuda = self.driver_cuda
-        return {"driver_version": self.driver_version,
-                "driver_cuda": f"{cuda // 1000}.{(cuda % 1000) // 10}" if cuda else None,
-                "gpus": [g.as_dict() for g in self.gpus], "problem": self.problem, "source": self.source}
+        return {
+            "driver_version": self.driver_version,
+            "driver_cuda": f"{cuda // 1000}.{(cuda % 1000) // 10}" if cuda else None,
+            "gpus": [g.as_dict() for g in self.gpus],
+            "problem": self.problem,
+            "source": self.source,
+        }
 
 
 def _text(v) -> str:
@@ -39,6 +44,7 @@ def _text(v) -> str:
 def _nvml() -> Machine | None:
     try:
         import pynvml
+
         pynvml.nvmlInit()
     except Exception:  # no libnvidia-ml.so, or no driver loaded: NVMLError_LibraryNotFound / DriverNotLoaded
         return None
@@ -67,7 +73,7 @@ def _cuda_driver() -> Machine:
     except ImportError:
         return Machine(None, None, (), "cuda-bindings is not installed (pip install cuda-bindings)")
     try:
-        err, = cu.cuInit(0)
+        (err,) = cu.cuInit(0)
     except RuntimeError:  # cuda.pathfinder: libcuda.so not found
         return Machine(None, None, (), "no NVIDIA driver installed (libcuda.so not found)")
     if err != cu.CUresult.CUDA_SUCCESS:

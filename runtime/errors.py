@@ -12,6 +12,7 @@ Exit codes (documented in the README):
   5  model error: not a GGUF, truncated, or an unsupported architecture or quant type
   6  build failed: nvcc reported an error, or a fatbin lacks an arch that was asked for
 """
+
 from __future__ import annotations
 
 EXIT_OK = 0

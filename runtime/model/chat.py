@@ -7,6 +7,7 @@ extension, `{% generation %}` blocks accepted, a `tojson` filter that keeps non-
 `raise_exception` and `strftime_now`. The context holds messages, add_generation_prompt, tools, documents and
 the special-token strings (bos_token, eos_token, unk_token).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ingot.toolchain.errors import ModelError, UsageError
-
-from .tokenizer import Tokenizer
+from ingot.runtime.errors import ModelError, UsageError
+from ingot.runtime.model.tokenizer import Tokenizer
 
 
 class _TemplateRaised(Exception):
@@ -30,6 +30,7 @@ class _TemplateRaised(Exception):
 
 class _GenerationBlocks(Extension):
     """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering keeps the body."""
+
     tags = {"generation"}
 
     def parse(self, parser):
@@ -52,8 +53,9 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=8)
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlocks, "jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, "jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -63,16 +65,31 @@ def compile_template(source: str) -> jinja2.Template:
         raise ModelError(f"the model's chat template does not parse: {e.message} (line {e.lineno})") from None
 
 
-def render(template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-           bos_token: str = "", eos_token: str = "", unk_token: str = "", tools=None, documents=None) -> str:
+def render(
+    template: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    unk_token: str = "",
+    tools=None,
+    documents=None,
+) -> str:
     """The prompt text for a conversation: messages are {"role": ..., "content": ...} dicts."""
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise UsageError("each chat message needs a role and content")
     try:
         return compile_template(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
-            bos_token=bos_token, eos_token=eos_token, unk_token=unk_token)
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            unk_token=unk_token,
+        )
     except _TemplateRaised as e:
         raise UsageError(f"the chat template rejected the conversation: {e}") from None
     except jinja2.exceptions.SecurityError as e:
@@ -94,8 +111,9 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[in
         return vocab.tokens[i] if i is not None else ""
 
     bos = text_of(vocab.bos_id)
-    text = render(vocab.chat_template, messages, bos_token=bos, eos_token=text_of(vocab.eos_id),
-                  unk_token=text_of(vocab.unk_id))
+    text = render(
+        vocab.chat_template, messages, bos_token=bos, eos_token=text_of(vocab.eos_id), unk_token=text_of(vocab.unk_id)
+    )
     ids = tokenizer.encode(text, add_special=False, parse_special=True)
     if vocab.add_bos and vocab.bos_id is not None and ids[:1] != [vocab.bos_id]:
         ids = [vocab.bos_id] + ids

@@ -14,6 +14,7 @@ The resources are the files plus one entry named "manifest.json" whose digest is
 manifest's canonical bytes without `root_digest`. So a flipped byte anywhere (in a member, or in any
 manifest field) changes the root, even in an unsigned bundle; signatures sign this root.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,15 +23,15 @@ import math
 import re
 from decimal import Decimal
 
-from .errors import VerificationError
+from ingot.runtime.errors import VerificationError
 
 FORMAT = "ingot-bundle/v1"
 MANIFEST = "manifest.json"
 SIGNATURE = "signature.dsse.json"
 PROVENANCE = "provenance.json"
 CHUNK_SIZE = 64 << 20
-READ_SIZE = 8 << 20                       # large reads keep hashing at disk speed
-MAX_MEMBER_SIZE = 1 << 44                 # 16 TiB: anything larger is a corrupt or hostile size field
+READ_SIZE = 8 << 20  # large reads keep hashing at disk speed
+MAX_MEMBER_SIZE = 1 << 44  # 16 TiB: anything larger is a corrupt or hostile size field
 MAX_MANIFEST_SIZE = 64 << 20
 MAX_MEMBERS = 4096
 
@@ -38,6 +39,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 # --- canonical JSON (RFC 8785) -------------------------------------------------------------------
+
 
 def canonical_json(obj) -> bytes:
     """obj -> its RFC 8785 canonical UTF-8 bytes. Refuses NaN/inf, floats out of range and non-str keys."""
@@ -50,7 +52,7 @@ def _emit(obj, out: list[str]) -> None:
     if obj is None or obj is True or obj is False:
         out.append({None: "null", True: "true", False: "false"}[obj])
     elif isinstance(obj, str):
-        out.append(json.dumps(obj, ensure_ascii=False))   # JCS escaping: only " \ and control characters
+        out.append(json.dumps(obj, ensure_ascii=False))  # JCS escaping: only " \ and control characters
     elif isinstance(obj, int):
         if abs(obj) > 2**53:
             raise ValueError(f"integer {obj} is outside the exactly representable range of JSON numbers")
@@ -85,7 +87,7 @@ def _es6_number(x: float) -> str:
         return "0"
     _, digits, exp = Decimal(repr(abs(x))).as_tuple()
     ds = "".join(map(str, digits)).rstrip("0") or "0"
-    n = exp + len(digits)                     # value = 0.ds * 10**n
+    n = exp + len(digits)  # value = 0.ds * 10**n
     k = len(ds)
     if k <= n <= 21:
         s = ds + "0" * (n - k)
@@ -100,6 +102,7 @@ def _es6_number(x: float) -> str:
 
 
 # --- digests ---------------------------------------------------------------------------------------
+
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -164,6 +167,7 @@ def seal(manifest: dict) -> bytes:
 
 # --- parsing and the schema check --------------------------------------------------------------------
 
+
 def parse_manifest(data: bytes) -> dict:
     """manifest.json bytes -> the manifest, after the canonical-form, schema and root-digest checks."""
     where = MANIFEST
@@ -177,12 +181,15 @@ def parse_manifest(data: bytes) -> dict:
     except ValueError as e:
         raise VerificationError(f"{where} holds a value canonical JSON cannot carry ({e})", hint=_TAMPERED) from None
     if canonical != data:
-        raise VerificationError(f"{where} is not in canonical JSON form (same content must have the same bytes)",
-                                hint=_TAMPERED)
+        raise VerificationError(
+            f"{where} is not in canonical JSON form (same content must have the same bytes)", hint=_TAMPERED
+        )
     expect = root_digest(manifest)
     if manifest["root_digest"] != expect:
-        raise VerificationError(f"{where}: root digest {manifest['root_digest'][:16]}... does not match its content "
-                                f"({expect[:16]}...)", hint=_TAMPERED)
+        raise VerificationError(
+            f"{where}: root digest {manifest['root_digest'][:16]}... does not match its content ({expect[:16]}...)",
+            hint=_TAMPERED,
+        )
     return manifest
 
 
@@ -241,8 +248,10 @@ def validate(m) -> None:
         raise _bad("(top level)", f"is a {type(m).__name__}, not an object")
     fmt = _get(m, "format", str, "format")
     if fmt != FORMAT:
-        raise VerificationError(f"{MANIFEST}: unknown bundle format {fmt!r} (this Ingot reads {FORMAT})",
-                                hint="upgrade Ingot, or re-pack the bundle with this version")
+        raise VerificationError(
+            f"{MANIFEST}: unknown bundle format {fmt!r} (this Ingot reads {FORMAT})",
+            hint="upgrade Ingot, or re-pack the bundle with this version",
+        )
     _get(m, "name", str, "name")
     _digest(m, "root_digest", "root_digest")
     chunk = _get(m, "chunk_size", int, "chunk_size")
@@ -266,8 +275,11 @@ def validate(m) -> None:
         size = _size(f, "size", f"{where}.size")
         n_chunks = -(-size // CHUNK_SIZE) if size > CHUNK_SIZE else 0
         chunks = f.get("chunks", [])
-        if not isinstance(chunks, list) or len(chunks) != n_chunks or not all(
-                isinstance(c, str) and _HEX64.fullmatch(c) for c in chunks):
+        if (
+            not isinstance(chunks, list)
+            or len(chunks) != n_chunks
+            or not all(isinstance(c, str) and _HEX64.fullmatch(c) for c in chunks)
+        ):
             raise _bad(f"{where}.chunks", f"must be {n_chunks} hex sha256 digests for a {size}-byte member")
         names.append(name)
     if names != sorted(names) or len(set(names)) != len(names):

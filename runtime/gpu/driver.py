@@ -8,6 +8,7 @@ launches with pre-packed arguments, and CUDA graph capture/replay.
 `_check` is the one choke point for CUresults: a failure becomes a CudaError carrying the CUDA error name and
 what it means for an Ingot user. The wrapper objects own what they wrap and free it in close().
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ingot.toolchain.errors import IncompatibleError, IngotError
+from ingot.runtime.errors import IncompatibleError, IngotError
 
 try:
     from cuda.bindings import driver as cu
@@ -25,9 +26,9 @@ except ImportError:  # the CPU-only path never imports this module
 # What an Ingot user should do about the errors they can meet. The rest get the driver's own description.
 _MEANING = {
     "CUDA_ERROR_NO_BINARY_FOR_GPU": "the kernels hold no SASS for this GPU and no PTX it can JIT; "
-                                    "run `ingot check-compat` and rebuild with `ingot build --arch sm_XY`",
+    "run `ingot check-compat` and rebuild with `ingot build --arch sm_XY`",
     "CUDA_ERROR_UNSUPPORTED_PTX_VERSION": "the kernels' PTX is newer than this driver can JIT; "
-                                          "upgrade the driver or add SASS for this GPU",
+    "upgrade the driver or add SASS for this GPU",
     "CUDA_ERROR_OUT_OF_MEMORY": "the GPU is out of memory; use a smaller --ctx/--max-seqs or free the GPU",
     "CUDA_ERROR_ILLEGAL_ADDRESS": "a kernel accessed memory out of bounds (an Ingot bug; please report it)",
     "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES": "a kernel asked for more registers/shared memory than the GPU has",
@@ -36,8 +37,13 @@ _MEANING = {
     "CUDA_ERROR_INVALID_DEVICE": "no GPU with that index",
 }
 
-_INCOMPATIBLE = {"CUDA_ERROR_NO_BINARY_FOR_GPU", "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "CUDA_ERROR_NO_DEVICE",
-                 "CUDA_ERROR_INSUFFICIENT_DRIVER", "CUDA_ERROR_INVALID_DEVICE"}
+_INCOMPATIBLE = {
+    "CUDA_ERROR_NO_BINARY_FOR_GPU",
+    "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+    "CUDA_ERROR_NO_DEVICE",
+    "CUDA_ERROR_INSUFFICIENT_DRIVER",
+    "CUDA_ERROR_INVALID_DEVICE",
+}
 
 
 class CudaError(IngotError):
@@ -77,15 +83,16 @@ def _require_driver() -> None:
 
 # --- device and context -------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class DeviceInfo:
     index: int
     name: str
-    cc: int                      # 90 for compute capability 9.0
+    cc: int  # 90 for compute capability 9.0
     sm_count: int
-    max_smem_optin: int          # bytes of shared memory a block may opt into
+    max_smem_optin: int  # bytes of shared memory a block may opt into
     total_memory: int
-    driver_cuda: int             # cuDriverGetVersion: 13000 for CUDA 13.0
+    driver_cuda: int  # cuDriverGetVersion: 13000 for CUDA 13.0
 
 
 _prewarm_thread = None
@@ -106,7 +113,7 @@ def prewarm(index: int = 0) -> None:
             if cu.cuInit(0)[0] == cu.CUresult.CUDA_SUCCESS:
                 err, dev = cu.cuDeviceGet(index)
                 if err == cu.CUresult.CUDA_SUCCESS:
-                    cu.cuDevicePrimaryCtxRetain(dev)   # held for the process: the engine retains it again
+                    cu.cuDevicePrimaryCtxRetain(dev)  # held for the process: the engine retains it again
         except Exception:  # noqa: BLE001 - no driver: Device() will say so with the right error
             pass
 
@@ -124,8 +131,10 @@ class Device:
         try:
             _check(cu.cuInit(0), "cuInit")
         except RuntimeError as e:  # cuda.pathfinder: libcuda.so is not there at all
-            raise IncompatibleError(f"no NVIDIA driver: {str(e).splitlines()[0]}",
-                                    hint="install the NVIDIA driver, or run with --device cpu") from None
+            raise IncompatibleError(
+                f"no NVIDIA driver: {str(e).splitlines()[0]}",
+                hint="install the NVIDIA driver, or run with --device cpu",
+            ) from None
         count = _check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
         if index >= count:
             raise IncompatibleError(f"GPU {index} requested but {count} visible", hint="pick --gpu 0..{count - 1}")
@@ -136,13 +145,15 @@ class Device:
         get = lambda a: _check(cu.cuDeviceGetAttribute(a, self.dev), "cuDeviceGetAttribute")  # noqa: E731
         name = _check(cu.cuDeviceGetName(128, self.dev), "cuDeviceGetName")
         self.info = DeviceInfo(
-            index=index, name=name.split(b"\0")[0].decode(),
+            index=index,
+            name=name.split(b"\0")[0].decode(),
             cc=get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) * 10
             + get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
             sm_count=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             max_smem_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
             total_memory=int(_check(cu.cuDeviceTotalMem(self.dev), "cuDeviceTotalMem")),
-            driver_cuda=int(_check(cu.cuDriverGetVersion(), "cuDriverGetVersion")))
+            driver_cuda=int(_check(cu.cuDriverGetVersion(), "cuDriverGetVersion")),
+        )
 
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes."""
@@ -160,14 +171,29 @@ class Device:
 
 # --- modules and kernels ----------------------------------------------------------------------
 
+
 class Kernel:
     def __init__(self, fn, name: str):
         self.fn, self.name = fn, name
 
+    @property
+    def static_smem(self) -> int:
+        """Bytes of static __shared__ memory the compiler gave this kernel (as the loaded image says)."""
+        return int(
+            _check(
+                cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.fn),
+                f"cuFuncGetAttribute({self.name})",
+            )
+        )
+
     def allow_dynamic_smem(self, nbytes: int) -> None:
         """Needed before a launch asks for more than 48 KiB of dynamic shared memory."""
-        _check(cu.cuFuncSetAttribute(self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                     int(nbytes)), f"cuFuncSetAttribute({self.name})")
+        _check(
+            cu.cuFuncSetAttribute(
+                self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes)
+            ),
+            f"cuFuncSetAttribute({self.name})",
+        )
 
 
 class Module:
@@ -179,8 +205,10 @@ class Module:
             self.mod = _check(cu.cuModuleLoadData(image), f"cuModuleLoadData({name})")
         except CudaIncompatibleError as e:
             raise IncompatibleError(f"{name}: {e.name}: {_explain_incompatible(image, name, device)}") from None
-        self.kernels = {k: Kernel(_check(cu.cuModuleGetFunction(self.mod, k.encode()), f"cuModuleGetFunction({k})"), k)
-                        for k in kernel_names}
+        self.kernels = {
+            k: Kernel(_check(cu.cuModuleGetFunction(self.mod, k.encode()), f"cuModuleGetFunction({k})"), k)
+            for k in kernel_names
+        }
 
     def close(self) -> None:
         if self.mod is not None:
@@ -190,14 +218,15 @@ class Module:
 
 def _explain_incompatible(image: bytes, name: str, device: Device) -> str:
     """The doctor's explanation for a module the driver refused."""
-    from ingot.toolchain.compat import decide, driver_from_cuda_int
-    from ingot.toolchain.fatbin import parse_fatbin
+    from ingot.runtime.gpu.compat import decide, driver_from_cuda_int
+    from ingot.runtime.gpu.fatbin import parse_fatbin
 
     d = decide(parse_fatbin(image, name), device.info.cc, driver_from_cuda_int(None, device.info.driver_cuda), name)
     return f"{d.reason}; fix: {d.fix}" if d.fix else d.reason
 
 
 # --- memory -------------------------------------------------------------------------------------
+
 
 class DeviceBuffer:
     """A span of device memory: `ptr` (int) and `nbytes`. Owned by the DevicePool that made it."""
@@ -218,8 +247,8 @@ class DevicePool:
     SLAB = 256 << 20
 
     def __init__(self):
-        self._slabs: list[tuple[int, int]] = []      # (base, size)
-        self._cursor = 0                               # offset in the last slab
+        self._slabs: list[tuple[int, int]] = []  # (base, size)
+        self._cursor = 0  # offset in the last slab
         self.allocated = 0
 
     def alloc(self, nbytes: int, name: str = "") -> DeviceBuffer:
@@ -230,7 +259,9 @@ class DevicePool:
             try:
                 base = int(_check(cu.cuMemAlloc(size), f"cuMemAlloc({size})"))
             except CudaError as e:
-                raise CudaError(f"cuMemAlloc of {size / 2**20:.0f} MiB for {name or 'buffer'}", e.name, e.meaning) from None
+                raise CudaError(
+                    f"cuMemAlloc of {size / 2**20:.0f} MiB for {name or 'buffer'}", e.name, e.meaning
+                ) from None
             self._slabs.append((base, size))
             self._cursor = 0
         base, _ = self._slabs[-1]
@@ -254,7 +285,7 @@ class PinnedBuffer:
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
 
     def view(self, dtype, offset: int, count: int) -> np.ndarray:
-        return self.array[offset:offset + count * np.dtype(dtype).itemsize].view(dtype)
+        return self.array[offset : offset + count * np.dtype(dtype).itemsize].view(dtype)
 
     def close(self) -> None:
         if self.ptr:
@@ -263,6 +294,7 @@ class PinnedBuffer:
 
 
 # --- streams, events, copies --------------------------------------------------------------------
+
 
 class Stream:
     def __init__(self):
@@ -313,6 +345,7 @@ class Event:
 
 # --- launches ----------------------------------------------------------------------------------
 
+
 class Launch:
     """A kernel launch with its arguments packed once into a void*[] (re-launchable, graph-capturable).
 
@@ -326,7 +359,7 @@ class Launch:
         held = []
         for a in args:
             if isinstance(a, np.generic):
-                held.append(np.array(a))                    # 0-d array: stable address, exact width
+                held.append(np.array(a))  # 0-d array: stable address, exact width
             elif isinstance(a, DeviceBuffer):
                 held.append(np.array(a.ptr, dtype=np.uint64))
             elif a is None or isinstance(a, int):
@@ -340,8 +373,12 @@ class Launch:
 
     def __call__(self, stream: Stream) -> None:
         gx, gy, gz = self.grid
-        _check(cu.cuLaunchKernel(self.kernel.fn, gx, gy, gz, self.block, 1, 1, self.smem, stream.handle,
-                                 self._params.ctypes.data, 0), f"cuLaunchKernel({self.kernel.name})")
+        _check(
+            cu.cuLaunchKernel(
+                self.kernel.fn, gx, gy, gz, self.block, 1, 1, self.smem, stream.handle, self._params.ctypes.data, 0
+            ),
+            f"cuLaunchKernel({self.kernel.name})",
+        )
 
 
 class Memset:
@@ -360,8 +397,10 @@ class Graph:
     """A captured sequence of stream work, instantiated once and replayed with one cuGraphLaunch."""
 
     def __init__(self, stream: Stream, work):
-        _check(cu.cuStreamBeginCapture(stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-               "cuStreamBeginCapture")
+        _check(
+            cu.cuStreamBeginCapture(stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            "cuStreamBeginCapture",
+        )
         try:
             work()
         finally:

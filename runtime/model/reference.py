@@ -1,0 +1,157 @@
+"""The reference forward pass every Ingot engine computes, in numpy, written like the math (llama2.c /
+gpt-fast style). The CPU engine runs it; the GPU engine is tested against it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ingot.runtime.model.gguf import Config
+
+# --- the forward pass -----------------------------------------------------------------------------
+#
+# Shapes: T tokens in a batch, D = dim, H = n_heads, KV = n_kv_heads, hd = head_dim, V = n_vocab.
+# Float32 throughout, with float64 for the two reductions where rounding matters (RMSNorm's mean of squares
+# and softmax's sum). Matrices are [out, in], so a layer is x @ W.T (`linear`), like torch.nn.Linear.
+
+
+class Weights(Protocol):
+    """Where the forward pass gets float32 weights from (the CPU engine caches them, or dequantizes on use)."""
+
+    def __getitem__(self, name: str) -> np.ndarray: ...
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray: ...  # [T] -> [T, D]
+
+
+@dataclass
+class KVCache:
+    """One sequence's keys and values: [n_layers, capacity, KV, hd] each, and how many positions are filled."""
+
+    k: np.ndarray
+    v: np.ndarray
+    n: int = 0
+
+    @classmethod
+    def empty(cls, c: Config, capacity: int) -> KVCache:
+        shape = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
+        # np.zeros maps fresh zero pages lazily: a long capacity costs memory only where it is written.
+        return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x * w / sqrt(mean(x^2) + eps) over the last axis."""
+    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    return x * (1.0 / np.sqrt(ms + eps)).astype(np.float32) * w
+
+
+def rope_inv_freq(c: Config) -> np.ndarray:
+    """[rope_dim/2] float64: theta_i = base^(-2i/rope_dim), divided by the freq factors when the model has them."""
+    inv = c.rope_theta ** (-np.arange(0, c.rope_dim, 2, dtype=np.float64) / c.rope_dim)
+    return inv if c.rope_freq_factors is None else inv / np.asarray(c.rope_freq_factors, dtype=np.float64)
+
+
+def rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool) -> np.ndarray:
+    """Rotate x [T, heads, hd] by angle pos * theta_i, pair i being (x[2i], x[2i+1]) (llama.cpp "normal" rope,
+    what GGUF's permuted llama q/k weights expect) or (x[i], x[i + rope_dim/2]) (NEOX). Dims past rope_dim pass."""
+    angle = pos[:, None].astype(np.float64) * inv_freq[None, :]  # [T, rope_dim/2]
+    cos = np.cos(angle).astype(np.float32)[:, None, :]  # [T, 1, rope_dim/2]
+    sin = np.sin(angle).astype(np.float32)[:, None, :]
+    rd = 2 * inv_freq.shape[0]
+    out = x.copy()
+    if neox:
+        a, b = x[..., : rd // 2], x[..., rd // 2 : rd]
+        out[..., : rd // 2] = a * cos - b * sin
+        out[..., rd // 2 : rd] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:rd:2], x[..., 1:rd:2]
+        out[..., 0:rd:2] = a * cos - b * sin
+        out[..., 1:rd:2] = a * sin + b * cos
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal grouped-query attention of t new queries at positions start.. over the n = start + t cached keys.
+    q [t, H, hd], k/v [n, KV, hd] -> [t, H*hd]. Query head h reads KV head h // (H/KV)."""
+    t, n_heads, hd = q.shape
+    n, n_kv, _ = k.shape
+    rep = n_heads // n_kv
+    future = np.arange(n)[None, :] > (start + np.arange(t))[:, None]  # [t, n]: key after the query
+    scale = np.float32(1.0 / math.sqrt(hd))
+    out = np.empty((t, n_heads, hd), dtype=np.float32)
+    # One plain 2-D matmul per KV head and its `rep` query heads (numpy's broadcast batched matmul skips BLAS).
+    for g in range(n_kv):
+        heads = slice(g * rep, (g + 1) * rep)
+        qg = q[:, heads].transpose(1, 0, 2).reshape(rep * t, hd)  # [rep*t, hd]
+        scores = np.where(future, -np.inf, (qg @ k[:, g].T).reshape(rep, t, n) * scale)  # [rep, t, n]
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True, dtype=np.float64).astype(np.float32)  # softmax, summed in float64
+        out[:, heads] = (p.reshape(rep * t, n) @ v[:, g]).reshape(rep, t, hd).transpose(1, 0, 2)
+    return out.reshape(t, n_heads * hd)
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [T, in] @ w.T for w [out, in] -> [T, out]. Written as (w @ x.T).T: for one token that is a BLAS gemv,
+    which is ~8x faster than the M=1 gemm that x @ w.T becomes."""
+    return (w @ x.T).T
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x < -88: silu is then -0, as it should be
+        return x / (1.0 + np.exp(-x))
+
+
+def forward(c: Config, w: Weights, batch: Sequence[tuple[KVCache, Sequence[int]]]) -> np.ndarray:
+    """Run tokens through the model, appending their keys/values to each sequence's cache.
+
+    batch: (cache, tokens) per sequence; the tokens go at positions cache.n, cache.n + 1, ... Every matrix
+    multiply covers all tokens of all sequences at once; only attention is per sequence.
+    Returns the final-normed hidden states [T, D] of all tokens, in batch order (see `logits`).
+    """
+    tokens = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
+    pos = np.concatenate([np.arange(cache.n, cache.n + len(t)) for cache, t in batch])
+    spans = np.cumsum([0] + [len(t) for _, t in batch])
+    inv_freq = rope_inv_freq(c)
+    T = len(tokens)
+
+    x = w.embed(tokens)  # [T, D]
+    for layer in range(c.n_layers):
+        b = f"blk.{layer}."
+        h = rms_norm(x, w[b + "attn_norm.weight"], c.norm_eps)
+        q = linear(h, w[b + "attn_q.weight"])  # [T, H*hd]
+        k = linear(h, w[b + "attn_k.weight"])  # [T, KV*hd]
+        v = linear(h, w[b + "attn_v.weight"])
+        if c.qkv_bias:
+            q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
+        q = rope(q.reshape(T, c.n_heads, c.head_dim), pos, inv_freq, c.rope_neox)
+        k = rope(k.reshape(T, c.n_kv_heads, c.head_dim), pos, inv_freq, c.rope_neox)
+        v = v.reshape(T, c.n_kv_heads, c.head_dim)
+
+        att = np.empty((T, c.n_heads * c.head_dim), dtype=np.float32)
+        for (cache, _), s, e in zip(batch, spans[:-1], spans[1:], strict=False):
+            start = cache.n
+            cache.k[layer, start : start + e - s] = k[s:e]
+            cache.v[layer, start : start + e - s] = v[s:e]
+            att[s:e] = attention(q[s:e], cache.k[layer, : start + e - s], cache.v[layer, : start + e - s], start)
+        x = x + linear(att, w[b + "attn_output.weight"])
+
+        h = rms_norm(x, w[b + "ffn_norm.weight"], c.norm_eps)
+        x = x + linear(
+            silu(linear(h, w[b + "ffn_gate.weight"])) * linear(h, w[b + "ffn_up.weight"]), w[b + "ffn_down.weight"]
+        )
+
+    for cache, t in batch:
+        cache.n += len(t)
+    return rms_norm(x, w["output_norm.weight"], c.norm_eps)
+
+
+def logits(c: Config, w: Weights, hidden: np.ndarray) -> np.ndarray:
+    """[T, D] final hidden states -> [T, V] float32 logits (output head, or token_embd when tied)."""
+    return np.ascontiguousarray(linear(hidden, w["token_embd.weight" if c.tied_embeddings else "output.weight"]))

@@ -1,0 +1,214 @@
+"""The server's shared state: `Server` (the model once loaded, the scheduler, the metrics, the limits) and
+what every route does with a request before and after its dialect (API key, body, prompt tokens, jobs,
+streaming). The dialects (openai.py, anthropic.py, ollama.py) build on this module; app.py assembles them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ingot.runtime.engines import open_engine
+from ingot.runtime.engines.base import Engine
+from ingot.runtime.errors import IncompatibleError, UsageError
+from ingot.runtime.generate import GenerationRequest
+from ingot.runtime.gpu import probe
+from ingot.runtime.model.chat import chat_prompt
+from ingot.runtime.model.gguf import Model
+from ingot.runtime.model.tokenizer import Tokenizer
+from ingot.runtime.resolve import Opened, open_model
+from ingot.runtime.server.metrics import Metrics
+from ingot.runtime.server.request import ApiError, TextRequest
+from ingot.runtime.server.scheduler import Job, Scheduler
+
+MAX_BODY_BYTES = 1 << 20
+SHUTDOWN_GRACE_S = 5.0
+log = logging.getLogger("uvicorn.error")
+
+
+@dataclass(frozen=True)
+class Options:
+    device: str = "auto"
+    gpu: int | None = None  # None: the GPU with the most free memory
+    max_seqs: int = 32  # sequences decoded together
+    ctx: int | None = None  # tokens per sequence; None: the engine's default
+    api_key: str | None = None
+
+
+def pick_gpu(requested: int | None) -> int:
+    """--gpu N, checked against the machine; without it the GPU with the most free memory (NVML)."""
+    gpus = probe.probe().gpus
+    if requested is not None:
+        if gpus and not 0 <= requested < len(gpus):
+            raise UsageError(f"--gpu {requested}: this machine has {len(gpus)} GPU(s)", hint=f"use 0..{len(gpus) - 1}")
+        return requested
+    return max(gpus, key=lambda g: g.memory_free or 0).index if gpus else 0
+
+
+def open_serving_engine(opened: Opened, options: Options) -> Engine:
+    """open_engine's device rule (auto: the GPU engine when a GPU is present and the engine loads), with a
+    choice of GPU and the server's batch width and context."""
+    model, kw = opened.model, {"max_seqs": options.max_seqs, "max_ctx": options.ctx}
+    if options.device == "cpu" or (options.device == "auto" and not probe.probe().gpus):
+        return open_engine(model, "cpu", **kw)
+    try:
+        return open_engine(model, "cuda", kernels=opened.kernels, gpu=pick_gpu(options.gpu), **kw)
+    except IncompatibleError:
+        if options.device == "cuda":
+            raise
+        return open_engine(model, "cpu", **kw)
+
+
+class Server:
+    """What the routes share: the model once loaded, the scheduler, the metrics and the limits."""
+
+    def __init__(self, spec: str, options: Options):
+        self.spec, self.options = spec, options
+        self.model_id = Path(spec).stem  # `smollm2`, or the file name without .gguf/.ingot
+        self.created = int(time.time())
+        self.model: Model | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.engine: Engine | None = None
+        self.metrics = Metrics(lambda: self.scheduler.stats)
+        self.scheduler = Scheduler(self.metrics)
+        self.on_failure: Callable[[BaseException], None] = lambda e: None
+
+    def load(self) -> Engine:
+        """On the engine thread, while the socket already answers."""
+        t0 = time.perf_counter()
+        opened = open_model(self.spec)
+        self.tokenizer = Tokenizer.from_model(opened.model)
+        self.model = opened.model
+        self.engine = open_serving_engine(opened, self.options)
+        log.info(
+            "model %s loaded in %.1f s: %s, %d sequences of %d tokens",
+            self.model_id,
+            time.perf_counter() - t0,
+            self.engine.name,
+            self.engine.max_seqs,
+            self.engine.max_ctx,
+        )
+        return self.engine
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler.ready.is_set()
+
+    # --- per request ------------------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        key = self.options.api_key
+        if key is None:
+            return
+        bearer = request.headers.get("authorization", "")
+        given = bearer[7:] if bearer.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY or x-api-key: KEY)")
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_id, f"{self.model_id}:latest"):
+            raise ApiError(
+                404,
+                f"model {name!r} not found; this server serves {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def read_json(self, request: Request) -> Any:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is {int(declared)} bytes, more than the limit of {MAX_BODY_BYTES}")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is more than the limit of {MAX_BODY_BYTES} bytes")
+        try:
+            return json.loads(body)
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def prompt_tokens(self, req: TextRequest) -> list[int]:
+        """The prompt's token ids, built exactly as `ingot run` builds them (with and without --chat)."""
+        if req.messages is not None:
+            return await run_in_threadpool(chat_prompt, self.tokenizer, req.messages)
+        if isinstance(req.prompt, str):
+            return await run_in_threadpool(self.tokenizer.encode, req.prompt)
+        n_vocab = self.tokenizer.n_vocab
+        if not all(0 <= t < n_vocab for t in req.prompt):
+            raise ApiError(400, f"prompt token ids must be in 0..{n_vocab - 1}", param="prompt")
+        return list(req.prompt)
+
+    async def start(self, req: TextRequest) -> Job:
+        tokens = await self.prompt_tokens(req)
+        max_ctx = self.engine.max_ctx
+        if req.max_tokens is not None and req.max_tokens > max_ctx:
+            raise ApiError(
+                400, f"max_tokens {req.max_tokens} is more than the context of {max_ctx} tokens", param="max_tokens"
+            )
+        request = GenerationRequest(
+            tuple(tokens), req.params, req.max_tokens or max(1, max_ctx - len(tokens)), req.stop
+        )
+        request.check(max_ctx)  # UsageError (-> 400) for a prompt longer than the context
+        job = Job(self.tokenizer, request, asyncio.get_running_loop())
+        self.scheduler.submit(job)
+        return job
+
+    async def collect(self, request: Request, job: Job) -> str:
+        """The whole text of a non-streamed request; the job is cancelled if the client disconnects first."""
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.scheduler.cancel(job)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            return "".join([chunk.text async for chunk in job.chunks()])
+        finally:
+            watcher.cancel()
+
+    def stream(
+        self, job: Job, events: AsyncIterator, error_event: Callable[[ApiError], Any], *, media_type: str | None = None
+    ) -> Response:
+        """A streamed response: server-sent events, or NDJSON lines when media_type says so. An error after the
+        first byte becomes the dialect's error event; whatever ends the response cancels the job."""
+
+        async def guarded() -> AsyncIterator:
+            try:
+                async for event in events:
+                    yield event
+            except ApiError as e:
+                yield error_event(e)
+
+        if media_type is None:
+            response = EventSourceResponse(guarded(), sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S + 2)
+        else:
+            response = StreamingResponse(guarded(), media_type=media_type)
+        return _CancelAtEnd(response, lambda: self.scheduler.cancel(job))
+
+
+class _CancelAtEnd:
+    """An ASGI response that runs `cancel` once the wrapped response is over, however it ended."""
+
+    def __init__(self, response: Response, cancel: Callable[[], None]):
+        self.response, self.cancel = response, cancel
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.cancel()

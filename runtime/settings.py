@@ -1,0 +1,138 @@
+"""Every INGOT_* environment variable, in one place: its name, default, meaning and how it is parsed.
+
+Values are read when asked for (never at import), so a test or a long-lived process sees the environment of
+the moment. A malformed value is a UsageError naming the variable and what it accepts. The README's
+"Settings" table is this list; `ingot doctor --json` prints the values in force.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ingot.runtime.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    accepts: str  # what a valid value looks like, for the error message
+    doc: str
+
+    def get(self) -> Any:
+        text = os.environ.get(self.name, "").strip()
+        if not text:
+            return self.default
+        try:
+            return self.parse(text)
+        except ValueError:
+            raise UsageError(
+                f"{self.name}={text!r} is not {self.accepts}", hint=f"unset it or set {self.accepts}"
+            ) from None
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise ValueError(text)
+    return n
+
+
+def _nonneg_int(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise ValueError(text)
+    return n
+
+
+def _fraction(text: str) -> float:
+    x = float(text)
+    if not 0 < x <= 1:
+        raise ValueError(text)
+    return x
+
+
+def _flag(text: str) -> bool:
+    return text.lower() not in ("0", "false", "no", "off")
+
+
+CACHE_DIR = Setting(
+    "INGOT_CACHE_DIR",
+    None,
+    Path,
+    "a folder path",
+    "Root of Ingot's caches (kernels/, models/, verified/, index/); default $XDG_CACHE_HOME/ingot or ~/.cache/ingot.",
+)
+KERNELS = Setting(
+    "INGOT_KERNELS",
+    None,
+    Path,
+    "a folder path",
+    "Run bare GGUFs with the fatbins of `ingot build --out DIR` instead of the installed ones.",
+)
+DEBUG = Setting(
+    "INGOT_DEBUG",
+    False,
+    _flag,
+    "1 or 0",
+    "Print a traceback with internal errors (exit 1) instead of one line.",
+)
+CPU_WEIGHT_CACHE_MIB = Setting(
+    "INGOT_CPU_WEIGHT_CACHE_MIB",
+    4096,
+    _nonneg_int,
+    "a number of MiB (0 or more)",
+    "The CPU engine keeps dequantized float32 weights up to this size; beyond it, it dequantizes each matrix on use.",
+)
+DECODE_GEMM_MIN_BATCH = Setting(
+    "INGOT_DECODE_GEMM_MIN_BATCH",
+    16,
+    _positive_int,
+    "a positive integer",
+    "The decode batch size from which the GPU engine uses tensor-core GEMMs instead of matrix-vector kernels.",
+)
+KV_FRACTION = Setting(
+    "INGOT_KV_FRACTION",
+    0.5,
+    _fraction,
+    "a fraction in (0, 1]",
+    "The largest share of free GPU memory the GPU engine's KV cache takes.",
+)
+API_KEY = Setting(
+    "INGOT_API_KEY",
+    None,
+    str,
+    "a key string",
+    "`ingot serve` requires this key (Authorization: Bearer KEY or x-api-key: KEY); same as --api-key.",
+)
+TEST_MODELS = Setting(
+    "INGOT_TEST_MODELS",
+    None,
+    str,
+    "a list of GGUF or bundle paths separated by ':'",
+    "Tests only: extra real models the GPU engine tests run against (tests/gpu).",
+)
+
+ALL: tuple[Setting, ...] = (
+    CACHE_DIR,
+    KERNELS,
+    DEBUG,
+    CPU_WEIGHT_CACHE_MIB,
+    DECODE_GEMM_MIN_BATCH,
+    KV_FRACTION,
+    API_KEY,
+    TEST_MODELS,
+)
+
+
+def in_force() -> dict[str, Any]:
+    """Every setting's current value (API_KEY masked), for `ingot doctor --json`."""
+    values = {s.name: s.get() for s in ALL}
+    if values[API_KEY.name]:
+        values[API_KEY.name] = "***"
+    return {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
