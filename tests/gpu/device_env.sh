@@ -1,14 +1,10 @@
 # Source this on the device machine (the GPU box the `device` tool lends) from the repo root:
 #   . tests/gpu/device_env.sh
-# It installs the carried wheels (.whl/, for packages that machine lacks), exposes the checkout as the `ingot`
-# package without installing it, and builds the kernels for the local GPU into /tmp/kernels (INGOT_KERNELS).
+# It installs the carried wheels (.whl/, for packages that machine lacks), puts the checkout on PYTHONPATH (it
+# runs uninstalled: see ingot/__init__.py), and builds the kernels for the local GPU into /tmp/kernels
+# (INGOT_KERNELS).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
-mkdir -p /tmp/pkg/ingot
-ln -sfn "$PWD/ingot/__init__.py" /tmp/pkg/ingot/__init__.py
-ln -sfn "$PWD/ingot/__main__.py" /tmp/pkg/ingot/__main__.py
-ln -sfn "$PWD/toolchain" /tmp/pkg/ingot/toolchain
-ln -sfn "$PWD/runtime" /tmp/pkg/ingot/runtime
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
 python3 -m ingot build --arch "sm_${cc}" --out /tmp/kernels --json > /tmp/kernels.json || return 1
 export INGOT_KERNELS=/tmp/kernels

@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from ingot.runtime.engines.cuda_weights import _alloc_matrix
-from ingot.runtime.gpu import kernels as K
+from ingot.runtime.gpu import constants as K
 from ingot.runtime.gpu.kernels import GpuMatrix
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F16"]
