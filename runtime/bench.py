@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -104,6 +105,7 @@ def cold_start(model_spec: str, device: str, reps: int = 3) -> Result:
     for _ in range(reps):
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert proc.stdout is not None  # stdout=PIPE
         first = proc.stdout.read(1)
         dt = time.perf_counter() - t0
         _, err = proc.communicate()
@@ -123,7 +125,7 @@ def run_benchmarks(engine, *, n_prompt: int, n_gen: int, reps: int, batches: lis
     if n_gen:
         for b in batches:
             results.append(bench_tg(engine, n_gen, reps, batch=b))
-    report = {"results": [r.as_dict() for r in results]}
+    report: dict[str, Any] = {"results": [r.as_dict() for r in results]}
     if engine.name == "cuda":
         # The GPU engine allocates weights, KV cache and buffers up front, so the device's use after the run is
         # its peak (device-wide: includes the CUDA context and any other process on the GPU).

@@ -119,6 +119,13 @@ class Generation:
         self.n_generated = 0
         self.finish_reason: str | None = None
 
+    @property
+    def ended_by(self) -> str:
+        """The finish reason ("eos", "stop" or "length") of a generation that has ended."""
+        if self.finish_reason is None:
+            raise RuntimeError("the generation has not ended yet")
+        return self.finish_reason
+
     def accept(self, token: int, *, context_full: bool = False) -> Chunk:
         """context_full: the sequence cannot take another token, so this one is the last."""
         if token in self.eog_ids:

@@ -5,6 +5,7 @@ Never fails on a machine without nvcc, driver or GPU: each missing piece is repo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ingot.runtime.errors import UsageError
 from ingot.runtime.gpu.archs import installed_kernel_dir
@@ -21,7 +22,8 @@ def report(kernel_dir: Path | None = None) -> dict:
     kdir = Path(kernel_dir) if kernel_dir else installed_kernel_dir()
     fatbins = sorted(kdir.glob("*.fatbin")) if kdir.is_dir() else []
 
-    kernels, advice = [], []
+    kernels: list[dict[str, Any]] = []
+    advice: list[str] = []
     for path in fatbins:
         try:
             fat = read_fatbin(path)

@@ -105,7 +105,7 @@ def describe_kernels(kernel_dir: Path, record: dict) -> list[tuple[dict, bytes]]
             "path": f"kernels/{name}.fatbin",
             "sha256": b["sha256"],
             "size": len(data),
-            "archs": {"sass": fat.sass, "ptx": sorted(ptx, key=lambda p: fat.ptx.index(p["arch"]))},
+            "archs": {"sass": fat.sass, "ptx": sorted(ptx, key=lambda p: fat.ptx.index(str(p["arch"])))},
             "kernels": list(fat.kernels),
         }
         out.append((entry, data))

@@ -19,6 +19,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ingot.runtime.bundle.manifest import (
     MANIFEST,
@@ -182,7 +183,7 @@ class Source:
     name: str
     size: int
     data: bytes | None = None
-    file: object | None = None
+    file: BinaryIO | None = None
     path: Path | None = None
     offset: int = 0
     sha256: str | None = None  # when given, the copied bytes must have this digest
@@ -248,7 +249,10 @@ def write_bundle(out: Path, sources: list[Source], *, mtime: int, on_bytes=None)
     try:
         with os.fdopen(fd, "wb") as raw:
             sink = _HashingSink(raw)
-            with tarfile.open(fileobj=sink, mode="w:", format=tarfile.PAX_FORMAT, copybufsize=READ_SIZE) as tar:
+            # copybufsize is a real TarFile argument that typeshed's tarfile.open overloads omit
+            with tarfile.open(  # type: ignore[call-overload]
+                fileobj=sink, mode="w:", format=tarfile.PAX_FORMAT, copybufsize=READ_SIZE
+            ) as tar:
                 for src in sorted(sources, key=lambda s: s.name):
                     info = _tarinfo(src.name, src.size, mtime)
                     if src.name.startswith("model/"):
@@ -267,9 +271,14 @@ def _add(tar: tarfile.TarFile, info: tarfile.TarInfo, src: Source, on_bytes) -> 
     if src.data is not None:
         tar.addfile(info, io.BytesIO(src.data))
         return
-    owned = open(src.path, "rb", buffering=0) if src.file is None else None
+    if src.file is not None:
+        owned, fd = None, src.file.fileno()
+    else:
+        assert src.path is not None, "a Source holds data, an open file or a path"
+        owned = open(src.path, "rb", buffering=0)  # noqa: SIM115 (closed below)
+        fd = owned.fileno()
     try:
-        reader = _RangeReader((owned or src.file).fileno(), src.offset, src.size, on_bytes)
+        reader = _RangeReader(fd, src.offset, src.size, on_bytes)
         try:
             tar.addfile(info, reader)
         except OSError as e:  # tarfile's "unexpected end of data" when the source shrank

@@ -86,6 +86,7 @@ def _es6_number(x: float) -> str:
     if x == 0:
         return "0"
     _, digits, exp = Decimal(repr(abs(x))).as_tuple()
+    assert isinstance(exp, int)  # x is finite (checked above), so the exponent is a number
     ds = "".join(map(str, digits)).rstrip("0") or "0"
     n = exp + len(digits)  # value = 0.ds * 10**n
     k = len(ds)
@@ -120,12 +121,12 @@ def hash_range(f, offset: int, size: int, *, chunk_size: int | None = None, on_b
     f.seek(offset)
     left = size
     while left:
-        want = min(READ_SIZE, left, chunk_size - in_piece) if piece else min(READ_SIZE, left)
+        want = min(READ_SIZE, left, chunk_size - in_piece) if chunk_size else min(READ_SIZE, left)
         got = f.readinto(view[:want])
         if not got:
             raise EOFError(f"file ends {left} bytes early")
         whole.update(view[:got])
-        if piece:
+        if piece is not None:
             piece.update(view[:got])
             in_piece += got
             if in_piece == chunk_size:

@@ -114,6 +114,7 @@ class Signer(ABC):
 
 class Verifier(ABC):
     keyid: str
+    where: str  # the key's file or origin, for messages
 
     @abstractmethod
     def verify(self, message: bytes, signature: bytes) -> bool: ...

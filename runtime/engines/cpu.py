@@ -96,8 +96,7 @@ class CpuEngine:
         return seq
 
     def prefill(self, seq: int, tokens: Sequence[int]) -> int:
-        s = self._admit(seq, tokens)
-        hidden = None
+        s = self._admit(seq, tokens)  # refuses an empty prompt, so the loop runs at least once
         for i in range(0, len(tokens), PREFILL_CHUNK):
             hidden = self._forward(s, tokens[i : i + PREFILL_CHUNK])
         return self._sample(s, logits(self.config, self.weights, hidden[-1:])[0])

@@ -439,7 +439,9 @@ class CudaEngine:
         return int(self.out_host.view(np.int32, 0, 1)[0])
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
-        return self._run_prefill(seq, tokens, all_logits=True)
+        rows = self._run_prefill(seq, tokens, all_logits=True)
+        assert rows is not None  # all_logits=True returns them
+        return rows
 
     def _run_prefill(self, seq: int, tokens: Sequence[int], all_logits: bool) -> np.ndarray | None:
         st = self._seq(seq)
@@ -513,7 +515,7 @@ class CudaEngine:
         graph = self._graphs.get(B)
         if graph is None:
             launches = self._decode_launches(B)
-            graph = self._graphs[B] = Graph(self.stream, lambda: [launch(self.stream) for launch in launches])
+            graph = self._graphs[B] = Graph(self.stream, lambda: self._launch_all(launches))
         graph.launch(self.stream)
         out = self.out_host.view(np.int32, 0, B)
         self.stream.download(out, self.out_tokens.ptr)
@@ -531,6 +533,10 @@ class CudaEngine:
         return out
 
     # --- introspection -----------------------------------------------------------------------------
+
+    def _launch_all(self, launches: list[Launch]) -> None:
+        for launch in launches:
+            launch(self.stream)
 
     def kv_pages_used(self) -> int:
         return self.pages.n_pages - self.pages.free

@@ -78,6 +78,7 @@ class WeightUploader:
         rows, cols = sum(t.shape[0] for t in ts), ts[0].shape[1]
         W = _alloc_matrix(self.pool, qtype, rows, cols, names[0])
         if qtype == "F16":
+            assert W.w is not None  # _alloc_matrix gives F16 matrices their w array
             offset = 0
             for t in ts:
                 self.stream.upload(W.w.at(offset), t.raw)

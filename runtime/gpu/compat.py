@@ -212,14 +212,14 @@ def decide(fat: Fatbin, cc: int, driver: Driver, module: str = "module") -> Deci
     """What the driver will do with this fatbin on a GPU of compute capability cc."""
     first_cuda = GPU_FIRST_CUDA.get(cc)
     if first_cuda and driver.cuda < first_cuda:
-        need = driver_for_cuda(first_cuda)
+        driver_needed = driver_for_cuda(first_cuda)
         return Decision(
             module,
             "incompatible",
             None,
             f"driver {driver.label} does not support compute capability {_cc(cc)} "
             f"(first supported by {_cuda(first_cuda)})",
-            f"upgrade the driver to >= {need}" if need else "upgrade the driver",
+            f"upgrade the driver to >= {driver_needed}" if driver_needed else "upgrade the driver",
         )
 
     sass = sorted(

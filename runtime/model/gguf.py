@@ -157,7 +157,8 @@ def _window_reader_class():
             self._window = (offset, size)
             super().__init__(path, "r")
 
-        @property
+        # gguf declares `data: np.memmap`; a property returning a plain view of it is what we want (see above)
+        @property  # type: ignore[override]
         def data(self) -> np.ndarray:
             return self._data
 

@@ -121,7 +121,7 @@ def vocabulary(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of the synthetic byte-level BPE vocabulary."""
     sym = _byte_symbols()
     tokens = list(SPECIAL_TOKENS) + sym
-    known, merges = set(tokens), []
+    known, merges = set(tokens), list[str]()
     budget = n_vocab - len(tokens)
     for word in WORDS:
         # Spell " word" left to right: "Ġ w" -> "Ġw", "Ġw o" -> "Ġwo", ...

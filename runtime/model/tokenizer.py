@@ -136,7 +136,7 @@ def _byte_level_bpe(vocab: Vocab) -> HFTokenizer:
         )
     if not vocab.merges:
         raise ModelError("byte-level BPE vocabulary without merges (tokenizer.ggml.merges)")
-    merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
+    merges = [(a, b) for a, _, b in (m.partition(" ") for m in vocab.merges)]
     tok = HFTokenizer(models.BPE(_vocab_ids(vocab), merges, ignore_merges=vocab.pre in IGNORE_MERGES))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator
+from typing import Any
 
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
@@ -123,7 +124,7 @@ async def messages(server: Server, request: Request) -> Response:
     req = parse_messages(body)
     server.check_model(req.model)
     job = await server.start(req)
-    message = {
+    message: dict[str, Any] = {
         "id": f"msg_{secrets.token_hex(12)}",
         "type": "message",
         "role": "assistant",
@@ -140,7 +141,7 @@ async def messages(server: Server, request: Request) -> Response:
         message
         | {
             "content": [{"type": "text", "text": text}],
-            "stop_reason": STOP_REASONS[job.generation.finish_reason],
+            "stop_reason": STOP_REASONS[job.generation.ended_by],
             "stop_sequence": job.stop_sequence,
             "usage": {"input_tokens": job.prompt_tokens, "output_tokens": job.completion_tokens},
         }

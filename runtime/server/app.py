@@ -75,7 +75,8 @@ def create_app(server: Server) -> Starlette:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok", "model": server.model_id})
 
-    async def not_found(request: Request, exc: HTTPException) -> Response:
+    async def not_found(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)  # registered for 404 and 405 only
         dialect = _dialect(request.url.path)
         if dialect is None:
             return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
@@ -138,7 +139,7 @@ def serve(spec: str, options: Options, host: str = "127.0.0.1", port: int = 8080
     )
 
     def stop_on_failure(e: BaseException) -> None:
-        log.error("%s: %s", "loading the model failed" if server.engine is None else "the engine thread failed", e)
+        log.error("%s: %s", "the engine thread failed" if server.loaded else "loading the model failed", e)
         http.should_exit = True
 
     server.on_failure = stop_on_failure

@@ -110,9 +110,10 @@ async def run(
         wall = time.perf_counter() - start
 
     ok = [s for s in samples if s.error is None]
-    texts = [s for s in ok if s.first is not None]  # a stream of control tokens only has no first text
-    ttft = np.array([s.first - s.sent for s in texts]) * 1000
-    decode = np.array([(s.tokens - 1) / (s.end - s.first) for s in texts if s.tokens > 1 and s.end > s.first])
+    # a stream of control tokens only has no first text
+    timed = [(s, s.first, s.end) for s in ok if s.first is not None and s.end is not None]
+    ttft = np.array([first - s.sent for s, first, _ in timed]) * 1000
+    decode = np.array([(s.tokens - 1) / (end - first) for s, first, end in timed if s.tokens > 1 and end > first])
     generated = sum(s.tokens for s in ok)
     return {
         "url": url,

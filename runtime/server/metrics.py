@@ -14,6 +14,7 @@ ingot_kv_cache_pages_used, _free            KV-cache pages in use and free
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from prometheus_client import (
@@ -57,13 +58,14 @@ class Metrics:
         self.batch = Histogram(
             "ingot_decode_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS, registry=r
         )
-        for name, doc, read in [
+        gauges: list[tuple[str, str, Callable[[Stats], int]]] = [
             ("ingot_queue_depth", "Requests waiting for admission", lambda s: s.waiting),
             ("ingot_running_sequences", "Sequences being generated", lambda s: s.running),
             ("ingot_kv_cache_pages_used", "KV-cache pages in use", lambda s: s.kv_pages_used),
             ("ingot_kv_cache_pages_free", "KV-cache pages free", lambda s: s.kv_pages_total - s.kv_pages_used),
-        ]:
-            Gauge(name, doc, registry=r).set_function(lambda read=read: read(stats()))
+        ]
+        for name, doc, read in gauges:
+            Gauge(name, doc, registry=r).set_function(functools.partial(_read_stats, read, stats))
 
     # --- the scheduler's Observer -------------------------------------------------------------------
 
@@ -88,6 +90,10 @@ class Metrics:
 
     async def endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _read_stats(read: Callable[[Stats], int], stats: Callable[[], Stats]) -> float:
+    return read(stats())
 
 
 class RequestCounter:

@@ -96,7 +96,7 @@ def parse_generate(body: Fields) -> TextRequest:
 def _final(job: Job) -> dict:
     return {
         "done": True,
-        "done_reason": DONE_REASONS[job.generation.finish_reason],
+        "done_reason": DONE_REASONS[job.generation.ended_by],
         "total_duration": job.ended - job.submitted,
         "load_duration": 0,
         "prompt_eval_count": job.prompt_tokens,
@@ -151,7 +151,7 @@ async def generate(server: Server, request: Request) -> Response:
 def _details(server: Server) -> dict:
     m = server.model
     n = m.n_params
-    weights = Counter()
+    weights: Counter[str] = Counter()
     for t in m.tensors.values():
         weights[t.qtype] += t.raw.nbytes
     return {

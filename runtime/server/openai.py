@@ -149,7 +149,7 @@ async def _respond(server: Server, request: Request, req: TextRequest, body: Fie
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
         return server.stream(job, _stream(job, head, chat, include_usage), _stream_error)
     text = await server.collect(request, job)
-    finish = FINISH[job.generation.finish_reason]
+    finish = FINISH[job.generation.ended_by]
     if chat:
         head["object"] = "chat.completion"
         choice = {

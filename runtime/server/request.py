@@ -9,7 +9,7 @@ ApiError(status, message, param): each dialect renders them in its own error bod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from ingot.runtime.sampling import SamplingParams
 
@@ -74,6 +74,12 @@ class Fields:
             wanted = " or ".join(_TYPE_NAMES[k] for k in kinds)
             raise ApiError(400, f"{self.name(key)} must be {wanted}", param=self.name(key))
         return float(value) if kinds == (float,) else value
+
+    @overload
+    def at_least(self, key: str, low: int, default: int, required: bool = False) -> int: ...
+
+    @overload
+    def at_least(self, key: str, low: int, default: None = None, required: bool = False) -> int | None: ...
 
     def at_least(self, key: str, low: int, default: int | None = None, required: bool = False) -> int | None:
         value = self.get(key, int, default=default, required=required)

@@ -66,13 +66,20 @@ class Job:
         self.generation = Generation(tokenizer, request)
         self.generation.stops = self._stops = _StopMatch(request.stop)
         self.cancelled = False
-        self.seq: int | None = None
+        self.seq: int | None = None  # the engine's sequence id, once admitted
         self.last_token = 0
         self.kv_pages = 0  # pages reserved for it while it runs
         self.submitted = time.perf_counter_ns()
         self.started = self.first_token = self.ended = 0  # perf_counter_ns: prefill start, first token, end
         self._loop = loop
         self._queue: asyncio.Queue[Chunk | ApiError] = asyncio.Queue()
+
+    @property
+    def live_seq(self) -> int:
+        """The sequence id of an admitted job."""
+        if self.seq is None:
+            raise RuntimeError("the job has no sequence yet")
+        return self.seq
 
     @property
     def prompt_tokens(self) -> int:
@@ -222,8 +229,14 @@ class Scheduler:
         for job in gone + [j for j in self._running if j.cancelled]:
             self._fail(job, ApiError(499, "the request was cancelled (the client went away)"), "cancelled")
 
+    def _live_engine(self) -> Engine:
+        """The engine, once `load` returned (the loop runs only after that)."""
+        if self.engine is None:
+            raise RuntimeError("the scheduler ran before its engine was loaded")
+        return self.engine
+
     def _admit(self) -> None:
-        engine = self.engine
+        engine = self._live_engine()
         while True:
             with self._cv:
                 if not self._waiting:
@@ -238,14 +251,14 @@ class Scheduler:
             self._prefill(job)
 
     def _prefill(self, job: Job) -> None:
-        engine = self.engine
+        engine = self._live_engine()
         job.started = time.perf_counter_ns()
         self.observer.admitted(job.prompt_tokens, (job.started - job.submitted) / 1e9)
         try:
-            job.seq = engine.new_sequence(job.request.params)
+            job.seq = seq = engine.new_sequence(job.request.params)
             self._reserved += job.kv_pages
             self._running.append(job)
-            token = engine.prefill(job.seq, job.request.prompt_tokens)
+            token = engine.prefill(seq, job.request.prompt_tokens)
         except Exception as e:
             self._fail(job, e)
             return
@@ -259,7 +272,7 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         try:
-            tokens = self.engine.decode([j.seq for j in batch], [j.last_token for j in batch])
+            tokens = self._live_engine().decode([j.live_seq for j in batch], [j.last_token for j in batch])
         except Exception as e:
             for job in batch:
                 self._fail(job, e)
@@ -270,7 +283,8 @@ class Scheduler:
     def _accept(self, job: Job, token: int) -> int:
         """Feed one sampled token to the job's Generation and emit the chunk; returns tokens generated (0 for
         the end-of-generation token)."""
-        chunk = job.generation.accept(token, context_full=self.engine.seq_len(job.seq) >= self.engine.max_ctx)
+        engine = self._live_engine()
+        chunk = job.generation.accept(token, context_full=engine.seq_len(job.live_seq) >= engine.max_ctx)
         job.last_token = token
         if chunk.finish_reason:
             self._retire(job, chunk.finish_reason)
@@ -283,7 +297,7 @@ class Scheduler:
             self._running.remove(job)
             self._reserved -= job.kv_pages
         if job.seq is not None:
-            self.engine.release(job.seq)
+            self._live_engine().release(job.seq)
         self.observer.retired(reason)
 
     def _fail(self, job: Job, e: Exception, reason: str = "error") -> None:
@@ -294,7 +308,7 @@ class Scheduler:
         job.emit(e if isinstance(e, ApiError) else ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
 
     def _publish(self) -> None:
-        self.stats = Stats(len(self._waiting), len(self._running), self.engine.kv_pages_used(), self._kv_total)
+        self.stats = Stats(len(self._waiting), len(self._running), self._live_engine().kv_pages_used(), self._kv_total)
 
     def _end_all(self) -> None:
         """End every queued and running request with a 503 (shutdown)."""
@@ -308,6 +322,5 @@ class Scheduler:
             self._stopping = True  # later submits get 503
         self._end_all()
         self._publish()
-        close = getattr(self.engine, "close", None)  # the GPU engine frees its device memory
-        if close is not None:
-            close()
+        if self.engine is not None:
+            self.engine.close()  # the GPU engine frees its device memory

@@ -35,7 +35,7 @@ from ingot.runtime.server.request import ApiError, TextRequest
 from ingot.runtime.server.scheduler import Job, Scheduler
 
 MAX_BODY_BYTES = 1 << 20
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 5
 log = logging.getLogger("uvicorn.error")
 
 
@@ -61,7 +61,8 @@ def pick_gpu(requested: int | None) -> int:
 def open_serving_engine(opened: Opened, options: Options) -> Engine:
     """open_engine's device rule (auto: the GPU engine when a GPU is present and the engine loads), with a
     choice of GPU and the server's batch width and context."""
-    model, kw = opened.model, {"max_seqs": options.max_seqs, "max_ctx": options.ctx}
+    model = opened.model
+    kw: dict[str, Any] = {"max_seqs": options.max_seqs, "max_ctx": options.ctx}
     if options.device == "cpu" or (options.device == "auto" and not probe.probe().gpus):
         return open_engine(model, "cpu", **kw)
     try:
@@ -79,9 +80,7 @@ class Server:
         self.spec, self.options = spec, options
         self.model_id = Path(spec).stem  # `smollm2`, or the file name without .gguf/.ingot
         self.created = int(time.time())
-        self.model: Model | None = None
-        self.tokenizer: Tokenizer | None = None
-        self.engine: Engine | None = None
+        self._loaded: tuple[Model, Tokenizer, Engine] | None = None  # set by load(), on the engine thread
         self.metrics = Metrics(lambda: self.scheduler.stats)
         self.scheduler = Scheduler(self.metrics)
         self.on_failure: Callable[[BaseException], None] = lambda e: None
@@ -90,9 +89,8 @@ class Server:
         """On the engine thread, while the socket already answers."""
         t0 = time.perf_counter()
         opened = open_model(self.spec)
-        self.tokenizer = Tokenizer.from_model(opened.model)
-        self.model = opened.model
-        self.engine = open_serving_engine(opened, self.options)
+        tokenizer = Tokenizer.from_model(opened.model)
+        self._loaded = (opened.model, tokenizer, open_serving_engine(opened, self.options))
         log.info(
             "model %s loaded in %.1f s: %s, %d sequences of %d tokens",
             self.model_id,
@@ -106,6 +104,27 @@ class Server:
     @property
     def ready(self) -> bool:
         return self.scheduler.ready.is_set()
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded is not None
+
+    def _parts(self) -> tuple[Model, Tokenizer, Engine]:
+        if self._loaded is None:  # routes check `ready` first, so this is a bug, not a client error
+            raise RuntimeError("the model is used before it was loaded")
+        return self._loaded
+
+    @property
+    def model(self) -> Model:
+        return self._parts()[0]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._parts()[1]
+
+    @property
+    def engine(self) -> Engine:
+        return self._parts()[2]
 
     # --- per request ------------------------------------------------------------------------------
 
@@ -147,10 +166,11 @@ class Server:
             return await run_in_threadpool(chat_prompt, self.tokenizer, req.messages)
         if isinstance(req.prompt, str):
             return await run_in_threadpool(self.tokenizer.encode, req.prompt)
+        ids = list(req.prompt or [])
         n_vocab = self.tokenizer.n_vocab
-        if not all(0 <= t < n_vocab for t in req.prompt):
+        if not all(0 <= t < n_vocab for t in ids):
             raise ApiError(400, f"prompt token ids must be in 0..{n_vocab - 1}", param="prompt")
-        return list(req.prompt)
+        return ids
 
     async def start(self, req: TextRequest) -> Job:
         tokens = await self.prompt_tokens(req)
@@ -194,6 +214,7 @@ class Server:
             except ApiError as e:
                 yield error_event(e)
 
+        response: Response
         if media_type is None:
             response = EventSourceResponse(guarded(), sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S + 2)
         else:
@@ -201,8 +222,9 @@ class Server:
         return _CancelAtEnd(response, lambda: self.scheduler.cancel(job))
 
 
-class _CancelAtEnd:
-    """An ASGI response that runs `cancel` once the wrapped response is over, however it ended."""
+class _CancelAtEnd(Response):
+    """An ASGI response that runs `cancel` once the wrapped response is over, however it ended. A Response by
+    type only (what the routes return): all of ASGI is delegated to the wrapped response."""
 
     def __init__(self, response: Response, cancel: Callable[[], None]):
         self.response, self.cancel = response, cancel
