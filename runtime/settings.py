@@ -110,6 +110,13 @@ API_KEY = Setting(
     "a key string",
     "`ingot serve` requires this key (Authorization: Bearer KEY or x-api-key: KEY); same as --api-key.",
 )
+TEST_MODEL = Setting(
+    "INGOT_TEST_MODEL",
+    None,
+    Path,
+    "a GGUF path",
+    "Tests only: the real SmolLM2 GGUF, when it is not in the model cache (the end-to-end CPU tests skip without it).",
+)
 TEST_MODELS = Setting(
     "INGOT_TEST_MODELS",
     None,

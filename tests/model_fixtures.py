@@ -7,13 +7,13 @@ Synthetic models (runtime/synth.py) are written once per session.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
+from ingot.runtime import settings
 from ingot.runtime.model.fetch import model_path
 from ingot.runtime.model.gguf import load_model
 from ingot.runtime.model.synth import synthesize
@@ -21,7 +21,7 @@ from ingot.runtime.model.tokenizer import Tokenizer
 
 
 def _real_model_candidates() -> list[Path]:
-    env = os.environ.get("INGOT_TEST_MODEL")
+    env = settings.TEST_MODEL.get()
     return [model_path("smollm2"), *([Path(env)] if env else []), Path("/tmp/model/model.gguf")]
 
 
