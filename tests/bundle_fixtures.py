@@ -122,6 +122,15 @@ def toy_bundle(tmp_path_factory, kernel_dir, toy_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def selftest_bundle(tmp_path_factory, kernel_dir, tiny_llama) -> Path:
+    """A runnable bundle packed WITH its self-test record (the CPU reference logits `verify --device` checks)."""
+    from ingot.toolchain.pack import pack
+    out = tmp_path_factory.mktemp("bundles") / "tiny-selftest.ingot"
+    pack(tiny_llama, kernels=kernel_dir, out=out, selftest=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def big_bundle(tmp_path_factory, kernel_dir, big_model) -> Path:
     from ingot.toolchain.pack import pack
     out = tmp_path_factory.mktemp("bundles") / "big.ingot"

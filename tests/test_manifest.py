@@ -49,6 +49,8 @@ def _manifest() -> dict:
             "provenance": "provenance.json",
             "kernels": [{"name": "norm", "path": "kernels/norm.fatbin", "sha256": k, "size": 1}],
             "model": {"path": "model/m.gguf", "sha256": digest, "size": CHUNK_SIZE + 5},
+            "selftest": {"tokens": [1, 2], "argmax": 7, "top_ids": [7, 3], "top_logits": [12.5, 11.25],
+                         "logsumexp": 13.0},
             "files": [file_entry("kernels/norm.fatbin", 1, k, []), big, file_entry("provenance.json", 1, p, [])]}
 
 
@@ -67,7 +69,10 @@ def test_any_changed_field_changes_the_root():
     m = _manifest()
     seal(m)
     for mutate in (lambda x: x.__setitem__("name", "other"), lambda x: x["toolchain"].__setitem__("nvcc", "12.0"),
-                   lambda x: x["files"][0].__setitem__("size", 2)):
+                   lambda x: x["files"][0].__setitem__("size", 2),
+                   # the self-test record is what `verify --device` trusts: it must be covered by the root too
+                   lambda x: x["selftest"]["top_logits"].__setitem__(0, 99.0),
+                   lambda x: x["selftest"].__setitem__("argmax", 3), lambda x: x.pop("selftest")):
         other = copy.deepcopy(m)
         mutate(other)
         assert root_digest(other) != m["root_digest"]
