@@ -62,6 +62,19 @@ def test_possible_stop_prefix_is_held_then_released(tiny_tokenizer):
     assert "".join(texts) == " hello world, the" and chunks[-1].finish_reason == "length"
 
 
+@pytest.mark.parametrize("end", ["eos", "length", "full context"])
+def test_held_back_stop_prefix_is_released_when_generation_ends(tiny_tokenizer, end):
+    """" world" could begin the stop string "worlds", so it is held back; when generation ends there (an end token,
+    max_tokens or a full context) it was not a stop string after all and must still be emitted."""
+    script = tiny_tokenizer.encode(" hello world")
+    kw = {"eos": dict(max_tokens=50), "length": dict(max_tokens=len(script)),
+          "full context": dict(max_tokens=50, max_ctx=len(script))}[end]     # prompt 1 + generated n-1 fed back
+    chunks, _ = _run(tiny_tokenizer, script + [2] if end == "eos" else script + [100] * 5, stop=["worlds"], **kw)
+    assert "".join(c.text for c in chunks) == " hello world"
+    assert sum(len(c.token_ids) for c in chunks) == len(script)
+    assert chunks[-1].finish_reason == ("eos" if end == "eos" else "length")
+
+
 def test_stop_string_inside_one_token_and_at_the_very_end(tiny_tokenizer):
     script = tiny_tokenizer.encode(" the capital")
     chunks, _ = _run(tiny_tokenizer, script, max_tokens=len(script), stop=["pital"])
