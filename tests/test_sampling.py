@@ -2,6 +2,9 @@
 import numpy as np
 import pytest
 
+from sampling_reference import (FILTERS, FIVE, TEMPERATURES, assert_draws_match, filtered_distribution, penalized,
+                                top_p_margin)
+
 from ingot.runtime.sampling import SamplingParams, penalize_repeats, sample
 from ingot.toolchain.errors import UsageError
 
@@ -41,6 +44,36 @@ def test_top_k_top_p_min_p_cut_the_tail():
     # min-p 0.45: keep p >= 0.18
     assert set(np.nonzero(_draws(logits, SamplingParams(temperature=1.0, min_p=0.45)))[0]) == {0, 1, 2}
     assert set(np.nonzero(_draws(logits, SamplingParams(temperature=1.0, top_p=0.01)))[0]) == {0}
+
+
+DRAWS = 10_000        # see sampling_reference.ALPHA for the significance level and the power at this count
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("case", range(len(FILTERS)),
+                         ids=[f"{len(x)}-{'-'.join(kw) or 'none'}" for x, kw in FILTERS])
+def test_draws_follow_the_exact_filtered_distribution(case, temperature):
+    """Chi-square of 10,000 seeded draws against filtered_distribution: top-k/top-p/min-p cut the untempered
+    distribution, then temperature reshapes the survivors (llama.cpp's chain)."""
+    logits, kw = FILTERS[case]
+    kw = dict(kw)
+    recent, penalty = kw.pop("recent", []), kw.pop("penalty", 1.0)
+    if "top_p" in kw:
+        assert top_p_margin(penalized(logits, penalty, recent), kw["top_p"], kw.get("top_k", 0)) > 0.01
+    probs = filtered_distribution(logits, temperature=temperature, penalty=penalty, recent=recent, **kw)
+    params = SamplingParams(temperature=temperature, repetition_penalty=penalty, **kw)
+    seed = 1000 + 10 * case + TEMPERATURES.index(temperature)
+    counts = _draws(logits, params, n=DRAWS, seed=seed, recent=recent)
+    assert_draws_match(counts, probs, f"T={temperature} {kw} penalty={penalty} recent={recent} (seed {seed})")
+
+
+def test_filters_ignore_temperature_but_temperature_reshapes_the_survivors():
+    """The reference itself, on the case the issue names: top_p 0.75 keeps {0, 1, 2} at every temperature."""
+    for t in TEMPERATURES:
+        assert list(np.nonzero(filtered_distribution(FIVE, temperature=t, top_p=0.75))[0]) == [0, 1, 2]
+    cold, hot = (filtered_distribution(FIVE, temperature=t, top_p=0.75) for t in (0.5, 1.7))
+    np.testing.assert_allclose(cold[:3], np.array([0.16, 0.09, 0.04]) / 0.29)          # p^2, renormalized
+    assert hot[2] > filtered_distribution(FIVE, temperature=1.0, top_p=0.75)[2] > cold[2]
 
 
 def test_repetition_penalty_follows_llama_cpp():
