@@ -143,3 +143,57 @@ def test_greedy_generation_continues_the_real_prompt(real_model, real_tokenizer)
     chunks = list(generate(engine, real_tokenizer, real_tokenizer.encode("The capital of France is"),
                            max_tokens=3))
     assert "".join(c.text for c in chunks).startswith(" Paris")
+
+
+# --- edges the mutation run found untested (tests/MUTATION.md) ----------------------------------------------
+
+def test_stop_strings_unit():
+    from ingot.runtime.generate import StopStrings
+
+    s = StopStrings([".", "", "xyz"])                        # an empty stop string is ignored
+    assert s.push("a.b.") == ("a", True)                     # the FIRST occurrence cuts
+    assert s.push("q") == ("q", False)                       # nothing left pending after a hit
+    s = StopStrings(["xyz"])
+    assert s.push("abxy") == ("ab", False) and s.flush() == "xy"
+    assert s.push("x") == ("", False) and s.push("1") == ("x1", False)
+    assert s.flush() == ""
+
+
+def test_one_token_and_a_prompt_that_fills_the_context(tiny_tokenizer):
+    chunks, _ = _run(tiny_tokenizer, [100, 100], max_tokens=1)
+    assert len(chunks) == 1 and chunks[0].token_ids == (100,) and chunks[0].finish_reason == "length"
+    chunks, engine = _run(tiny_tokenizer, [100, 100], prompt=[5, 6, 7], max_ctx=3, max_tokens=10)
+    assert len(chunks) == 1 and chunks[0].finish_reason == "length"
+
+
+def test_request_errors_say_what_to_do(tiny_tokenizer):
+    engine = ScriptedEngine([100], max_ctx=2)
+    with pytest.raises(UsageError) as e:
+        list(generate(engine, tiny_tokenizer, [1, 2, 3]))
+    assert e.value.hint == "shorten the prompt"
+    for prompt, kw, says in (([], {}, "the prompt is empty"), ([1], dict(max_tokens=0), "max tokens must be at least 1")):
+        with pytest.raises(UsageError) as e:
+            list(generate(engine, tiny_tokenizer, prompt, **kw))
+        assert e.value.message == says
+
+
+def test_generation_state_and_token_accounting(tiny_tokenizer):
+    from ingot.runtime.generate import Generation, GenerationRequest
+
+    script = tiny_tokenizer.encode(" hello world, the capital")
+    g = Generation(tiny_tokenizer, GenerationRequest((5,), max_tokens=50, stop=(", the",)))
+    assert g.finish_reason is None and g.n_generated == 0
+    chunks = []
+    for t in script:
+        chunks.append(g.accept(t))
+        if chunks[-1].finish_reason:
+            break
+    assert chunks[-1].finish_reason == g.finish_reason == "stop" and len(chunks[-1].token_ids) == 1
+    assert sum(len(c.token_ids) for c in chunks) == len(chunks) == g.n_generated < len(script)
+    assert "".join(c.text for c in chunks) == " hello world"
+
+
+def test_a_character_cut_off_at_the_end_is_not_dropped(tiny_tokenizer):
+    """Generation that ends inside a multi-byte character emits U+FFFD for it rather than losing it silently."""
+    chunks, _ = _run(tiny_tokenizer, _byte_tokens("ok") + _byte_tokens("é")[:1], max_tokens=3)
+    assert "".join(c.text for c in chunks) == "ok\ufffd" and chunks[-1].finish_reason == "length"
