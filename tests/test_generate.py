@@ -36,7 +36,7 @@ class ScriptedEngine:
 
 def _run(tokenizer, script, prompt=(5,), **kw):
     engine = ScriptedEngine(script, kw.pop("max_ctx", 1000))
-    chunks = list(generate(engine, tokenizer, list(prompt), SamplingParams(), **kw))
+    chunks = list(generate(engine, tokenizer, list(prompt), **kw))
     return chunks, engine
 
 
@@ -197,3 +197,28 @@ def test_a_character_cut_off_at_the_end_is_not_dropped(tiny_tokenizer):
     """Generation that ends inside a multi-byte character emits U+FFFD for it rather than losing it silently."""
     chunks, _ = _run(tiny_tokenizer, _byte_tokens("ok") + _byte_tokens("é")[:1], max_tokens=3)
     assert "".join(c.text for c in chunks) == "ok\ufffd" and chunks[-1].finish_reason == "length"
+
+
+def test_the_first_word_keeps_its_leading_space_with_a_sentencepiece_vocabulary():
+    """A SentencePiece decoder drops the space of a text's first piece, so the decoder's window must start inside
+    the prompt: " sat" after "the cat" must come out with its space."""
+    from test_tokenizer import _spm_vocab
+
+    from ingot.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(_spm_vocab(0))
+    ids = tok.encode("the cat sat on the mat")                 # BOS ▁the ▁cat ▁sat ▁on ▁the ▁mat
+    prompt, script = ids[:3], ids[3:]
+    assert tok.decode(script[:1]) == "sat"                     # the decoder alone would lose the space
+    chunks, _ = _run(tok, script, prompt=prompt, max_tokens=len(script))
+    assert "".join(c.text for c in chunks) == " sat on the mat"
+
+
+def test_default_max_tokens_is_256(tiny_tokenizer):
+    chunks, _ = _run(tiny_tokenizer, [100] * 300)
+    assert len(chunks) == 256 and chunks[-1].finish_reason == "length"
+
+
+def test_a_stop_string_completed_by_the_final_flush_still_stops(tiny_tokenizer):
+    chunks, _ = _run(tiny_tokenizer, _byte_tokens("ok") + _byte_tokens("é")[:1], max_tokens=3, stop=["\ufffd"])
+    assert "".join(c.text for c in chunks) == "ok" and chunks[-1].finish_reason == "stop"
