@@ -39,6 +39,7 @@ def _ollama_generate(body=None, **options):
 def test_openai_passes_sampling_fields_through(parse):
     p = parse(temperature=0.35, top_p=0.6, seed=1234).params
     assert (p.temperature, p.top_p, p.seed) == (0.35, 0.6, 1234)
+    assert parse(seed=0).params.seed == 0
     assert parse(temperature=0).params.greedy and parse(temperature=0.0).params.greedy
     assert parse(temperature=2).params.temperature == 2.0 and isinstance(parse(temperature=2).params.temperature, float)
     # OpenAI's defaults: temperature 1, top_p 1, no seed, no top-k/min-p/penalty (the API has none)
@@ -131,6 +132,11 @@ def test_fields_and_text_parts():
     assert isinstance(f.get("a", float), float) and f.get("a", int, float) == 1
     assert f.fields("o").get("k", int) == 2 and f.fields("o").name("k") == "body.o.k"
     assert f.fields("missing") is None and f.strings("s") == ("x",) and f.strings("missing") == ()
+    with pytest.raises(ApiError, match="body.missing is required"):
+        f.fields("missing", required=True)
+    with pytest.raises(ApiError) as e:
+        f.get("s", int, float)
+    assert e.value.message == "body.s must be an integer or a number"
     assert f.at_least("a", 1) == 1 and f.at_least("missing", 5, default=6) == 6
     for call, param in ((lambda: f.get("missing", int, required=True), "body.missing"),
                         (lambda: f.get("s", int), "body.s"), (lambda: f.at_least("a", 2), "body.a"),
@@ -142,8 +148,11 @@ def test_fields_and_text_parts():
         Fields("text")
     assert text_of("plain", "c") == "plain"
     assert text_of([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "c") == "a\nb"
-    for bad, says in (([{"type": "image", "text": "a"}], "'image' is not supported"), (5, "must be a string"),
-                      ([{"type": "text"}], "c[0].text is required")):
+    for bad, says, param in (([{"type": "image", "text": "a"}], "c[0].type 'image' is not supported; only text is",
+                               "c[0].type"),
+                              (5, "c must be a string or an array of text parts", "c"),
+                              ([{"type": "text"}], "c[0].text is required", "c[0].text"),
+                              ([{"text": "a"}], "c[0].type is required", "c[0].type")):
         with pytest.raises(ApiError) as e:
             text_of(bad, "c")
-        assert says in e.value.message
+        assert (e.value.status, e.value.message, e.value.param) == (400, says, param)
