@@ -3,11 +3,13 @@
 // Per sequence b, from logits [B, V] fp32 and per-sequence parameters:
 //   1. repetition penalty over the distinct tokens in hist[b, :hist_len[b]] (llama.cpp's rule: divide positive
 //      logits by the penalty, multiply negative ones);
-//   2. temperature <= 0: argmax (ties -> lowest id). Otherwise z = logit / temperature and a candidate threshold t
-//      (z >= t) from min-p (z >= max + log(min_p)), top-k (the k-th largest z, by bisection on t) and top-p (the
-//      largest t whose candidates still hold top_p of the probability mass, by bisection);
-//   3. draw u ~ U[0,1) from a counter-based hash of (seed[b], counter[b]) — the same seed and position give the
-//      same token — and pick the first token, in id order, whose cumulative weight exp(z - max) passes u * total.
+//   2. temperature <= 0: argmax (ties -> lowest id). Otherwise a candidate threshold t (logit >= t) on the
+//      untempered logits, in llama.cpp's order (runtime/sampling.py is the reference): top-k (the k-th largest
+//      logit, by bisection on t), then top-p over the top-k candidates (the largest t whose candidates still hold
+//      top_p of their untempered probability mass, by bisection), then min-p (logit >= max + log(min_p));
+//   3. temperature applies to the survivors only: draw u ~ U[0,1) from a counter-based hash of (seed[b],
+//      counter[b]) — the same seed and position give the same token — and pick the first token, in id order,
+//      whose cumulative weight exp((logit - max) / temperature) passes u * total.
 // When V*4 bytes fit in shared memory the logits are staged there, since each bisection step re-reads them.
 #include "common.cuh"
 
@@ -86,47 +88,47 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
         if (tid == 0) out_token[b] = best.i;
         return;
     }
-    const float inv_t = 1.0f / temp, zmax = best.v * inv_t;
+    const float inv_t = 1.0f / temp, zmax = best.v;            // the filters read the untempered logits z
 
     float t = -INFINITY;                                       // candidates: z >= t
-    if (min_p[b] > 0.0f) t = zmax + __logf(min_p[b]);
     const int k = top_k[b];
     if (k > 0 && k < V) {                                      // largest t with count(z >= t) >= k
         float zmin = INFINITY;
-        for (int i = tid; i < V; i += blockDim.x) zmin = fminf(zmin, z[i] * inv_t);
+        for (int i = tid; i < V; i += blockDim.x) zmin = fminf(zmin, z[i]);
         float lo = -block_max(-zmin, red), hi = zmax;
         for (int step = 0; step < BISECT_STEPS; step++) {
             const float mid = 0.5f * (lo + hi);
             float cnt = 0.0f;
-            for (int i = tid; i < V; i += blockDim.x) cnt += z[i] * inv_t >= mid ? 1.0f : 0.0f;
+            for (int i = tid; i < V; i += blockDim.x) cnt += z[i] >= mid ? 1.0f : 0.0f;
             if (block_sum(cnt, red) >= k) lo = mid; else hi = mid;
         }
-        t = fmaxf(t, lo);
+        t = lo;
     }
-    float total = 0.0f;
-    for (int i = tid; i < V; i += blockDim.x) { const float zi = z[i] * inv_t; if (zi >= t) total += __expf(zi - zmax); }
-    total = block_sum(total, red);
     const float p = top_p[b];
-    if (p < 1.0f) {                                            // largest t' >= t keeping mass >= p * total
+    if (p < 1.0f) {                                            // largest t' >= t keeping mass >= p * mass(z >= t)
+        float total = 0.0f;
+        for (int i = tid; i < V; i += blockDim.x) if (z[i] >= t) total += __expf(z[i] - zmax);
+        total = block_sum(total, red);
         float lo = t == -INFINITY ? zmax - 80.0f : t, hi = zmax;
         for (int step = 0; step < BISECT_STEPS; step++) {
             const float mid = 0.5f * (lo + hi);
             float mass = 0.0f;
-            for (int i = tid; i < V; i += blockDim.x) { const float zi = z[i] * inv_t; if (zi >= mid) mass += __expf(zi - zmax); }
+            for (int i = tid; i < V; i += blockDim.x) if (z[i] >= mid) mass += __expf(z[i] - zmax);
             if (block_sum(mass, red) >= p * total) lo = mid; else hi = mid;
         }
         t = fmaxf(t, lo);
-        total = 0.0f;
-        for (int i = tid; i < V; i += blockDim.x) { const float zi = z[i] * inv_t; if (zi >= t) total += __expf(zi - zmax); }
-        total = block_sum(total, red);
     }
+    if (min_p[b] > 0.0f) t = fmaxf(t, zmax + __logf(min_p[b]));
+    float total = 0.0f;                                        // the tempered mass of the candidates
+    for (int i = tid; i < V; i += blockDim.x) if (z[i] >= t) total += __expf((z[i] - zmax) * inv_t);
+    total = block_sum(total, red);
 
     // 3. inverse-CDF draw in id order: each thread owns a contiguous chunk of ids
     const unsigned long long r = splitmix64(seed[b] ^ splitmix64((unsigned long long)counter[b]));
     const float target = (float)((r >> 11) * (1.0 / 9007199254740992.0)) * total;
     const int per = (V + blockDim.x - 1) / blockDim.x, lo_i = tid * per, hi_i = min(V, lo_i + per);
     float mine = 0.0f;
-    for (int i = lo_i; i < hi_i; i++) { const float zi = z[i] * inv_t; if (zi >= t) mine += __expf(zi - zmax); }
+    for (int i = lo_i; i < hi_i; i++) if (z[i] >= t) mine += __expf((z[i] - zmax) * inv_t);
     chunk_sums[tid] = mine;
     __syncthreads();
     if (tid == 0) {                                            // 1024 partial sums: a serial scan is cheap
@@ -140,9 +142,8 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
         if (owner >= 0) {
             const int a = owner * per, e = min(V, a + per);
             for (int i = a; i < e; i++) {
-                const float zi = z[i] * inv_t;
-                if (zi < t) continue;
-                run += __expf(zi - zmax);
+                if (z[i] < t) continue;
+                run += __expf((z[i] - zmax) * inv_t);
                 tok = i;
                 if (run > target) break;
             }

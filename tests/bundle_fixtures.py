@@ -111,7 +111,8 @@ def big_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A runnable tiny Llama (random weights, real tokenizer), from `ingot model synth --shape tiny`."""
-    synth = pytest.importorskip("ingot.runtime.model.synth", reason="the runtime's model synthesizer is not here")
+    from ingot.runtime.model import synth
+
     return synth.synthesize("tiny", "Q8_0", tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
 
 
@@ -121,6 +122,16 @@ def toy_bundle(tmp_path_factory, kernel_dir, toy_model) -> Path:
 
     out = tmp_path_factory.mktemp("bundles") / "toy.ingot"
     pack(toy_model, kernels=kernel_dir, out=out, selftest=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def selftest_bundle(tmp_path_factory, kernel_dir, tiny_llama) -> Path:
+    """A runnable bundle packed WITH its self-test record (the CPU reference logits `verify --device` checks)."""
+    from ingot.toolchain.pack import pack
+
+    out = tmp_path_factory.mktemp("bundles") / "tiny-selftest.ingot"
+    pack(tiny_llama, kernels=kernel_dir, out=out, selftest=True)
     return out
 
 

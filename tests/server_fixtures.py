@@ -38,7 +38,7 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: Path | str, *args: str):
-        self.args = [sys.executable, "-m", "ingot.toolchain", "serve", str(model), *args]
+        self.args = [sys.executable, "-m", "ingot", "serve", str(model), *args]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="ingot-serve-", suffix=".log", delete=False)
         self._start()
 

@@ -12,7 +12,14 @@ import subprocess
 import pytest
 
 from ingot.runtime.errors import UsageError
-from ingot.runtime.gpu.compat import DRIVER_FOR_CUDA, PTX_ISA_TO_CUDA, decide, parse_driver
+from ingot.runtime.gpu.compat import (
+    DRIVER_FOR_CUDA,
+    PTX_ISA_TO_CUDA,
+    decide,
+    driver_for_cuda,
+    driver_from_cuda_int,
+    parse_driver,
+)
 from ingot.runtime.gpu.fatbin import Entry, Fatbin
 from ingot.toolchain.check import modules_in
 
@@ -51,6 +58,12 @@ CASES = [
     ("closest SASS wins", [sass("sm_80"), sass("sm_86")], 89, "580.65.06", "native", "sm_86"),
     ("sm90a on 9.0", [sass("sm_90a")], 90, "580.65.06", "native", "sm_90a"),
     ("sm90a not on 10.0", [sass("sm_90a")], 100, "580.65.06", "incompatible", None),
+    # arch-specific SASS runs on exactly its own CC, not on a later minor of the same major (unlike plain/family)
+    ("sm100a on 10.0", [sass("sm_100a")], 100, "580.65.06", "native", "sm_100a"),
+    ("sm100a not on 10.3", [sass("sm_100a")], 103, "580.65.06", "incompatible", None),
+    ("sm120a not on 12.1", [sass("sm_120a")], 121, "580.65.06", "incompatible", None),
+    ("sm100a skipped for sm100 on 10.3", [sass("sm_100a"), sass("sm_100")], 103, "580.65.06", "native", "sm_100"),
+    ("sm100a on 10.3 falls back to PTX", [sass("sm_100a"), ptx("compute_100")], 103, "13.0", "jit", "compute_100"),
     ("sm100f on 10.3", [sass("sm_100f")], 103, "580.65.06", "native", "sm_100f"),
     ("sm100f not on 12.0 (other family)", [sass("sm_100f")], 120, "580.65.06", "incompatible", None),
     ("sm103f not on 10.0", [sass("sm_103f")], 100, "580.65.06", "incompatible", None),
@@ -72,8 +85,30 @@ CASES = [
     ),
     ("compute_90a only on 9.0", [ptx("compute_90a")], 90, "13.0", "jit", "compute_90a"),
     ("compute_90a not on 10.0", [ptx("compute_90a")], 100, "13.0", "incompatible", None),
+    ("compute_100a not on 10.3", [ptx("compute_100a")], 103, "13.0", "incompatible", None),
     ("compute_100f on 10.3", [ptx("compute_100f")], 103, "13.0", "jit", "compute_100f"),
     ("compute_100f not on 11.0", [ptx("compute_100f")], 110, "13.0", "incompatible", None),
+    ("compute_100f on 10.0", [ptx("compute_100f")], 100, "13.0", "jit", "compute_100f"),
+    ("compute_103f on 10.3", [ptx("compute_103f")], 103, "13.0", "jit", "compute_103f"),
+    ("compute_103f not on 10.0", [ptx("compute_103f")], 100, "13.0", "incompatible", None),
+    ("compute_101f not on 10.0", [ptx("compute_101f")], 100, "13.0", "incompatible", None),
+    ("sm90a preferred to sm90 on 9.0", [sass("sm_90"), sass("sm_90a")], 90, "580.65.06", "native", "sm_90a"),
+    (
+        "refused SASS, next SASS runs",
+        [sass("sm_86", "13.0"), sass("sm_80", "12.8")],
+        86,
+        "575.51.03",
+        "native",
+        "sm_80",
+    ),
+    (
+        "too-new PTX, next PTX JITs",
+        [ptx("compute_90", "9.5"), ptx("compute_80", "8.7")],
+        90,
+        "13.0",
+        "jit",
+        "compute_80",
+    ),
     ("no image at all", [sass("sm_75"), ptx("compute_120")], 80, "13.0", "incompatible", None),
     ("13.x SASS on 575: minor-version floor", [sass("sm_80", "13.0")], 80, "575.51.03", "incompatible", None),
     ("13.x SASS on 580.65.06", [sass("sm_80", "13.0")], 80, "580.65.06", "native", "sm_80"),
@@ -127,6 +162,12 @@ CASES = [
 def test_decision(images, cc, driver, verdict, image):
     d = decide(Fatbin(entries=tuple(images), size=0, kernels=("k",)), cc, parse_driver(driver), module="m.fatbin")
     assert (d.verdict, d.image) == (verdict, image), d.reason
+    assert d.module == "m.fatbin"
+    assert (
+        re.search(rf"compute capability {cc // 10}\.{cc % 10}(?![\d.])", d.reason)
+        or "minor-version compatibility" in d.reason
+    )
+    assert d.as_dict() == {"module": "m.fatbin", "verdict": verdict, "image": image, "reason": d.reason, "fix": d.fix}
     assert "\n" not in d.reason
     if verdict == "incompatible":
         assert d.fix and "\n" not in d.fix
@@ -145,7 +186,38 @@ def test_reasons_name_the_cause():
     d = decide(Fatbin(entries=(ptx("compute_90", "9.5"),), size=0), 90, parse_driver("616.56"))
     assert "cannot tell" in d.reason and "--driver" in d.fix
     d = decide(Fatbin(entries=(ptx("compute_90", "9.5"),), size=0), 90, parse_driver("13.0"))
-    assert "CUDA 13.5" in d.reason
+    assert "CUDA 13.5" in d.reason and d.fix.endswith("upgrade the driver to one that supports CUDA 13.5")
+    d = decide(Fatbin(entries=(ptx("compute_90", "9.1"),), size=0), 90, parse_driver("13.0"))
+    assert d.fix.endswith("upgrade the driver to >= 590.44.01")
+    d = decide(Fatbin(entries=(ptx("compute_90", "9.5"),), size=0), 90, parse_driver("616.56"))
+    assert f"(last: {DRIVER_FOR_CUDA[-1][1]})" in d.reason and "e.g. --driver 13.5" in d.fix
+    assert d.fix == (
+        "pass --driver as the CUDA version that `nvidia-smi` shows for it (e.g. --driver 13.5), "
+        "or run `ingot check-compat` on that machine"
+    )
+    assert decide(Fatbin(entries=(), size=0), 90, parse_driver("13.0")).module == "module"  # the default label
+    d = decide(Fatbin(entries=(sass("sm_100", "12.8"),), size=0), 100, parse_driver("560.28.03"))
+    assert d.fix == "upgrade the driver to >= 570.26"
+    d = decide(Fatbin(entries=(sass("sm_80", "13.0"),), size=0), 80, parse_driver("575.51.03"))
+    assert d.fix.endswith("rebuild with a CUDA 12.x toolkit")
+    d = decide(Fatbin(entries=(sass("sm_75"), ptx("compute_120")), size=0), 80, parse_driver("13.0"))
+    assert "the module holds sm_75, compute_120 (CUDA_ERROR_NO_BINARY_FOR_GPU)" in d.reason
+
+
+def test_driver_lookups():
+    assert driver_for_cuda((12, 8)) == "570.26" and driver_for_cuda((12, 7)) == "570.26"
+    assert driver_for_cuda((13, 9)) is None
+    d = driver_from_cuda_int("580.65.06", 13000)
+    assert (d.version, d.cuda, d.cuda_is_lower_bound) == ("580.65.06", (13, 0), False)
+    assert driver_from_cuda_int(None, 12080).cuda == (12, 8) and driver_from_cuda_int(None, 12080).label == "CUDA 12.8"
+    assert parse_driver("535.104.05").version == "535.104.05" and parse_driver("12.2").version is None
+    assert not parse_driver("610.50").cuda_is_lower_bound  # the newest branch in the table is known
+    with pytest.raises(UsageError, match="driver 440.33 is older than CUDA 11.0") as e:
+        parse_driver("440.33")
+    assert e.value.hint == "Ingot needs a CUDA 12.0+ driver"
+    with pytest.raises(UsageError, match="cannot read driver version 'banana'") as e:
+        parse_driver("banana")
+    assert e.value.hint == "pass a driver version like 535.104.05 or the CUDA version it supports, like 12.2"
 
 
 # Linux driver of each toolkit GA, from the CUDA release notes (Table 3), and what a driver between them means.
@@ -206,6 +278,29 @@ def test_modules_in(tmp_path):
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "a.fatbin").write_bytes(b"")
     assert [p.name for p in modules_in(tmp_path)] == ["a.fatbin"]
+    (tmp_path / "b.fatbin").write_bytes(b"")  # a build folder: its own fatbins come first
+    (tmp_path / "c.fatbin").write_bytes(b"")
+    assert [p.name for p in modules_in(tmp_path)] == ["b.fatbin", "c.fatbin"]
+    assert modules_in(tmp_path / "c.fatbin") == [tmp_path / "c.fatbin"]
+    with pytest.raises(UsageError) as e:
+        modules_in(tmp_path / "kernels" / "none")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError) as e:
+        modules_in(tmp_path / "empty")
+    assert e.value.hint == "run `ingot build` first, or pass a fatbin"
+
+
+def test_check_paths_reads_a_bundles_own_fatbins_and_plain_fatbins(toy_bundle, kernel_dir, stamp_cache):
+    from ingot.toolchain.check import check_paths
+
+    decisions = check_paths([toy_bundle], 90, parse_driver("580.65.06"))
+    names = sorted(p.name for p in kernel_dir.glob("*.fatbin"))
+    assert sorted(d.module for d in decisions) == names
+    assert {(d.verdict, d.image) for d in decisions} == {("native", "sm_90")}
+    decisions = check_paths(sorted(kernel_dir.glob("*.fatbin")), 100, parse_driver("13.0"))  # sm_90 + compute_90
+    assert [d.module for d in decisions] == names and {(d.verdict, d.image) for d in decisions} == {
+        ("jit", "compute_90")
+    }
 
 
 # --- on a real GPU: the driver must agree with decide() ---------------------------------------------------

@@ -37,7 +37,7 @@ class ScriptedEngine:
 
 def _run(tokenizer, script, prompt=(5,), **kw):
     engine = ScriptedEngine(script, kw.pop("max_ctx", 1000))
-    chunks = list(generate(engine, tokenizer, list(prompt), SamplingParams(), **kw))
+    chunks = list(generate(engine, tokenizer, list(prompt), **kw))
     return chunks, engine
 
 
@@ -61,6 +61,22 @@ def test_possible_stop_prefix_is_held_then_released(tiny_tokenizer):
     assert texts[world] == " "  # "world" could begin "worlds": held back ...
     assert texts[world + 1] == "world,"  # ... and released once "," rules that out
     assert "".join(texts) == " hello world, the" and chunks[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("end", ["eos", "length", "full context"])
+def test_held_back_stop_prefix_is_released_when_generation_ends(tiny_tokenizer, end):
+    """ " world" could begin the stop string "worlds", so it is held back; when generation ends there (an end token,
+    max_tokens or a full context) it was not a stop string after all and must still be emitted."""
+    script = tiny_tokenizer.encode(" hello world")
+    kw = {
+        "eos": dict(max_tokens=50),
+        "length": dict(max_tokens=len(script)),
+        "full context": dict(max_tokens=50, max_ctx=len(script)),
+    }[end]  # prompt 1 + generated n-1 fed back
+    chunks, _ = _run(tiny_tokenizer, script + [2] if end == "eos" else script + [100] * 5, stop=["worlds"], **kw)
+    assert "".join(c.text for c in chunks) == " hello world"
+    assert sum(len(c.token_ids) for c in chunks) == len(script)
+    assert chunks[-1].finish_reason == ("eos" if end == "eos" else "length")
 
 
 def test_stop_string_inside_one_token_and_at_the_very_end(tiny_tokenizer):
@@ -131,3 +147,86 @@ def test_greedy_generation_continues_the_real_prompt(real_model, real_tokenizer)
     engine = CpuEngine(real_model, max_seqs=1, max_ctx=256)
     chunks = list(generate(engine, real_tokenizer, real_tokenizer.encode("The capital of France is"), max_tokens=3))
     assert "".join(c.text for c in chunks).startswith(" Paris")
+
+
+# --- edges the mutation run found untested (tests/MUTATION.md) ----------------------------------------------
+
+
+def test_stop_strings_unit():
+    from ingot.runtime.generate import StopStrings
+
+    s = StopStrings([".", "", "xyz"])  # an empty stop string is ignored
+    assert s.push("a.b.") == ("a", True)  # the FIRST occurrence cuts
+    assert s.push("q") == ("q", False)  # nothing left pending after a hit
+    s = StopStrings(["xyz"])
+    assert s.push("abxy") == ("ab", False) and s.flush() == "xy"
+    assert s.push("x") == ("", False) and s.push("1") == ("x1", False)
+    assert s.flush() == ""
+
+
+def test_one_token_and_a_prompt_that_fills_the_context(tiny_tokenizer):
+    chunks, _ = _run(tiny_tokenizer, [100, 100], max_tokens=1)
+    assert len(chunks) == 1 and chunks[0].token_ids == (100,) and chunks[0].finish_reason == "length"
+    chunks, engine = _run(tiny_tokenizer, [100, 100], prompt=[5, 6, 7], max_ctx=3, max_tokens=10)
+    assert len(chunks) == 1 and chunks[0].finish_reason == "length"
+
+
+def test_request_errors_say_what_to_do(tiny_tokenizer):
+    engine = ScriptedEngine([100], max_ctx=2)
+    with pytest.raises(UsageError) as e:
+        list(generate(engine, tiny_tokenizer, [1, 2, 3]))
+    assert e.value.hint == "shorten the prompt"
+    for prompt, kw, says in (
+        ([], {}, "the prompt is empty"),
+        ([1], dict(max_tokens=0), "max tokens must be at least 1"),
+    ):
+        with pytest.raises(UsageError) as e:
+            list(generate(engine, tiny_tokenizer, prompt, **kw))
+        assert e.value.message == says
+
+
+def test_generation_state_and_token_accounting(tiny_tokenizer):
+    from ingot.runtime.generate import Generation, GenerationRequest
+
+    script = tiny_tokenizer.encode(" hello world, the capital")
+    g = Generation(tiny_tokenizer, GenerationRequest((5,), max_tokens=50, stop=(", the",)))
+    assert g.finish_reason is None and g.n_generated == 0
+    chunks = []
+    for t in script:
+        chunks.append(g.accept(t))
+        if chunks[-1].finish_reason:
+            break
+    assert chunks[-1].finish_reason == g.finish_reason == "stop" and len(chunks[-1].token_ids) == 1
+    assert sum(len(c.token_ids) for c in chunks) == len(chunks) == g.n_generated < len(script)
+    assert "".join(c.text for c in chunks) == " hello world"
+
+
+def test_a_character_cut_off_at_the_end_is_not_dropped(tiny_tokenizer):
+    """Generation that ends inside a multi-byte character emits U+FFFD for it rather than losing it silently."""
+    chunks, _ = _run(tiny_tokenizer, _byte_tokens("ok") + _byte_tokens("é")[:1], max_tokens=3)
+    assert "".join(c.text for c in chunks) == "ok\ufffd" and chunks[-1].finish_reason == "length"
+
+
+def test_the_first_word_keeps_its_leading_space_with_a_sentencepiece_vocabulary():
+    """A SentencePiece decoder drops the space of a text's first piece, so the decoder's window must start inside
+    the prompt: " sat" after "the cat" must come out with its space."""
+    from test_tokenizer import _spm_vocab
+
+    from ingot.runtime.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(_spm_vocab(0))
+    ids = tok.encode("the cat sat on the mat")  # BOS ▁the ▁cat ▁sat ▁on ▁the ▁mat
+    prompt, script = ids[:3], ids[3:]
+    assert tok.decode(script[:1]) == "sat"  # the decoder alone would lose the space
+    chunks, _ = _run(tok, script, prompt=prompt, max_tokens=len(script))
+    assert "".join(c.text for c in chunks) == " sat on the mat"
+
+
+def test_default_max_tokens_is_256(tiny_tokenizer):
+    chunks, _ = _run(tiny_tokenizer, [100] * 300)
+    assert len(chunks) == 256 and chunks[-1].finish_reason == "length"
+
+
+def test_a_stop_string_completed_by_the_final_flush_still_stops(tiny_tokenizer):
+    chunks, _ = _run(tiny_tokenizer, _byte_tokens("ok") + _byte_tokens("é")[:1], max_tokens=3, stop=["\ufffd"])
+    assert "".join(c.text for c in chunks) == "ok" and chunks[-1].finish_reason == "stop"

@@ -83,6 +83,7 @@ def _manifest() -> dict:
         "provenance": "provenance.json",
         "kernels": [{"name": "norm", "path": "kernels/norm.fatbin", "sha256": k, "size": 1}],
         "model": {"path": "model/m.gguf", "sha256": digest, "size": CHUNK_SIZE + 5},
+        "selftest": {"tokens": [1, 2], "argmax": 7, "top_ids": [7, 3], "top_logits": [12.5, 11.25], "logsumexp": 13.0},
         "files": [file_entry("kernels/norm.fatbin", 1, k, []), big, file_entry("provenance.json", 1, p, [])],
     }
 
@@ -105,6 +106,10 @@ def test_any_changed_field_changes_the_root():
         lambda x: x.__setitem__("name", "other"),
         lambda x: x["toolchain"].__setitem__("nvcc", "12.0"),
         lambda x: x["files"][0].__setitem__("size", 2),
+        # the self-test record is what `verify --device` trusts: it must be covered by the root too
+        lambda x: x["selftest"]["top_logits"].__setitem__(0, 99.0),
+        lambda x: x["selftest"].__setitem__("argmax", 3),
+        lambda x: x.pop("selftest"),
     ):
         other = copy.deepcopy(m)
         mutate(other)
@@ -159,3 +164,102 @@ def test_unknown_format_is_refused_with_an_upgrade_hint():
     m = _manifest() | {"format": "ingot-bundle/v9", "root_digest": "0" * 64}
     err = _refused(canonical_json(m), "ingot-bundle/v9")
     assert "upgrade" in err.hint
+
+
+# --- edges the mutation run found untested (tests/MUTATION.md) ----------------------------------------------
+
+
+def test_number_edges():
+    assert canonical_json(1.5e21) == b"1.5e+21" and canonical_json(-2.5e-7) == b"-2.5e-7"
+    assert canonical_json(2**53) == b"9007199254740992" and canonical_json(-(2**53)) == b"-9007199254740992"
+    for bad in (2**53 + 1, -(2**53) - 1):
+        with pytest.raises(ValueError, match="exactly representable"):
+            canonical_json(bad)
+    with pytest.raises(ValueError, match="keys must be strings"):
+        canonical_json({1: 2})
+
+
+def test_hash_range_whole_and_per_chunk(tmp_path):
+    from ingot.runtime.bundle.manifest import hash_range
+
+    data = bytes(range(256)) * 3 + b"tail"  # 772 bytes
+    p = tmp_path / "f"
+    p.write_bytes(b"head" + data)
+    sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    with open(p, "rb") as f:
+        assert hash_range(f, 4, len(data)) == (sha(data), [])
+        whole, chunks = hash_range(f, 4, len(data), chunk_size=100)
+        assert whole == sha(data) and chunks == [sha(data[i : i + 100]) for i in range(0, len(data), 100)]
+        whole, chunks = hash_range(f, 4, 700, chunk_size=100)  # an exact multiple: no empty last chunk
+        assert chunks == [sha(data[i : i + 100]) for i in range(0, 700, 100)]
+        seen = []
+        hash_range(f, 4, len(data), chunk_size=100, on_bytes=seen.append)
+        assert sum(seen) == len(data)
+        with pytest.raises(EOFError, match="ends 10 bytes early"):
+            hash_range(f, 4, len(data) + 10)
+
+
+def test_member_names():
+    from ingot.runtime.bundle.manifest import check_member_name
+
+    assert check_member_name("kernels/a.fatbin") is None and check_member_name("x" * 255) is None
+    assert check_member_name("") == "is empty"
+    assert check_member_name("x" * 256) == "is longer than 255 characters"
+    assert check_member_name("a\\b") == check_member_name("a\0b") == "contains a backslash or NUL"
+    for name in ("a//b", "./a", "a/..", "a/"):
+        assert check_member_name(name) == "contains an empty, '.' or '..' path component"
+
+
+def test_file_entry_chunks_only_past_one_chunk():
+    d = hashlib.sha256(b"").hexdigest()
+    assert "chunks" not in file_entry("a", CHUNK_SIZE, d, [d])
+    assert file_entry("a", CHUNK_SIZE + 1, d, [d, d])["chunks"] == [d, d]
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda m: m["files"].__setitem__(0, "kernels/norm.fatbin"), "files[0]"),
+        (lambda m: m["files"][0].__setitem__("algorithm", "md5"), "files[0].algorithm"),
+        (lambda m: m["files"][0].__setitem__("size", True), "files[0].size"),  # JSON true is not a number
+        (lambda m: m["files"][0].__setitem__("name", "manifest.json"), "files[0].name"),
+        (lambda m: m["files"][1].__setitem__("chunks", [1, 2]), "files[1].chunks"),
+        (lambda m: m["files"][1].__setitem__("chunks", ["ab" * 32, "zz" * 32]), "files[1].chunks"),
+        (lambda m: m["model"].__setitem__("path", "other/m.gguf"), "model.path"),
+        (lambda m: m["model"].__setitem__("path", "model/m.bin"), "model.path"),
+        (lambda m: m.__setitem__("model", []), "model"),
+        (lambda m: m.__setitem__("kernels", {}), "kernels"),
+        (lambda m: m["kernels"].__setitem__(0, "norm"), "kernels[0]"),
+        (lambda m: m.pop("format"), "format"),
+        (lambda m: m.pop("name"), "name"),
+        (lambda m: m.pop("toolchain"), "toolchain"),
+        (lambda m: m.__setitem__("provenance", 1), "provenance"),
+        (lambda m: m.__setitem__("chunk_size", 1024), "chunk_size"),
+    ],
+)
+def test_schema_names_more_bad_fields(mutate, field):
+    m = _manifest()
+    mutate(m)
+    m["root_digest"] = "0" * 64
+    err = _refused(canonical_json(m), f"field {field} ")
+    assert "re-pack" in err.hint
+
+
+def test_schema_accepts_edge_values():
+    m = _manifest()
+    m["files"][0]["size"] = m["kernels"][0]["size"] = 0  # an empty member is fine
+    assert parse_manifest(seal(m)) == m
+    m["files"][1]["size"] = m["model"]["size"] = 2 * CHUNK_SIZE  # exactly two chunks
+    assert parse_manifest(seal(m)) == m
+
+
+def test_every_refusal_carries_the_repack_hint():
+    m = _manifest()
+    data = seal(m)
+    for bad in (
+        data[:-1],
+        json.dumps(m).encode(),
+        canonical_json(m | {"name": "renamed"}),
+        canonical_json(m | {"x": 1.5}).replace(b"1.5", b"1e999"),
+    ):
+        assert "re-pack" in _refused(bad).hint

@@ -51,3 +51,15 @@ def test_dequantize_rows_picks_rows(real_model):
     t = real_model.tensors["token_embd.weight"]
     ids = [5, 0, 49151, 5]
     np.testing.assert_array_equal(t.dequantize_rows(ids), t.dequantize()[ids])
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+def test_chunked_dequantization_of_a_tall_matrix(qtype, monkeypatch):
+    """More rows than bytes per row, in chunks of two rows: every chunk is written (the loop runs over rows)."""
+    rows, cols = 200, 32
+    raw = np.random.default_rng(3).integers(0, 256, (rows, QUANT_TYPES[qtype].row_bytes(cols)), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        whole = dequantize(raw, qtype, cols)
+        np.testing.assert_array_equal(whole, _reference(raw, qtype).reshape(rows, cols))
+        monkeypatch.setattr(quants, "_CHUNK_WEIGHTS", 2 * cols)
+        np.testing.assert_array_equal(dequantize(raw, qtype, cols), whole)

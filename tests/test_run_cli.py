@@ -193,7 +193,7 @@ def test_errors_through_a_real_process(tmp_path):
     bad.write_text("nope")
     for model, code in ((tmp_path / "missing.gguf", 2), (bad, 5)):
         p = subprocess.run(
-            [sys.executable, "-m", "ingot.toolchain", "run", str(model), "-p", "hi"],
+            [sys.executable, "-m", "ingot", "run", str(model), "-p", "hi"],
             capture_output=True,
             text=True,
             timeout=120,

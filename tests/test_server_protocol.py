@@ -161,6 +161,42 @@ def test_sampling_is_seeded(oai, model_id):
         )
 
     assert sample(11) == sample(11)
+    assert len({sample(s) for s in (11, 12, 13, 14)}) > 1
+
+
+def test_sampling_parameters_change_the_output(server, oai, ref, model_id):
+    """temperature, top_p and top_k must reach the sampler: at temperature 1.5 seeded samples leave the greedy
+    answer, and a top_p/top_k that keeps only the likeliest token brings it back. Seeds make this deterministic;
+    the tiny random model's next-token distributions are wide (its top token has well under half the mass at
+    T=1.5), so 12 tokens of 4 seeds all equal to the greedy answer would mean the temperature was dropped."""
+    greedy = ref(QUESTION, max_tokens=12).text
+
+    def openai_chat(seed, **kw):
+        return (
+            oai.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=12, seed=seed, **kw)
+            .choices[0]
+            .message.content
+        )
+
+    def ollama_chat(seed, **options):
+        r = httpx.post(
+            f"{server.url}/api/chat",
+            json={
+                "model": model_id,
+                "messages": QUESTION,
+                "stream": False,
+                "options": {"num_predict": 12, "seed": seed, "repeat_penalty": 1} | options,
+            },
+        )
+        return r.json()["message"]["content"]
+
+    for chat in (openai_chat, ollama_chat):
+        hot = [chat(seed, temperature=1.5) for seed in (1, 2, 3, 4)]
+        assert any(text != greedy for text in hot), (chat.__name__, hot)
+        assert all(chat(seed, temperature=0) == greedy for seed in (1, 2))
+    assert openai_chat(1, temperature=1.5, top_p=1e-6) == greedy  # top_p keeps just the top token
+    assert ollama_chat(1, temperature=1.5, top_k=1, top_p=1) == greedy
+    assert ollama_chat(1, temperature=1.5, top_k=0, top_p=1, min_p=1.0) == greedy
 
 
 # --- Anthropic -------------------------------------------------------------------------------------

@@ -173,6 +173,27 @@ def test_malformed_manifest_is_refused(monkeypatch, capsys, tmp_path, toy_bundle
     assert code == 4 and MANIFEST in report["error"] and words in report["error"], report["error"]
 
 
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda st: st["top_logits"].__setitem__(0, st["top_logits"][0] + 1.0),
+        lambda st: st.__setitem__("argmax", st["top_ids"][1]),
+        lambda st: st["tokens"].reverse(),
+    ],
+    ids=["top logit", "argmax", "prompt tokens"],
+)
+def test_a_changed_selftest_record_is_refused(monkeypatch, capsys, tmp_path, selftest_bundle, mutate):
+    """The self-test record is what `verify --device` trusts, so the root digest must cover it: an edited record
+    with the old root is refused like any other manifest change."""
+    code, _, _ = _verify(monkeypatch, capsys, selftest_bundle)
+    assert code == 0
+    m = _manifest(selftest_bundle)
+    mutate(m["selftest"])
+    bad = craft_tar(selftest_bundle, tmp_path / "bad.ingot", replace={MANIFEST: canonical_json(m)})
+    code, report, _ = _verify(monkeypatch, capsys, bad)
+    assert code == 4 and "root digest" in report["error"], report["error"]
+
+
 def test_not_a_bundle(monkeypatch, capsys, tmp_path, toy_model):
     code, report, _ = _verify(monkeypatch, capsys, toy_model)
     assert code == 4 and "not an Ingot bundle" in report["error"]

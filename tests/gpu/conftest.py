@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -70,6 +72,28 @@ def gpu():
     g.close()
 
 
+def stable_seed(name: str) -> int:
+    """A seed from the test's name that is the same in every process (hash() of a str is salted per process)."""
+    return zlib.crc32(name.encode())
+
+
 @pytest.fixture
 def rng(request):
-    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    """Random inputs seeded from the test's name (with its parameters); a failure report names the seed."""
+    seed = stable_seed(request.node.name)
+    request.node.user_properties.append(("rng_seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seeds = [v for k, v in item.user_properties if k == "rng_seed"]
+    if report.failed and seeds:
+        report.sections.append(
+            (
+                "random inputs",
+                f"numpy.random.default_rng({seeds[0]}): zlib.crc32 of {item.name!r}, the same in every run",
+            )
+        )

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import Gpu  # noqa: E402
 
 from ingot.runtime.engines.cuda_weights import _alloc_matrix  # noqa: E402
-from ingot.runtime.gpu import kernels as K  # noqa: E402
+from ingot.runtime.gpu import constants as C  # noqa: E402
 from ingot.runtime.gpu.driver import Event, Graph  # noqa: E402
 
 BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "F16": 2.0}
@@ -54,9 +54,9 @@ def random_matrix(gpu: Gpu, rng, qtype: str, rows: int, cols: int):
     return W
 
 
-def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=K.MODE_STORE):
+def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=C.MODE_STORE):
     W = random_matrix(gpu, rng, qtype, rows, cols)
-    out_rows = rows // 2 if mode == K.MODE_SWIGLU else rows
+    out_rows = rows // 2 if mode == C.MODE_SWIGLU else rows
     y = gpu.empty(4 * B * out_rows, 0)
     if W.quantized:
         x = (
@@ -91,9 +91,9 @@ def small_kernels(gpu, rng, name, D, H, Hkv, hd, V, ctx):
     x, w = gpu.put(rng.standard_normal(D).astype(np.float32)), gpu.put(np.ones(D, np.float32))
     xq, xd = gpu.empty(2 * 8192), gpu.empty(16 * 8192 // 32)
     norm = timed(gpu, gpu.k.rmsnorm(x.ptr, w, 1, D, 1e-5, yq=xq, yd=xd))
-    pages = (ctx + K.PAGE) // K.PAGE
-    kc = gpu.put((rng.standard_normal(pages * Hkv * K.PAGE * hd) * 0.1).astype(np.float16))
-    vc = gpu.put((rng.standard_normal(pages * Hkv * K.PAGE * hd) * 0.1).astype(np.float16))
+    pages = (ctx + C.PAGE) // C.PAGE
+    kc = gpu.put((rng.standard_normal(pages * Hkv * C.PAGE * hd) * 0.1).astype(np.float16))
+    vc = gpu.put((rng.standard_normal(pages * Hkv * C.PAGE * hd) * 0.1).astype(np.float16))
     qkv = gpu.put(rng.standard_normal((H + 2 * Hkv) * hd).astype(np.float32))
     angle = np.arange(ctx + 1)[:, None] * (10000.0 ** (-np.arange(0, hd, 2) / hd))[None, :]
     rope = gpu.put(np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32))
@@ -182,14 +182,14 @@ def main():
     print("8B-shaped decode (Q4_0), per layer x32:")
     matvec_row(gpu, rng, "qkv 6144x4096", "Q4_0", 6144, 4096)
     matvec_row(gpu, rng, "o 4096x4096", "Q4_0", 4096, 4096)
-    matvec_row(gpu, rng, "gate+up 28672x4096 (swiglu)", "Q4_0", 28672, 4096, mode=K.MODE_SWIGLU)
+    matvec_row(gpu, rng, "gate+up 28672x4096 (swiglu)", "Q4_0", 28672, 4096, mode=C.MODE_SWIGLU)
     matvec_row(gpu, rng, "down 4096x14336", "Q4_0", 4096, 14336)
     matvec_row(gpu, rng, "head 128256x4096", "Q4_0", 128256, 4096)
-    matvec_row(gpu, rng, "gate+up B=4", "Q4_0", 28672, 4096, B=4, mode=K.MODE_SWIGLU)
+    matvec_row(gpu, rng, "gate+up B=4", "Q4_0", 28672, 4096, B=4, mode=C.MODE_SWIGLU)
     print("SmolLM2-shaped decode (Q4_1), per layer x30:")
     matvec_row(gpu, rng, "qkv 960x576", "Q4_1", 960, 576)
     matvec_row(gpu, rng, "o 576x576", "Q4_1", 576, 576)
-    matvec_row(gpu, rng, "gate+up 3072x576 (swiglu)", "Q4_1", 3072, 576, mode=K.MODE_SWIGLU)
+    matvec_row(gpu, rng, "gate+up 3072x576 (swiglu)", "Q4_1", 3072, 576, mode=C.MODE_SWIGLU)
     matvec_row(gpu, rng, "down 576x1536", "Q4_1", 576, 1536)
     matvec_row(gpu, rng, "head 49152x576 (Q8_0 tied)", "Q8_0", 49152, 576)
     print("GEMMs (prefill and wide decode):")

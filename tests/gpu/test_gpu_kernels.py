@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
+from sampling_reference import FILTERS, TEMPERATURES, assert_draws_match, filtered_distribution, penalized, top_p_margin
 
 from ingot.runtime.engines.cuda_weights import _alloc_matrix
 from ingot.runtime.gpu import constants as K
@@ -436,3 +437,62 @@ def test_sample_distribution_matches_softmax(gpu):
     got = _sample(gpu, np.tile(base, (B, 1)), temperature=1.0, seed=np.arange(B, dtype=np.uint64) * 7919)
     freq = np.bincount(got, minlength=V) / B
     assert np.abs(freq - np.exp(base)).max() < 0.03
+
+
+# --- the sampler's distribution against the exact reference (tests/sampling_reference.py) --------------------
+
+SAMPLE_B = 4096  # sequences per launch: one draw each, every row with its own seed
+SAMPLE_DRAWS = 5 * SAMPLE_B  # 20,480 draws per case: at least the CPU test's 10,000 (see sampling_reference.ALPHA)
+
+
+def _spread(logits: np.ndarray, V: int) -> tuple[np.ndarray, np.ndarray]:
+    """The case's logits placed at scattered ids of a vocabulary of V (first, middle, last thread's chunk), every
+    other token at -20: exercises the global-memory path (V*4 bytes past shared memory) and the draw's per-thread
+    chunk scan across the whole row. Returns (logits [V], ids of the case's tokens)."""
+    ids = np.linspace(0, V - 1, len(logits)).astype(np.int64)[
+        np.random.default_rng(len(logits)).permutation(len(logits))
+    ]
+    row = np.full(V, -20.0, np.float32)
+    row[ids] = logits
+    return row, ids
+
+
+def _gpu_counts(gpu, row: np.ndarray, seed0: int, recent=(), **kw) -> np.ndarray:
+    """Histogram of SAMPLE_DRAWS draws of the GPU sampler from one logit row, seeds seed0, seed0+1, ...
+    Without a penalty every sequence reads the same row (ld = 0: the kernel only reads logits then); with one,
+    each sequence gets its own copy, re-uploaded per launch, since the penalty edits the logits in place."""
+    V = len(row)
+    hist = np.tile(np.asarray(recent, np.int32), (SAMPLE_B, 1)) if len(recent) else None
+    counts = np.zeros(V, np.int64)
+    for launch in range(SAMPLE_DRAWS // SAMPLE_B):
+        logits = gpu.put(np.tile(row, (SAMPLE_B, 1)) if hist is not None else row)
+        seeds = np.arange(SAMPLE_B, dtype=np.uint64) + np.uint64(seed0 + launch * SAMPLE_B)
+        out = gpu.empty(4 * SAMPLE_B)
+        args = _Sampler(gpu, SAMPLE_B, seed=seeds, hist=hist, **kw).args
+        gpu.run(gpu.k.sample(logits.ptr, V, V if hist is not None else 0, SAMPLE_B, args, out.ptr))
+        got = gpu.get(out, np.int32, (SAMPLE_B,))
+        assert ((got >= 0) & (got < V)).all(), f"token ids out of range: {got[(got < 0) | (got >= V)][:5]}"
+        counts += np.bincount(got, minlength=V)
+    return counts
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("case", range(len(FILTERS)), ids=[f"{len(x)}-{'-'.join(kw) or 'none'}" for x, kw in FILTERS])
+@pytest.mark.parametrize("V", [None, 128256], ids=["small-vocab", "llama3-vocab"])
+def test_sample_draws_follow_the_exact_filtered_distribution(gpu, case, temperature, V):
+    """The GPU sampler's draws against filtered_distribution, the same cases as the CPU sampler's test
+    (tests/test_sampling.py): the same rules on both engines, checked by a chi-square test at alpha 1e-3."""
+    logits, kw = FILTERS[case]
+    kw = dict(kw)
+    recent, penalty = kw.pop("recent", []), kw.pop("penalty", 1.0)
+    if V is None:
+        row, ids = np.asarray(logits, np.float32), np.arange(len(logits))
+    else:
+        row, ids = _spread(np.asarray(logits, np.float32), V)
+    recent = [int(ids[r]) for r in recent]
+    if "top_p" in kw:  # far from any cumulative sum, so float32 sums and the bisection cannot move the cut
+        assert top_p_margin(penalized(row, penalty, recent), kw["top_p"], kw.get("top_k", 0)) > 0.01
+    probs = filtered_distribution(row, temperature=temperature, penalty=penalty, recent=recent, **kw)
+    seed = 10**6 * (1 + case) + 10**5 * TEMPERATURES.index(temperature) + (0 if V is None else 50_000)
+    counts = _gpu_counts(gpu, row, seed, recent=recent, temperature=temperature, penalty=penalty, **kw)
+    assert_draws_match(counts, probs, f"GPU V={len(row)} T={temperature} {kw} penalty={penalty} (seeds from {seed})")
