@@ -10,6 +10,7 @@ from model_fixtures import rewrite_gguf
 from ingot.runtime.engines.cpu import CpuEngine
 from ingot.runtime.errors import ModelError, UsageError
 from ingot.runtime.model.gguf import load_model
+from ingot.runtime.model.quants import QUANT_TYPES
 from ingot.runtime.sampling import SamplingParams
 
 # --- loading ---------------------------------------------------------------------------------------
@@ -112,11 +113,32 @@ def test_unsupported_architecture_is_a_model_error(tiny_model_path, tmp_path):
 
 
 def test_unsupported_quant_type_names_the_tensor(tiny_model_path, tmp_path):
-    # Q4_K: 144 bytes per 256 weights
-    q4k = ("Q4_K", (512, 256), bytes(512 * 144))
-    p = rewrite_gguf(tiny_model_path, tmp_path / "k.gguf", replace={"token_embd.weight": q4k})
-    with pytest.raises(ModelError, match="tensor token_embd.weight has unsupported type Q4_K"):
+    # IQ2_XXS: 66 bytes per 256 weights
+    iq2 = ("IQ2_XXS", (512, 256), bytes(512 * 66))
+    p = rewrite_gguf(tiny_model_path, tmp_path / "k.gguf", replace={"token_embd.weight": iq2})
+    with pytest.raises(ModelError, match="tensor token_embd.weight has unsupported type IQ2_XXS"):
         load_model(p)
+
+
+def test_mixed_type_model_loads_and_runs(tiny_model_path, tmp_path):
+    """Every tensor its own type (the K-quant mixes are covered by the synthetic Q4_K_M models)."""
+    rng = np.random.default_rng(5)
+
+    def blocks(qtype, rows, cols, f16_offsets):
+        t = QUANT_TYPES[qtype]
+        raw = rng.integers(0, 256, (rows * cols // t.block, t.block_bytes), dtype=np.uint8)
+        for off in f16_offsets:  # small finite scales
+            raw[:, off : off + 2] = np.array([0x1400], dtype=np.float16).view(np.uint8)
+        return qtype, (rows, cols), raw.tobytes()
+
+    replace = {
+        "blk.0.attn_k.weight": blocks("Q5_1", 32, 64, [0, 2]),
+        "blk.0.attn_v.weight": blocks("Q5_0", 32, 64, [0]),
+        "blk.1.ffn_up.weight": blocks("IQ4_NL", 192, 64, [0]),
+    }
+    model = load_model(rewrite_gguf(tiny_model_path, tmp_path / "mixed.gguf", replace=replace))
+    assert model.quant_types == ["F32", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1"]
+    assert np.isfinite(_all_logits(model, [1, 2, 3])).all()
 
 
 def test_missing_tensor_is_a_model_error(tiny_model_path, tmp_path):
