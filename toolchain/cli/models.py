@@ -17,8 +17,7 @@ from ingot.runtime.generate import generate
 from ingot.runtime.model.chat import chat_prompt
 from ingot.runtime.model.fetch import MODELS
 from ingot.runtime.model.fetch import fetch as fetch_model
-from ingot.runtime.model.quants import QUANT_TYPES
-from ingot.runtime.model.synth import SHAPES, synthesize
+from ingot.runtime.model.synth import QUANTS, SHAPES, synthesize
 from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.perplexity import perplexity, tokenize_for_perplexity
 from ingot.runtime.resolve import Opened, open_model
@@ -222,13 +221,13 @@ def fetch(name):
     "--quant",
     "qtype",
     required=True,
-    type=click.Choice(list(QUANT_TYPES)),
-    help="Type of the weight matrices (norms stay F32).",
+    type=click.Choice(list(QUANTS)),
+    help="Type of the weight matrices, or a llama.cpp mix (Q4_K_M, Q5_K_M); norms stay F32.",
 )
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, type=int)
 def synth(shape, qtype, out_path, seed):
-    """Write a random-weight Llama GGUF of a named shape (for tests and benchmarks)."""
+    """Write a random-weight GGUF of a named shape (for tests and benchmarks)."""
 
     with steps_bar("writing", "tensors") as bar:
         task = bar.add_task("synth", total=None)
