@@ -1,7 +1,8 @@
 """Fixtures for the model runtime tests (model, quants, tokenizer, chat, sampling, generation, perplexity, CLI).
 
 The real SmolLM2-135M-Instruct GGUF is looked up where `ingot model fetch smollm2` caches it (CI fetches it
-first), then at $INGOT_TEST_MODEL and /tmp/model/model.gguf; tests that need it skip when it is absent.
+first), then at $INGOT_TEST_MODEL and /tmp/model/model.gguf; the real Gemma 3 270M where `ingot model fetch
+gemma3-270m` caches it, then at $INGOT_TEST_GEMMA3. Tests that need one skip when it is absent.
 Synthetic models (runtime/synth.py) are written once per session.
 """
 
@@ -41,6 +42,31 @@ def real_model(real_model_path):
 @pytest.fixture(scope="session")
 def real_tokenizer(real_model):
     return Tokenizer.from_model(real_model)
+
+
+def _gemma3_candidates() -> list[Path]:
+    env = os.environ.get("INGOT_TEST_GEMMA3")
+    return [model_path("gemma3-270m"), *([Path(env)] if env else [])]
+
+
+@pytest.fixture(scope="session")
+def gemma3_model_path() -> Path:
+    """The real Gemma 3 270M Q4_K_M (F32, Q5_0, Q8_0, Q4_K, Q6_K tensors), where `ingot model fetch gemma3-270m`
+    caches it or at $INGOT_TEST_GEMMA3; tests that need it skip when it is absent."""
+    for p in _gemma3_candidates():
+        if p.is_file():
+            return p
+    pytest.skip("the real Gemma 3 270M GGUF is absent: run `ingot model fetch gemma3-270m` (or set INGOT_TEST_GEMMA3)")
+
+
+@pytest.fixture(scope="session")
+def gemma3_model(gemma3_model_path):
+    return load_model(gemma3_model_path)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_model):
+    return Tokenizer.from_model(gemma3_model)
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 from ingot.runtime.model.architectures import ARCHITECTURES
 from ingot.runtime.model.gguf import Config, expected_shapes
 from ingot.runtime.model.quants import QUANT_TYPES, dequantize
+from ingot.runtime.model.templates import CHATML_TEMPLATE
 
 
 @dataclass(frozen=True)
@@ -121,11 +122,6 @@ def tensor_type(quant: str, name: str, shape: tuple[int, ...], n_layers: int, ti
     return qtype
 
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% endif %}"
-)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1 (BOS), 2 (EOS), as in SmolLM2
 WORDS = """the of and to in is that it for was on are as with be at by this have from or an they which one you had
 not but what all were when we there can your said each she do how their if will up other about out many then them
