@@ -1,0 +1,100 @@
+"""The real Gemma 3 270M (Q4_K_M mix) on the CPU reference engine: what its GGUF says, its K-quant tensors, its
+SentencePiece tokenizer, greedy text and perplexity. Skipped unless `ingot model fetch gemma3-270m` has cached it
+(or $INGOT_TEST_GEMMA3 points at it)."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.generate import generate
+from ingot.runtime.perplexity import perplexity
+
+PARAGRAPH = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital and most populous city of France. It is "
+    "located on the Seine river, in the north of the country. The city has been one of the world's major centres "
+    "of finance, diplomacy, commerce, culture, fashion and gastronomy for centuries."
+)
+
+
+def test_gemma3_config_is_what_its_gguf_and_transformers_say(gemma3_model):
+    c = gemma3_model.config
+    # gemma3.* keys of the file; head_dim 256 != 640 / 4; no rope.dimension_count (all 256 dims rotate)
+    assert (c.arch, c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim) == (
+        "gemma3",
+        18,
+        640,
+        4,
+        1,
+        256,
+        2048,
+    )
+    assert (c.n_vocab, c.n_ctx_train, c.rope_dim, c.sliding_window) == (262144, 32768, 256, 512)
+    assert c.norm_eps == pytest.approx(1e-6) and c.tied_embeddings and not c.qkv_bias and c.rope_neox
+    # 1/sqrt(query_pre_attn_scalar = 256); global layers 5, 11, 17 at base 1e6, the rest local at 1e4
+    assert c.attn_scale == pytest.approx(1 / 16)
+    assert [i for i in range(18) if c.layer_window(i) == 0] == [5, 11, 17]
+    assert {c.layer_rope(i) for i in range(18)} == {(10000.0, 1.0), (1000000.0, 1.0)}
+    assert (c.attn_softcap, c.final_softcap) == (0.0, 0.0)  # Gemma 3 has none (Gemma 2 had 50 / 30)
+    assert gemma3_model.quant_types == ["F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"]
+    assert gemma3_model.n_tensors == 2 + 13 * 18
+    assert gemma3_model.vocab.chat_template is None  # the base model's GGUF has none: templates.py's Gemma one
+
+
+def test_gemma3_k_quant_tensors_match_gguf_reference(gemma3_model):
+    for name in ("blk.0.attn_output.weight", "blk.0.ffn_down.weight", "blk.2.ffn_down.weight", "blk.0.attn_q.weight"):
+        t = gemma3_model.tensors[name]
+        ref = gguf_dequantize(t.raw, GGMLQuantizationType[t.qtype]).reshape(t.shape)
+        np.testing.assert_array_equal(t.dequantize(), ref)
+    assert {gemma3_model.tensors[n].qtype for n in ("blk.0.ffn_down.weight", "blk.2.ffn_down.weight")} == {
+        "Q6_K",
+        "Q4_K",
+    }
+
+
+def test_gemma3_tokenizer_is_sentencepiece_with_byte_fallback(gemma3_tokenizer):
+    tok = gemma3_tokenizer
+    assert tok.encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]  # <bos> The ▁capital ▁of ...
+    assert tok.encode("Hello world", add_special=False) == [9259, 1902]
+    text = "naïve café 東京 🙂\nline\n\n  two"
+    ids = tok.encode(text, add_special=False)
+    assert tok.decode(ids) == text and 107 in ids and 108 in ids  # "\n", "\n\n" are user-defined tokens
+    unknown = "\U000e0001\u0378"  # characters with no piece fall back to their UTF-8 bytes, <0xXX> tokens
+    ids = tok.encode(unknown, add_special=False)
+    assert all(tok.token_text(i).startswith("<0x") for i in ids) and tok.decode(ids) == unknown
+    assert tok.eog_ids == {1, 106}  # <eos>, <end_of_turn>
+
+
+@pytest.mark.slow
+def test_gemma3_greedy_generation(gemma3_model, gemma3_tokenizer):
+    engine = CpuEngine(gemma3_model, max_seqs=1, max_ctx=64)
+    ids = gemma3_tokenizer.encode("The capital of France is")
+    text = "".join(c.text for c in generate(engine, gemma3_tokenizer, ids, max_tokens=8))
+    assert text == " the capital of the country of France."
+
+
+class _WithoutPlusOne:
+    """The engine's weights with 1 taken off every norm weight: transformers' raw Gemma3RMSNorm values."""
+
+    def __init__(self, weights):
+        self.weights = weights
+
+    def __getitem__(self, name):
+        w = self.weights[name]
+        return w - 1 if name.endswith("norm.weight") else w
+
+    def embed(self, tokens):
+        return self.weights.embed(tokens)
+
+
+@pytest.mark.slow
+def test_gemma3_perplexity_on_a_short_text(gemma3_model, gemma3_tokenizer):
+    """llama.cpp's converter stores Gemma's norm weights as (1 + w), the factor transformers' Gemma3RMSNorm
+    applies, so they are used as stored: that scores a plain English paragraph well; without the +1 it is noise."""
+    tokens = gemma3_tokenizer.encode(PARAGRAPH)  # 64 tokens: two chunks of 32, each second half scored
+    engine = CpuEngine(gemma3_model, max_seqs=1, max_ctx=32)
+    r = perplexity(engine, tokens, n_ctx=32, bos_id=2)
+    assert r.n_chunks == 2 and 3 < r.ppl < 30
+    engine.weights = _WithoutPlusOne(engine.weights)
+    assert perplexity(engine, tokens, n_ctx=32, bos_id=2).ppl > 1000
