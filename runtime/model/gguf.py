@@ -543,8 +543,9 @@ def _scalar(value):
 
 def describe_file(path: Path) -> dict:
     """What a bundle's manifest records about a GGUF: architecture, name, hyperparameters (every `<arch>.*`
-    metadata key, as stored), quant types, tensor count and tokenizer summary. Read with gguf's own reader,
-    whole-file, so it describes even a model this runtime cannot run (pack refuses those at the self-test)."""
+    metadata key, as stored), quant types (the set, and each tensor's), tensor count and tokenizer summary. Read
+    with gguf's own reader, whole-file, so it describes even a model this runtime cannot run (pack refuses those at
+    the self-test)."""
     import gguf  # deferred: gguf imports ~100 ms of numpy-heavy modules; `ingot run` reads the index cache
 
     try:
@@ -571,6 +572,7 @@ def describe_file(path: Path) -> dict:
         "name": value("general.name"),
         "hyperparameters": dict(sorted(hyper.items())),
         "quant_types": sorted({t.tensor_type.name for t in reader.tensors}),
+        "tensor_types": {t.name: t.tensor_type.name for t in sorted(reader.tensors, key=lambda t: t.name)},
         "n_tensors": len(reader.tensors),
         "tokenizer": {
             "model": value("tokenizer.ggml.model"),
