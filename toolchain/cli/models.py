@@ -84,8 +84,8 @@ def run(
 ):
     """Generate text from a prompt, streaming it as it is produced.
 
-    MODEL is a .gguf file, a .ingot bundle, or `smollm2` (the default model, fetched into the cache if
-    missing). A stats line (tokens, tok/s) goes to stderr at the end.
+    MODEL is a .gguf file, a .ingot bundle, or a model name: `smollm2` (the default model) or `gemma3-270m`,
+    fetched into the cache if missing. A stats line (tokens, tok/s) goes to stderr at the end.
     """
 
     params = SamplingParams(
