@@ -2,6 +2,9 @@
 SentencePiece tokenizer, greedy text and perplexity. Skipped unless `ingot model fetch gemma3-270m` has cached it
 (or $INGOT_TEST_GEMMA3 points at it)."""
 
+import heapq
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -11,6 +14,7 @@ from ingot.runtime.engines.cpu import CpuEngine
 from ingot.runtime.generate import generate
 from ingot.runtime.perplexity import perplexity
 
+GPL3 = Path("/usr/share/common-licenses/GPL-3")
 PARAGRAPH = (
     "The quick brown fox jumps over the lazy dog. Paris is the capital and most populous city of France. It is "
     "located on the Seine river, in the north of the country. The city has been one of the world's major centres "
@@ -98,3 +102,93 @@ def test_gemma3_perplexity_on_a_short_text(gemma3_model, gemma3_tokenizer):
     assert r.n_chunks == 2 and 3 < r.ppl < 30
     engine.weights = _WithoutPlusOne(engine.weights)
     assert perplexity(engine, tokens, n_ctx=32, bos_id=2).ppl > 1000
+
+
+def _llama_cpp_spm(vocab, specials: list[str], ids: dict[str, int], text: str) -> list[int]:
+    """llama.cpp's SentencePiece tokenizer (llm_tokenizer_spm), written out from its algorithm: first the
+    special-token partition (user-defined tokens always, control tokens too since specials are parsed; longest
+    first), then each fragment by _spm_fragment."""
+    fragments = [(False, text)]
+    for sp in specials:  # longest first
+        if sp not in text:
+            continue
+        split = []
+        for special, f in fragments:
+            if special or sp not in f:
+                split.append((special, f))
+                continue
+            for j, part in enumerate(f.split(sp)):
+                split += ([(True, sp)] if j else []) + ([(False, part)] if part else [])
+        fragments = split
+    out: list[int] = []
+    for special, frag in fragments:
+        out += [ids[frag]] if special else _spm_fragment(vocab.scores, ids, frag)
+    return out
+
+
+def _spm_fragment(scores, ids: dict[str, int], frag: str) -> list[int]:
+    """Spaces -> U+2581 (no prefix: Gemma's add_space_prefix is false), one symbol per character, repeatedly merge
+    the adjacent pair whose joined text is the best-scored piece (leftmost on ties), then resegment each symbol:
+    a piece, else the two parts it was merged from, else its UTF-8 bytes as <0xXX> tokens."""
+    sym = list(frag.replace(" ", "\u2581"))
+    nxt, prv = [*range(1, len(sym)), -1], list(range(-1, len(sym) - 1))
+    heap: list = []
+    parts: dict[str, tuple[str, str]] = {}
+
+    def bigram(left, right):
+        if left != -1 and right != -1 and (sym[left] + sym[right]) in ids:
+            joined = sym[left] + sym[right]
+            heapq.heappush(heap, (-scores[ids[joined]], left, joined, right))
+            parts[joined] = (sym[left], sym[right])
+
+    for i in range(1, len(sym)):
+        bigram(i - 1, i)
+    while heap:
+        _, left, joined, right = heapq.heappop(heap)
+        if nxt[left] != right or sym[left] + sym[right] != joined or not sym[left] or not sym[right]:
+            continue  # stale: one side has merged since
+        sym[left], sym[right] = joined, ""
+        nxt[left] = nxt[right]
+        if nxt[right] != -1:
+            prv[nxt[right]] = left
+        bigram(prv[left], left)
+        bigram(left, nxt[left])
+
+    out: list[int] = []
+
+    def resegment(piece):
+        if piece in ids:
+            out.append(ids[piece])
+        elif piece in parts:
+            resegment(parts[piece][0])
+            resegment(parts[piece][1])
+        else:
+            out.extend(ids[f"<0x{b:02X}>"] for b in piece.encode())
+
+    i = 0 if sym else -1
+    while i != -1:
+        resegment(sym[i])
+        i = nxt[i]
+    return out
+
+
+@pytest.mark.skipif(not GPL3.is_file(), reason="needs /usr/share/common-licenses/GPL-3")
+def test_gemma3_tokenizer_agrees_with_llama_cpps_spm_algorithm(gemma3_model, gemma3_tokenizer):
+    paragraphs = [p for p in GPL3.read_text().split("\n\n") if p.strip()]
+    samples = paragraphs + [
+        "naïve café 東京 🙂\nline\n\n  two",
+        "\U000e0001\u0378 x",
+        "   leading spaces",
+        "tabs\tand\t\ttabs",
+        "<start_of_turn>user\nHi<end_of_turn>\n",
+        "1234567890 3.14159",
+        "don't can't won't",
+        "Hello, World! HELLO world.",
+    ]
+    v = gemma3_model.vocab
+    ids: dict[str, int] = {}
+    for i, t in enumerate(v.tokens):
+        ids.setdefault(t, i)
+    specials = sorted((t for t, kind in zip(v.tokens, v.types, strict=True) if kind in (3, 4)), key=len, reverse=True)
+    for text in samples:
+        assert gemma3_tokenizer.encode(text, add_special=False) == _llama_cpp_spm(v, specials, ids, text), text
