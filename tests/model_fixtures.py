@@ -105,9 +105,10 @@ def rewrite_gguf(
     arch: str | None = None,
     drop: tuple[str, ...] = (),
     replace: dict[str, tuple[str, tuple[int, ...], bytes]] | None = None,
+    extra: dict[str, tuple[object, gguf.GGUFValueType]] | None = None,
 ) -> Path:
-    """Copy a GGUF, optionally renaming its architecture (and its `arch.*` keys), dropping tensors, or
-    replacing tensors with (qtype, math-order shape, raw bytes)."""
+    """Copy a GGUF, optionally renaming its architecture (and its `arch.*` keys), dropping tensors,
+    replacing tensors with (qtype, math-order shape, raw bytes), or adding metadata keys (value, type)."""
     r = gguf.GGUFReader(src)
     old = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch or old)
@@ -118,6 +119,8 @@ def rewrite_gguf(
             key = arch + key[len(old) :]
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for key, (value, vtype) in (extra or {}).items():
+        w.add_key_value(key, value, vtype)
     for t in r.tensors:
         if t.name in drop:
             continue

@@ -5,7 +5,7 @@ import tarfile
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from model_fixtures import rewrite_gguf
 
 from ingot.runtime.engines.cpu import CpuEngine
@@ -191,7 +191,8 @@ def _naive_logits(model, tokens):
     arch = _NAIVE_ARCH[c.arch]
     rd = c.rope_dim
 
-    def rotate(v, pos, theta):  # v [heads, hd]
+    def rotate(v, pos, theta, scale=1.0):  # v [heads, hd]; linear scaling: positions / scale
+        pos = pos / scale
         freqs = theta ** (-np.arange(0, rd, 2) / rd)
         if c.rope_freq_factors:
             freqs = freqs / np.array(c.rope_freq_factors)
@@ -218,6 +219,7 @@ def _naive_logits(model, tokens):
         b = f"blk.{layer}."
         sliding = arch.get("sliding", lambda i: False)(layer) and c.sliding_window > 0
         theta = arch["local_theta"] if sliding else c.rope_theta
+        scale = 1.0 if sliding else c.rope_scale  # HF: rope_scaling applies to the full-attention layers only
         keys, values = [], []
         for i in range(len(tokens)):
             h = norm(x[i], W(b + "attn_norm.weight"))
@@ -227,8 +229,8 @@ def _naive_logits(model, tokens):
             q, k = q.reshape(c.n_heads, c.head_dim), k.reshape(c.n_kv_heads, c.head_dim)
             if arch.get("qk_norm"):
                 q, k = norm(q, W(b + "attn_q_norm.weight")), norm(k, W(b + "attn_k_norm.weight"))
-            q = rotate(q, i, theta)
-            keys.append(rotate(k, i, theta))
+            q = rotate(q, i, theta, scale)
+            keys.append(rotate(k, i, theta, scale))
             values.append(v.reshape(c.n_kv_heads, c.head_dim))
             seen = [j for j in range(i + 1) if not sliding or j > i - c.sliding_window]  # HF's sliding overlay
             out = []
@@ -285,6 +287,22 @@ def test_tiny_gemma3_is_a_gemma3_block(synth_model):
     full = _all_logits(wide, tokens)
     np.testing.assert_allclose(windowed[:4], full[:4], atol=1e-5)  # within the window: the same
     assert np.abs(windowed[4:] - full[4:]).max() > 1e-3
+
+
+def test_linear_rope_scaling_applies_to_the_global_layers(synth_model, tmp_path):
+    """Gemma 3 4B+ GGUFs carry rope.scaling.type linear, factor 8: global layers' positions / 8, local ones as is."""
+    extra = {
+        "gemma3.rope.scaling.type": ("linear", GGUFValueType.STRING),
+        "gemma3.rope.scaling.factor": (8.0, GGUFValueType.FLOAT32),
+    }
+    model = load_model(rewrite_gguf(synth_model("tiny-gemma3", "Q5_0"), tmp_path / "scaled.gguf", extra=extra))
+    c = model.config
+    assert c.rope_scale == 8.0 and (c.layer_rope(5), c.layer_rope(0)) == ((1000000.0, 8.0), (10000.0, 1.0))
+    tokens = [1, 300, 17, 42, 42, 511, 0]
+    np.testing.assert_allclose(_all_logits(model, tokens), _naive_logits(model, tokens), atol=2e-4, rtol=1e-4)
+    extra["gemma3.rope.scaling.type"] = ("yarn", GGUFValueType.STRING)
+    with pytest.raises(ModelError, match="rope scaling 'yarn'"):
+        load_model(rewrite_gguf(synth_model("tiny-gemma3", "Q5_0"), tmp_path / "yarn.gguf", extra=extra))
 
 
 def test_softcapping_caps_scores_and_logits(synth_model):
