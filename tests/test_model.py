@@ -403,6 +403,9 @@ def test_gpu_engine_refuses_architectures_it_does_not_implement_yet(synth_model)
     with pytest.raises(IncompatibleError, match="architecture gemma3 is not supported by the GPU engine yet") as e:
         CudaEngine(model)
     assert e.value.exit_code == 3 and "--device cpu" in str(e.value)
+    llama = load_model(synth_model("tiny", "Q4_1"))
+    with pytest.raises(IncompatibleError, match="linear RoPE scaling"):
+        CudaEngine(dataclasses.replace(llama, config=dataclasses.replace(llama.config, rope_scale=4.0)))
 
 
 def test_unsupported_architecture_is_refused_by_name(tiny_model_path, tmp_path):
