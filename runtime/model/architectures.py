@@ -35,7 +35,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 @dataclass(frozen=True)
 class Architecture:
     name: str  # general.architecture
-    family: str  # a few words for messages and `model info`
+    family: str  # which models these are, in a few words
     rope_neox: bool  # rotate (x[i], x[i + rope_dim/2]) (NEOX, HF's rotate_half); else (x[2i], x[2i+1])
     qkv_bias: bool | None = None  # True: q/k/v biases required; False: none; None: used when the file has them
     qk_norm: bool = False  # RMSNorm over each head of q and k ([head_dim] weights), before RoPE

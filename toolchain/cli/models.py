@@ -18,6 +18,7 @@ from ingot.runtime.model.chat import chat_prompt
 from ingot.runtime.model.fetch import MODELS
 from ingot.runtime.model.fetch import fetch as fetch_model
 from ingot.runtime.model.synth import QUANTS, SHAPES, synthesize
+from ingot.runtime.model.templates import builtin_template
 from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.perplexity import perplexity, tokenize_for_perplexity
 from ingot.runtime.resolve import Opened, open_model
@@ -266,6 +267,7 @@ def info(model_spec, allow_unverified, as_json):
             "eos_id": v.eos_id,
             "add_bos": v.add_bos,
             "has_chat_template": bool(v.chat_template),
+            "builtin_chat_template": None if v.chat_template else (builtin_template(v) or (None,))[0],
         },
     }
     if as_json:
@@ -281,6 +283,12 @@ def info(model_spec, allow_unverified, as_json):
     table.add_row(
         "tokenizer",
         f"{v.model}/{v.pre}, {len(v.tokens):,} tokens, BOS {v.bos_id} "
-        f"(added: {v.add_bos}), EOS {v.eos_id}, chat template: {bool(v.chat_template)}",
+        f"(added: {v.add_bos}), EOS {v.eos_id}, chat template: {_template_summary(desc['tokenizer'])}",
     )
     out.print(table)
+
+
+def _template_summary(tokenizer: dict) -> str:
+    if tokenizer["has_chat_template"]:
+        return "the model's"
+    return f"built-in {tokenizer['builtin_chat_template']}" if tokenizer["builtin_chat_template"] else "none"
