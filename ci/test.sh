@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 
 # The real default model, for the end-to-end tests (cached; they skip without it).
 ingot model fetch smollm2 >/dev/null
+# The real Gemma 3 270M (253 MB: K-quants, gemma3, SentencePiece); its tests skip when it could not be fetched.
+ingot model fetch gemma3-270m >/dev/null || echo "warning: gemma3-270m not fetched; its tests will skip" >&2
 
 if [ $# -gt 0 ]; then
     exec python -m pytest "$@"

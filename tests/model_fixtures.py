@@ -1,7 +1,8 @@
 """Fixtures for the model runtime tests (model, quants, tokenizer, chat, sampling, generation, perplexity, CLI).
 
 The real SmolLM2-135M-Instruct GGUF is looked up where `ingot model fetch smollm2` caches it (CI fetches it
-first), then at $INGOT_TEST_MODEL and /tmp/model/model.gguf; tests that need it skip when it is absent.
+first), then at $INGOT_TEST_MODEL and /tmp/model/model.gguf; the real Gemma 3 270M where `ingot model fetch
+gemma3-270m` caches it, then at $INGOT_TEST_GEMMA3. Tests that need one skip when it is absent.
 Synthetic models (runtime/synth.py) are written once per session.
 """
 
@@ -43,6 +44,31 @@ def real_tokenizer(real_model):
     return Tokenizer.from_model(real_model)
 
 
+def _gemma3_candidates() -> list[Path]:
+    env = os.environ.get("INGOT_TEST_GEMMA3")
+    return [model_path("gemma3-270m"), *([Path(env)] if env else [])]
+
+
+@pytest.fixture(scope="session")
+def gemma3_model_path() -> Path:
+    """The real Gemma 3 270M Q4_K_M (F32, Q5_0, Q8_0, Q4_K, Q6_K tensors), where `ingot model fetch gemma3-270m`
+    caches it or at $INGOT_TEST_GEMMA3; tests that need it skip when it is absent."""
+    for p in _gemma3_candidates():
+        if p.is_file():
+            return p
+    pytest.skip("the real Gemma 3 270M GGUF is absent: run `ingot model fetch gemma3-270m` (or set INGOT_TEST_GEMMA3)")
+
+
+@pytest.fixture(scope="session")
+def gemma3_model(gemma3_model_path):
+    return load_model(gemma3_model_path)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_model):
+    return Tokenizer.from_model(gemma3_model)
+
+
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory):
     """synth_model(shape, qtype) -> path of a synthetic GGUF, written once per session."""
@@ -79,9 +105,10 @@ def rewrite_gguf(
     arch: str | None = None,
     drop: tuple[str, ...] = (),
     replace: dict[str, tuple[str, tuple[int, ...], bytes]] | None = None,
+    extra: dict[str, tuple[object, gguf.GGUFValueType]] | None = None,
 ) -> Path:
-    """Copy a GGUF, optionally renaming its architecture (and its `arch.*` keys), dropping tensors, or
-    replacing tensors with (qtype, math-order shape, raw bytes)."""
+    """Copy a GGUF, optionally renaming its architecture (and its `arch.*` keys), dropping tensors,
+    replacing tensors with (qtype, math-order shape, raw bytes), or adding metadata keys (value, type)."""
     r = gguf.GGUFReader(src)
     old = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch or old)
@@ -92,6 +119,8 @@ def rewrite_gguf(
             key = arch + key[len(old) :]
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for key, (value, vtype) in (extra or {}).items():
+        w.add_key_value(key, value, vtype)
     for t in r.tensors:
         if t.name in drop:
             continue

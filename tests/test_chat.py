@@ -7,6 +7,7 @@ import pytest
 
 from ingot.runtime.errors import ModelError, UsageError
 from ingot.runtime.model.chat import chat_prompt, render
+from ingot.runtime.model.templates import GEMMA_TEMPLATE, builtin_template
 from ingot.runtime.model.tokenizer import Tokenizer
 
 USER = [{"role": "user", "content": "What is 2+2?"}]
@@ -86,6 +87,55 @@ def test_sandbox_blocks_unsafe_templates(template):
 def test_broken_templates_are_model_errors(tiny_tokenizer):
     with pytest.raises(ModelError, match="does not parse"):
         render("{% for m in messages %}", USER)
-    no_template = Tokenizer(dataclasses.replace(tiny_tokenizer.vocab, chat_template=None))
+    v = tiny_tokenizer.vocab
+    unknown_family = [t.replace("<|im_", "<|xx_") for t in v.tokens]  # no turn tokens a built-in template knows
+    no_template = Tokenizer(dataclasses.replace(v, chat_template=None, tokens=unknown_family))
     with pytest.raises(ModelError, match="no chat template"):
         chat_prompt(no_template, USER)
+
+
+# --- built-in templates for GGUFs without one (runtime/model/templates.py) -------------------------------
+
+
+def _gemma_like(tiny_tokenizer) -> Tokenizer:
+    """The tiny vocabulary plus Gemma's turn tokens (control tokens), and no template."""
+    v = tiny_tokenizer.vocab
+    tokens, types = [*v.tokens, "<start_of_turn>", "<end_of_turn>"], [*v.types, 3, 3]
+    return Tokenizer(dataclasses.replace(v, tokens=tokens, types=types, chat_template=None, add_bos=True))
+
+
+def test_gemma_vocabulary_without_template_gets_gemmas(tiny_tokenizer):
+    tok = _gemma_like(tiny_tokenizer)
+    assert builtin_template(tok.vocab)[0] == "gemma"
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": " What is 2+2? "},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    assert render(GEMMA_TEMPLATE, messages, bos_token="<bos>") == (
+        "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n"
+        "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    ids = chat_prompt(tok, USER)
+    start, end = tok.vocab.tokens.index("<start_of_turn>"), tok.vocab.tokens.index("<end_of_turn>")
+    assert ids[0] == tok.vocab.bos_id and ids[1:].count(tok.vocab.bos_id) == 0  # BOS once, from the template
+    assert ids.count(start) == 2 and ids.count(end) == 1
+    assert end in tok.eog_ids  # generation stops at the end of the model's turn
+
+
+def test_gemma_template_wants_alternating_roles(tiny_tokenizer):
+    with pytest.raises(UsageError, match="must alternate"):
+        chat_prompt(_gemma_like(tiny_tokenizer), USER + USER)
+
+
+def test_chatml_vocabulary_without_template_gets_chatml(tiny_tokenizer):
+    tok = Tokenizer(dataclasses.replace(tiny_tokenizer.vocab, chat_template=None))
+    assert builtin_template(tok.vocab)[0] == "chatml"
+    assert tok.decode(chat_prompt(tok, USER)) == "user\nWhat is 2+2?\nassistant\n"
+
+
+def test_real_gemma3_chat_prompt(gemma3_tokenizer):
+    ids = chat_prompt(gemma3_tokenizer, USER)
+    # <bos> <start_of_turn> user \n ... <end_of_turn> \n <start_of_turn> model \n
+    assert ids[:4] == [2, 105, 2364, 107] and ids[-5:] == [106, 107, 105, 4368, 107]

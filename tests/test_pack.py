@@ -175,6 +175,25 @@ def test_selftest_records_cpu_reference_logits(tmp_path, kernel_dir, tiny_llama)
     assert st["logsumexp"] == pytest.approx(np.log(np.exp(logits - logits.max()).sum()) + logits.max(), abs=1e-4)
 
 
+@pytest.mark.parametrize("shape", ["tiny-gemma3", "tiny-qwen3"])
+def test_pack_accepts_k_quant_gemma3_and_qwen3_models(tmp_path, monkeypatch, capsys, kernel_dir, synth_model, shape):
+    """The pack-time CPU self-test runs on them; the manifest records the architecture and every tensor type."""
+    from ingot.runtime.model.gguf import load_model
+
+    model = synth_model(shape, "Q4_K_M")
+    out = tmp_path / f"{shape}.ingot"
+    code, _, err = run_cli(monkeypatch, capsys, "pack", "--model", model, "--kernels", kernel_dir, "--out", out)
+    assert code == 0, err
+    m = _manifest(out)
+    assert m["model"]["architecture"] == shape.split("-")[1]
+    loaded = load_model(model)
+    assert m["model"]["quant_types"] == loaded.quant_types and "Q4_K" in m["model"]["quant_types"]
+    assert m["model"]["tensor_types"] == {name: t.qtype for name, t in loaded.tensors.items()}
+    assert len(m["selftest"]["top_ids"]) == 32
+    code, _, err = run_cli(monkeypatch, capsys, "verify", out)
+    assert code == 0, err
+
+
 def test_pack_without_kernels_runs_the_default_build_into_dist(tmp_path, monkeypatch, capsys, kernel_dir, toy_model):
     import ingot.toolchain.build as build_mod
     import ingot.toolchain.pack as pack_mod

@@ -128,7 +128,7 @@ def bad_models(tmp_path_factory, synth_model):
     (folder / "text.gguf").write_text("this is not a model\n" * 20)
     (folder / "cut.gguf").write_bytes(tiny.read_bytes()[:50_000])
     rewrite_gguf(tiny, folder / "gpt2.gguf", arch="gpt2")
-    rewrite_gguf(tiny, folder / "q4k.gguf", replace={"token_embd.weight": ("Q4_K", (512, 256), bytes(512 * 144))})
+    rewrite_gguf(tiny, folder / "iq2.gguf", replace={"token_embd.weight": ("IQ2_XXS", (512, 256), bytes(512 * 66))})
     return folder
 
 
@@ -139,7 +139,7 @@ def bad_models(tmp_path_factory, synth_model):
         ("text.gguf", 5, "not a GGUF file"),
         ("cut.gguf", 5, "truncated"),
         ("gpt2.gguf", 5, "unsupported architecture 'gpt2'"),
-        ("q4k.gguf", 5, "tensor token_embd.weight has unsupported type Q4_K"),
+        ("iq2.gguf", 5, "tensor token_embd.weight has unsupported type IQ2_XXS"),
     ],
 )
 def test_bad_models_exit_with_documented_codes(ingot, bad_models, name, code, message):

@@ -21,6 +21,7 @@ activations) and flash attention; its launch list is built once per chunk length
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,11 @@ class _HostDevice:
         self.pinned.close()
 
 
+# The architectures whose block the GPU kernels implement (Llama's: no q/k norms, post-norms, GELU, sliding
+# windows or softcapping); the others in architectures.py run on the CPU engine only.
+GPU_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
 class CudaEngine:
     name = "cuda"
     kv_page_size = PAGE
@@ -98,6 +104,16 @@ class CudaEngine:
     ):
         c = self.config = model.config
         self.model = model
+        if c.arch not in GPU_ARCHITECTURES:
+            raise IncompatibleError(
+                f"architecture {c.arch} is not supported by the GPU engine yet",
+                hint=f"it runs {', '.join(GPU_ARCHITECTURES)}; use --device cpu",
+            )
+        if c.rope_scale != 1.0 or (c.attn_scale and abs(c.attn_scale * math.sqrt(c.head_dim) - 1.0) > 1e-6):
+            raise IncompatibleError(
+                "linear RoPE scaling and a custom attention scale are not implemented by the GPU engine yet",
+                hint="use --device cpu",
+            )
         if c.head_dim not in HEAD_DIMS:
             raise IncompatibleError(
                 f"head_dim {c.head_dim} is not supported by the GPU attention kernels",

@@ -21,6 +21,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ingot.runtime.errors import ModelError, UsageError
+from ingot.runtime.model.templates import chat_template
 from ingot.runtime.model.tokenizer import Tokenizer
 
 
@@ -104,16 +105,15 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[in
     BOS is added when the model's add_bos flag asks for it, unless the template already wrote it (as most do
     via {{ bos_token }}): the same double-BOS rule as llama.cpp's server."""
     vocab = tokenizer.vocab
-    if not vocab.chat_template:
+    template = chat_template(vocab)  # the GGUF's own, else a built-in one for its family (templates.py)
+    if not template:
         raise ModelError("the model has no chat template (tokenizer.chat_template)", hint="run without --chat")
 
     def text_of(i):
         return vocab.tokens[i] if i is not None else ""
 
     bos = text_of(vocab.bos_id)
-    text = render(
-        vocab.chat_template, messages, bos_token=bos, eos_token=text_of(vocab.eos_id), unk_token=text_of(vocab.unk_id)
-    )
+    text = render(template, messages, bos_token=bos, eos_token=text_of(vocab.eos_id), unk_token=text_of(vocab.unk_id))
     ids = tokenizer.encode(text, add_special=False, parse_special=True)
     if vocab.add_bos and vocab.bos_id is not None and ids[:1] != [vocab.bos_id]:
         ids = [vocab.bos_id] + ids

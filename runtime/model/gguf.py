@@ -5,8 +5,9 @@ Sections:
   - Vocab: the embedded tokenizer data (tokens, merges, scores, special ids, chat template)
   - QTensor / Model / load_model: the opened GGUF, tensors mapped in place (zero-copy)
 
-Supported: architectures llama (SmolLM2, TinyLlama, Llama 2/3), mistral, qwen2 (QKV bias, NEOX rope); tensor
-types F32, F16, BF16, Q8_0, Q4_0, Q4_1. Anything else is refused with a ModelError naming what and where.
+Supported: the architectures described in architectures.py (llama, mistral, qwen2, qwen3, gemma3); the tensor
+types of quants.py (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS), each tensor its
+own type. Anything else is refused with a ModelError naming what and where.
 """
 
 from __future__ import annotations
@@ -25,11 +26,8 @@ from ingot.runtime.errors import ModelError, UsageError
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
+from ingot.runtime.model.architectures import ARCHITECTURES, Architecture, block_tensors
 from ingot.runtime.model.quants import QUANT_TYPES, dequantize
-
-ARCHITECTURES = ("llama", "mistral", "qwen2")
-NEOX_ROPE_ARCHITECTURES = ("qwen2",)  # rotate (x[i], x[i + rope_dim/2]); the others rotate (x[2i], x[2i+1])
-
 
 # --- Config ---------------------------------------------------------------------------------------
 
@@ -52,6 +50,28 @@ class Config:
     rope_freq_factors: tuple[float, ...] | None  # [rope_dim/2] divisors of the rope frequencies (Llama 3.1)
     qkv_bias: bool
     tied_embeddings: bool  # no output.weight: the output head is token_embd
+    # What the architecture's block adds to Llama's (architectures.py), as numbers for this model:
+    attn_scale: float = 0.0  # on q.k before softmax (0: 1/sqrt(head_dim))
+    sliding_window: int = 0  # positions a local layer attends to, itself included (0: every layer is global)
+    rope_theta_local: float = 0.0  # RoPE base of the local layers (0: rope_theta)
+    rope_scale: float = 1.0  # linear RoPE scaling of the global layers: positions divided by this
+    attn_softcap: float = 0.0  # attention scores -> cap * tanh(scores / cap) (0: none)
+    final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (0: none)
+
+    @property
+    def block(self) -> Architecture:
+        """What each block computes (the architecture's description)."""
+        return ARCHITECTURES[self.arch]
+
+    def layer_window(self, layer: int) -> int:
+        """How many positions `layer` attends to (itself included); 0: all of them."""
+        return self.sliding_window if self.sliding_window and self.block.is_local(layer) else 0
+
+    def layer_rope(self, layer: int) -> tuple[float, float]:
+        """(RoPE base, linear position scale) of `layer`: local layers use their own base and no scaling."""
+        if self.layer_window(layer) and self.rope_theta_local:
+            return self.rope_theta_local, 1.0
+        return self.rope_theta, self.rope_scale
 
     @property
     def n_rep(self) -> int:
@@ -213,11 +233,7 @@ def _parse_model(path: Path, offset: int, size: int | None) -> tuple[Model, dict
 
     meta = _Metadata(reader, path)
     arch = meta.get_str("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ModelError(
-            f"{path}: unsupported architecture {arch!r}",
-            hint=f"Ingot runs Llama-family models: {', '.join(ARCHITECTURES)}",
-        )
+    check_architecture(arch, path)
     if meta.get_int(f"{arch}.expert_count", 0) > 0:
         raise ModelError(f"{path}: mixture-of-experts models are not supported")
 
@@ -257,7 +273,7 @@ def _parse_model(path: Path, offset: int, size: int | None) -> tuple[Model, dict
 # size, mtime_ns, ctime_ns, inode, device), so a rewritten or replaced file misses and is parsed again. Only
 # this module writes or reads it; the GGUF keys are still read nowhere else.
 
-_INDEX_SCHEMA = "ingot-model-index-v1"
+_INDEX_SCHEMA = "ingot-model-index-v2"  # v2: Config gained the architecture's numbers
 
 
 def _index_file(path: Path, offset: int, size: int | None) -> Path:
@@ -387,7 +403,18 @@ class _Metadata:
 _REQUIRED = object()
 
 
+def check_architecture(arch: str, path: Path | str) -> Architecture:
+    """The architecture's description, or a ModelError naming it and what is supported."""
+    if arch not in ARCHITECTURES:
+        raise ModelError(
+            f"{path}: unsupported architecture {arch!r}",
+            hint=f"Ingot runs {', '.join(ARCHITECTURES)}; convert or pick a model of one of these",
+        )
+    return ARCHITECTURES[arch]
+
+
 def _read_config(meta: _Metadata, arch: str, tensors: dict[str, QTensor], path: Path) -> Config:
+    a = ARCHITECTURES[arch]
     if "token_embd.weight" not in tensors:
         raise ModelError(f"{path}: missing tensor token_embd.weight")
     dim = meta.get_int(f"{arch}.embedding_length")
@@ -401,10 +428,11 @@ def _read_config(meta: _Metadata, arch: str, tensors: dict[str, QTensor], path: 
     rope_dim = meta.get_int(f"{arch}.rope.dimension_count", head_dim)
 
     scaling = meta.get_str(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "") and meta.get_float(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+    rope_scale = meta.get_float(f"{arch}.rope.scaling.factor", 1.0) if scaling not in ("none", "") else 1.0
+    if rope_scale <= 0 or (scaling != "linear" and rope_scale != 1.0):
         raise ModelError(
-            f"{path}: rope scaling {scaling!r} is not supported",
-            hint="Llama 3.1-style scaling via rope_freqs.weight is",
+            f"{path}: rope scaling {scaling!r} (factor {rope_scale}) is not supported",
+            hint="linear scaling and Llama 3.1-style scaling via rope_freqs.weight are",
         )
     factors = None
     if "rope_freqs.weight" in tensors:
@@ -412,12 +440,17 @@ def _read_config(meta: _Metadata, arch: str, tensors: dict[str, QTensor], path: 
         if len(factors) != rope_dim // 2:
             raise ModelError(f"{path}: rope_freqs.weight has {len(factors)} values, expected {rope_dim // 2}")
 
+    n_layers = meta.get_int(f"{arch}.block_count")
+    sliding_window = meta.get_int(f"{arch}.attention.sliding_window", 0) if a.swa_pattern else 0
+    softcaps = [
+        meta.get_float(f"{arch}.{k}_logit_softcapping", 0.0) if a.softcapping else 0.0 for k in ("attn", "final")
+    ]
     return Config(
         arch=arch,
         n_vocab=tensors["token_embd.weight"].shape[0],
         n_ctx_train=meta.get_int(f"{arch}.context_length"),
         dim=dim,
-        n_layers=meta.get_int(f"{arch}.block_count"),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
@@ -425,34 +458,37 @@ def _read_config(meta: _Metadata, arch: str, tensors: dict[str, QTensor], path: 
         norm_eps=meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon"),
         rope_theta=meta.get_float(f"{arch}.rope.freq_base", 10000.0),
         rope_dim=rope_dim,
-        rope_neox=arch in NEOX_ROPE_ARCHITECTURES,
+        rope_neox=a.rope_neox,
         rope_freq_factors=factors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qkv_bias=a.qkv_bias if a.qkv_bias is not None else "blk.0.attn_q.bias" in tensors,
         tied_embeddings="output.weight" not in tensors,
+        # the GGUF's own key when it has one (llama.cpp's `<arch>.attention.scale`), else the architecture's rule
+        attn_scale=meta.get_float(f"{arch}.attention.scale", 0.0) or a.attn_scale(n_layers, dim, n_heads, head_dim),
+        sliding_window=sliding_window,
+        rope_theta_local=(a.local_rope_theta or 0.0) if sliding_window else 0.0,
+        rope_scale=rope_scale,
+        attn_softcap=softcaps[0],
+        final_softcap=softcaps[1],
     )
 
 
 def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     """Every tensor the forward pass reads, with its math-order shape."""
-    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    sizes = {
+        "D": c.dim,
+        "Q": c.n_heads * c.head_dim,
+        "KV": c.n_kv_heads * c.head_dim,
+        "F": c.ffn_dim,
+        "HD": c.head_dim,
+    }
     shapes = {"token_embd.weight": (c.n_vocab, c.dim), "output_norm.weight": (c.dim,)}
     if not c.tied_embeddings:
         shapes["output.weight"] = (c.n_vocab, c.dim)
+    block = {
+        name: tuple(sizes[s] for s in dims.split(",")) for name, dims in block_tensors(c.block, c.qkv_bias).items()
+    }
     for i in range(c.n_layers):
-        b = f"blk.{i}."
-        shapes |= {
-            b + "attn_norm.weight": (c.dim,),
-            b + "attn_q.weight": (q_dim, c.dim),
-            b + "attn_k.weight": (kv_dim, c.dim),
-            b + "attn_v.weight": (kv_dim, c.dim),
-            b + "attn_output.weight": (c.dim, q_dim),
-            b + "ffn_norm.weight": (c.dim,),
-            b + "ffn_gate.weight": (c.ffn_dim, c.dim),
-            b + "ffn_up.weight": (c.ffn_dim, c.dim),
-            b + "ffn_down.weight": (c.dim, c.ffn_dim),
-        }
-        if c.qkv_bias:
-            shapes |= {b + "attn_q.bias": (q_dim,), b + "attn_k.bias": (kv_dim,), b + "attn_v.bias": (kv_dim,)}
+        shapes |= {f"blk.{i}.{name}": shape for name, shape in block.items()}
     return shapes
 
 
@@ -508,8 +544,9 @@ def _scalar(value):
 
 def describe_file(path: Path) -> dict:
     """What a bundle's manifest records about a GGUF: architecture, name, hyperparameters (every `<arch>.*`
-    metadata key, as stored), quant types, tensor count and tokenizer summary. Read with gguf's own reader,
-    whole-file, so it describes even a model this runtime cannot run (pack refuses those at the self-test)."""
+    metadata key, as stored), quant types (the set, and each tensor's), tensor count and tokenizer summary. Read
+    with gguf's own reader, whole-file, so it describes even a model this runtime cannot run (pack refuses those at
+    the self-test)."""
     import gguf  # deferred: gguf imports ~100 ms of numpy-heavy modules; `ingot run` reads the index cache
 
     try:
@@ -536,6 +573,7 @@ def describe_file(path: Path) -> dict:
         "name": value("general.name"),
         "hyperparameters": dict(sorted(hyper.items())),
         "quant_types": sorted({t.tensor_type.name for t in reader.tensors}),
+        "tensor_types": {t.name: t.tensor_type.name for t in sorted(reader.tensors, key=lambda t: t.name)},
         "n_tensors": len(reader.tensors),
         "tokenizer": {
             "model": value("tokenizer.ggml.model"),

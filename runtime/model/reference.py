@@ -1,5 +1,7 @@
 """The reference forward pass every Ingot engine computes, in numpy, written like the math (llama2.c /
-gpt-fast style). The CPU engine runs it; the GPU engine is tested against it."""
+gpt-fast style). The CPU engine runs it; the GPU engine is tested against it. What a block computes beyond
+Llama's (q/k norms, post-norms, GELU, embedding scale, sliding windows, per-layer RoPE bases, softcapping) is
+read from the architecture's description (architectures.py, via Config.block), not special-cased by name."""
 
 from __future__ import annotations
 
@@ -52,9 +54,11 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + eps)).astype(np.float32) * w
 
 
-def rope_inv_freq(c: Config) -> np.ndarray:
-    """[rope_dim/2] float64: theta_i = base^(-2i/rope_dim), divided by the freq factors when the model has them."""
-    inv = c.rope_theta ** (-np.arange(0, c.rope_dim, 2, dtype=np.float64) / c.rope_dim)
+def rope_inv_freq(c: Config, layer: int = 0) -> np.ndarray:
+    """[rope_dim/2] float64 for `layer`: theta_i = base^(-2i/rope_dim) with the layer's base, divided by the
+    linear scale and by the freq factors when the model has them."""
+    base, scale = c.layer_rope(layer)
+    inv = base ** (-np.arange(0, c.rope_dim, 2, dtype=np.float64) / c.rope_dim) / scale
     return inv if c.rope_freq_factors is None else inv / np.asarray(c.rope_freq_factors, dtype=np.float64)
 
 
@@ -77,20 +81,38 @@ def rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool) -> np
     return out
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
-    """Causal grouped-query attention of t new queries at positions start.. over the n = start + t cached keys.
-    q [t, H, hd], k/v [n, KV, hd] -> [t, H*hd]. Query head h reads KV head h // (H/KV)."""
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    start: int,
+    *,
+    scale: float = 0.0,
+    window: int = 0,
+    softcap: float = 0.0,
+    k_start: int = 0,
+) -> np.ndarray:
+    """Causal grouped-query attention of t new queries at positions start.. over n cached keys at positions
+    k_start.. (k_start + n = start + t). q [t, H, hd], k/v [n, KV, hd] -> [t, H*hd]. Query head h reads KV head
+    h // (H/KV). scale: on q.k (0: 1/sqrt(hd)); window > 0: a query at p sees only keys at p - window + 1 .. p;
+    softcap > 0: scores -> softcap * tanh(scores / softcap)."""
     t, n_heads, hd = q.shape
     n, n_kv, _ = k.shape
     rep = n_heads // n_kv
-    future = np.arange(n)[None, :] > (start + np.arange(t))[:, None]  # [t, n]: key after the query
-    scale = np.float32(1.0 / math.sqrt(hd))
+    key_pos, query_pos = k_start + np.arange(n)[None, :], start + np.arange(t)[:, None]
+    masked = key_pos > query_pos  # [t, n]: key after the query
+    if window:
+        masked |= key_pos <= query_pos - window  # key outside the query's window
+    scale = np.float32(scale or 1.0 / math.sqrt(hd))
     out = np.empty((t, n_heads, hd), dtype=np.float32)
     # One plain 2-D matmul per KV head and its `rep` query heads (numpy's broadcast batched matmul skips BLAS).
     for g in range(n_kv):
         heads = slice(g * rep, (g + 1) * rep)
         qg = q[:, heads].transpose(1, 0, 2).reshape(rep * t, hd)  # [rep*t, hd]
-        scores = np.where(future, -np.inf, (qg @ k[:, g].T).reshape(rep, t, n) * scale)  # [rep, t, n]
+        scores = (qg @ k[:, g].T).reshape(rep, t, n) * scale  # [rep, t, n]
+        if softcap:
+            scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+        scores = np.where(masked, -np.inf, scores)
         p = np.exp(scores - scores.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True, dtype=np.float64).astype(np.float32)  # softmax, summed in float64
         out[:, heads] = (p.reshape(rep * t, n) @ v[:, g]).reshape(rep, t, hd).transpose(1, 0, 2)
@@ -108,6 +130,15 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (1.0 + np.exp(-x))
 
 
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (PyTorch's gelu(approximate="tanh"), ggml_gelu)."""
+    c = np.float32(math.sqrt(2.0 / math.pi))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
 def forward(c: Config, w: Weights, batch: Sequence[tuple[KVCache, Sequence[int]]]) -> np.ndarray:
     """Run tokens through the model, appending their keys/values to each sequence's cache.
 
@@ -115,37 +146,62 @@ def forward(c: Config, w: Weights, batch: Sequence[tuple[KVCache, Sequence[int]]
     multiply covers all tokens of all sequences at once; only attention is per sequence.
     Returns the final-normed hidden states [T, D] of all tokens, in batch order (see `logits`).
     """
+    a = c.block
     tokens = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
     pos = np.concatenate([np.arange(cache.n, cache.n + len(t)) for cache, t in batch])
     spans = np.cumsum([0] + [len(t) for _, t in batch])
-    inv_freq = rope_inv_freq(c)
+    act = ACTIVATIONS[a.activation]
     T = len(tokens)
 
     x = w.embed(tokens)  # [T, D]
+    if a.embed_scale_sqrt_dim:
+        x = x * np.float32(math.sqrt(c.dim))
     for layer in range(c.n_layers):
         b = f"blk.{layer}."
+        inv_freq, window = rope_inv_freq(c, layer), c.layer_window(layer)
         h = rms_norm(x, w[b + "attn_norm.weight"], c.norm_eps)
         q = linear(h, w[b + "attn_q.weight"])  # [T, H*hd]
         k = linear(h, w[b + "attn_k.weight"])  # [T, KV*hd]
         v = linear(h, w[b + "attn_v.weight"])
         if c.qkv_bias:
             q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
-        q = rope(q.reshape(T, c.n_heads, c.head_dim), pos, inv_freq, c.rope_neox)
-        k = rope(k.reshape(T, c.n_kv_heads, c.head_dim), pos, inv_freq, c.rope_neox)
+        q, k = q.reshape(T, c.n_heads, c.head_dim), k.reshape(T, c.n_kv_heads, c.head_dim)
+        if a.qk_norm:
+            q, k = (
+                rms_norm(q, w[b + "attn_q_norm.weight"], c.norm_eps),
+                rms_norm(k, w[b + "attn_k_norm.weight"], c.norm_eps),
+            )
+        q, k = rope(q, pos, inv_freq, c.rope_neox), rope(k, pos, inv_freq, c.rope_neox)
         v = v.reshape(T, c.n_kv_heads, c.head_dim)
 
         att = np.empty((T, c.n_heads * c.head_dim), dtype=np.float32)
         for (cache, _), s, e in zip(batch, spans[:-1], spans[1:], strict=False):
-            start = cache.n
-            cache.k[layer, start : start + e - s] = k[s:e]
-            cache.v[layer, start : start + e - s] = v[s:e]
-            att[s:e] = attention(q[s:e], cache.k[layer, : start + e - s], cache.v[layer, : start + e - s], start)
-        x = x + linear(att, w[b + "attn_output.weight"])
+            start, end = cache.n, cache.n + e - s
+            cache.k[layer, start:end] = k[s:e]
+            cache.v[layer, start:end] = v[s:e]
+            lo = max(0, start - window + 1) if window else 0  # a local layer reads only its window of the cache
+            att[s:e] = attention(
+                q[s:e],
+                cache.k[layer, lo:end],
+                cache.v[layer, lo:end],
+                start,
+                scale=c.attn_scale,
+                window=window,
+                softcap=c.attn_softcap,
+                k_start=lo,
+            )
+        o = linear(att, w[b + "attn_output.weight"])
+        if a.post_norms:
+            o = rms_norm(o, w[b + "post_attention_norm.weight"], c.norm_eps)
+        x = x + o
 
         h = rms_norm(x, w[b + "ffn_norm.weight"], c.norm_eps)
-        x = x + linear(
-            silu(linear(h, w[b + "ffn_gate.weight"])) * linear(h, w[b + "ffn_up.weight"]), w[b + "ffn_down.weight"]
+        f = linear(
+            act(linear(h, w[b + "ffn_gate.weight"])) * linear(h, w[b + "ffn_up.weight"]), w[b + "ffn_down.weight"]
         )
+        if a.post_norms:
+            f = rms_norm(f, w[b + "post_ffw_norm.weight"], c.norm_eps)
+        x = x + f
 
     for cache, t in batch:
         cache.n += len(t)
@@ -154,4 +210,7 @@ def forward(c: Config, w: Weights, batch: Sequence[tuple[KVCache, Sequence[int]]
 
 def logits(c: Config, w: Weights, hidden: np.ndarray) -> np.ndarray:
     """[T, D] final hidden states -> [T, V] float32 logits (output head, or token_embd when tied)."""
-    return np.ascontiguousarray(linear(hidden, w["token_embd.weight" if c.tied_embeddings else "output.weight"]))
+    out = np.ascontiguousarray(linear(hidden, w["token_embd.weight" if c.tied_embeddings else "output.weight"]))
+    if c.final_softcap:
+        out = np.float32(c.final_softcap) * np.tanh(out / np.float32(c.final_softcap))
+    return out

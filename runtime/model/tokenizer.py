@@ -40,7 +40,8 @@ _QWEN2 = (
 )
 PRE_TOKENIZERS = {
     "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
-    "gpt2": [_GPT2],
+    "gpt2": [_GPT2],  # what Ingot's synthetic models were written with before they said "smollm"
+    "gpt-2": [_GPT2],  # llama.cpp's name for it
     "smollm": [r"\p{N}", _GPT2],
     "starcoder": [r"\p{N}", _GPT2],
     "refact": [r"\p{N}", _GPT2],

@@ -19,6 +19,7 @@ from importlib.metadata import version
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ingot.runtime.model.templates import chat_template
 from ingot.runtime.sampling import SamplingParams
 from ingot.runtime.server.request import ApiError, Fields, TextRequest, text_of
 from ingot.runtime.server.scheduler import Job
@@ -203,7 +204,7 @@ async def show(server: Server, request: Request) -> Response:
         {
             "modelfile": "",
             "parameters": "",
-            "template": m.vocab.chat_template or "",
+            "template": chat_template(m.vocab) or "",  # the GGUF's own, else its family's built-in one
             "details": _details(server),
             "model_info": info,
             "capabilities": ["completion"],

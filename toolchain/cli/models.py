@@ -17,8 +17,8 @@ from ingot.runtime.generate import generate
 from ingot.runtime.model.chat import chat_prompt
 from ingot.runtime.model.fetch import MODELS
 from ingot.runtime.model.fetch import fetch as fetch_model
-from ingot.runtime.model.quants import QUANT_TYPES
-from ingot.runtime.model.synth import SHAPES, synthesize
+from ingot.runtime.model.synth import QUANTS, SHAPES, synthesize
+from ingot.runtime.model.templates import builtin_template
 from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.perplexity import perplexity, tokenize_for_perplexity
 from ingot.runtime.resolve import Opened, open_model
@@ -85,8 +85,8 @@ def run(
 ):
     """Generate text from a prompt, streaming it as it is produced.
 
-    MODEL is a .gguf file, a .ingot bundle, or `smollm2` (the default model, fetched into the cache if
-    missing). A stats line (tokens, tok/s) goes to stderr at the end.
+    MODEL is a .gguf file, a .ingot bundle, or a model name: `smollm2` (the default model) or `gemma3-270m`,
+    fetched into the cache if missing. A stats line (tokens, tok/s) goes to stderr at the end.
     """
 
     params = SamplingParams(
@@ -222,13 +222,13 @@ def fetch(name):
     "--quant",
     "qtype",
     required=True,
-    type=click.Choice(list(QUANT_TYPES)),
-    help="Type of the weight matrices (norms stay F32).",
+    type=click.Choice(list(QUANTS)),
+    help="Type of the weight matrices, or a llama.cpp mix (Q4_K_M, Q5_K_M); norms stay F32.",
 )
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, type=int)
 def synth(shape, qtype, out_path, seed):
-    """Write a random-weight Llama GGUF of a named shape (for tests and benchmarks)."""
+    """Write a random-weight GGUF of a named shape (for tests and benchmarks)."""
 
     with steps_bar("writing", "tensors") as bar:
         task = bar.add_task("synth", total=None)
@@ -267,6 +267,7 @@ def info(model_spec, allow_unverified, as_json):
             "eos_id": v.eos_id,
             "add_bos": v.add_bos,
             "has_chat_template": bool(v.chat_template),
+            "builtin_chat_template": None if v.chat_template else (builtin_template(v) or (None,))[0],
         },
     }
     if as_json:
@@ -282,6 +283,12 @@ def info(model_spec, allow_unverified, as_json):
     table.add_row(
         "tokenizer",
         f"{v.model}/{v.pre}, {len(v.tokens):,} tokens, BOS {v.bos_id} "
-        f"(added: {v.add_bos}), EOS {v.eos_id}, chat template: {bool(v.chat_template)}",
+        f"(added: {v.add_bos}), EOS {v.eos_id}, chat template: {_template_summary(desc['tokenizer'])}",
     )
     out.print(table)
+
+
+def _template_summary(tokenizer: dict) -> str:
+    if tokenizer["has_chat_template"]:
+        return "the model's"
+    return f"built-in {tokenizer['builtin_chat_template']}" if tokenizer["builtin_chat_template"] else "none"
