@@ -117,6 +117,13 @@ TEST_MODEL = Setting(
     "a GGUF path",
     "Tests only: the real SmolLM2 GGUF, when it is not in the model cache (the end-to-end CPU tests skip without it).",
 )
+TEST_GEMMA3 = Setting(
+    "INGOT_TEST_GEMMA3",
+    None,
+    Path,
+    "a GGUF path",
+    "Tests only: the real Gemma 3 270M GGUF, when it is not in the model cache (its tests skip without it).",
+)
 TEST_MODELS = Setting(
     "INGOT_TEST_MODELS",
     None,
@@ -133,6 +140,8 @@ ALL: tuple[Setting, ...] = (
     DECODE_GEMM_MIN_BATCH,
     KV_FRACTION,
     API_KEY,
+    TEST_MODEL,
+    TEST_GEMMA3,
     TEST_MODELS,
 )
 

@@ -45,7 +45,7 @@ def real_tokenizer(real_model):
 
 
 def _gemma3_candidates() -> list[Path]:
-    env = os.environ.get("INGOT_TEST_GEMMA3")
+    env = settings.TEST_GEMMA3.get()
     return [model_path("gemma3-270m"), *([Path(env)] if env else [])]
 
 
