@@ -114,7 +114,7 @@ def _pack_with_selftest(monkeypatch, tmp_path, model, kernels, record: dict):
     """A bundle sealed by the pack code itself (consistent root digest) around the given self-test record."""
     import ingot.toolchain.pack as pack_mod
 
-    monkeypatch.setattr(pack_mod, "compute_selftest", lambda path: copy.deepcopy(record))
+    monkeypatch.setattr(pack_mod, "record_selftest", lambda path: copy.deepcopy(record))
     out = tmp_path / "edited.ingot"
     pack_mod.pack(model, kernels=kernels, out=out, selftest=True)
     return out

@@ -177,15 +177,19 @@ def test_seeded_sampling_is_reproducible(engines):
     probe = gpu.new_sequence(SamplingParams())
     logits = gpu.logits(probe, tokens)[-1].astype(np.float64)
     gpu.release(probe)
-    temperature = float(np.std(logits))  # raise it until the likeliest token has at most half the mass
+    # top-k acts on the untempered logits and temperature on its survivors (llama.cpp's order, as both samplers
+    # do), so raise the temperature until the likeliest of the top 40 has at most half their mass; top-p and
+    # min-p stay off (at 1 and 0), since on the untempered logits of a random model they may keep one token.
+    top = np.sort(logits)[-40:]
+    temperature = float(np.std(logits))
     while True:
-        p = np.exp((logits - logits.max()) / temperature)
+        p = np.exp((top - top.max()) / temperature)
         if p.max() / p.sum() <= 0.5:
             break
         temperature *= 1.5
 
     def run(seed):
-        s = gpu.new_sequence(SamplingParams(temperature=temperature, top_k=40, top_p=0.95, seed=seed))
+        s = gpu.new_sequence(SamplingParams(temperature=temperature, top_k=40, top_p=1.0, min_p=0.0, seed=seed))
         seq = [gpu.prefill(s, tokens)]
         for _ in range(20):
             seq.append(gpu.decode([s], [seq[-1]])[0])

@@ -44,14 +44,20 @@ def make_weight(gpu, rng, qtype: str, rows: int, cols: int) -> tuple[GpuMatrix, 
 
 
 def q8x2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """numpy emulation of the GPU's q8x2 (cuda/common.cuh): per 32 values d1 = amax/127, q1 = round(x/d1),
-    d2 = d1/254, q2 = round((x - d1*q1)/d2). Returns (xq int8 [blocks, 64], xd float32 [blocks, 4])."""
+    """numpy emulation of the GPU's q8x2 (warp_quantize_q8x2 in cuda/common.cuh), operation for operation so the
+    int8 codes match exactly: per 32 values d1 = amax/127, d2 = d1/254, q1 = rint(x * rcp(d1)),
+    q2 = rint(fma(-q1, d1, x) * rcp(d2)) clipped to +-127, where rcp is the correctly rounded float32
+    reciprocal (__frcp_rn) and fma rounds once: -q1*d1 + x is exact in float64 (a 7-bit integer times a 24-bit
+    significand, then a difference smaller than d1), so one rounding to float32 is fmaf's.
+    Returns (xq int8 [blocks, 64], xd float32 [blocks, 4])."""
     b = x.reshape(-1, 32).astype(np.float32)
     d1 = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
     d2 = (d1 / np.float32(254)).astype(np.float32)
     safe1, safe2 = np.where(d1 > 0, d1, 1)[:, None], np.where(d2 > 0, d2, 1)[:, None]
-    q1 = np.where(d1[:, None] > 0, np.rint(b / safe1), 0).astype(np.float32)
-    q2 = np.where(d1[:, None] > 0, np.clip(np.rint((b - q1 * d1[:, None]) / safe2), -127, 127), 0).astype(np.float32)
+    r1, r2 = np.float32(1) / safe1, np.float32(1) / safe2  # float32 division: the correctly rounded reciprocal
+    q1 = np.where(d1[:, None] > 0, np.rint(b * r1), 0).astype(np.float32)
+    resid = (b.astype(np.float64) - q1.astype(np.float64) * d1[:, None].astype(np.float64)).astype(np.float32)
+    q2 = np.where(d1[:, None] > 0, np.clip(np.rint(resid * r2), -127, 127), 0).astype(np.float32)
     s = d1 * q1.sum(axis=1) + d2 * q2.sum(axis=1)
     xq = np.concatenate([q1, q2], axis=1).astype(np.int8)
     return xq, np.stack([d1, d2, s, np.zeros_like(d1)], axis=1).astype(np.float32)
