@@ -207,19 +207,20 @@ def test_a_character_cut_off_at_the_end_is_not_dropped(tiny_tokenizer):
     assert "".join(c.text for c in chunks) == "ok\ufffd" and chunks[-1].finish_reason == "length"
 
 
-def test_the_first_word_keeps_its_leading_space_with_a_sentencepiece_vocabulary():
+@pytest.mark.parametrize("prompt_slice", [slice(0, 3), slice(1, 3), slice(1, 2)], ids=["bos-the-cat", "the-cat", "the"])
+def test_the_first_word_keeps_its_leading_space_with_a_sentencepiece_vocabulary(prompt_slice):
     """A SentencePiece decoder drops the space of a text's first piece, so the decoder's window must start inside
-    the prompt: " sat" after "the cat" must come out with its space."""
+    the prompt (all of it, down to a one-token prompt): the word after the prompt must come out with its space."""
     from test_tokenizer import _spm_vocab
 
     from ingot.runtime.model.tokenizer import Tokenizer
 
     tok = Tokenizer(_spm_vocab(0))
     ids = tok.encode("the cat sat on the mat")  # BOS ▁the ▁cat ▁sat ▁on ▁the ▁mat
-    prompt, script = ids[:3], ids[3:]
-    assert tok.decode(script[:1]) == "sat"  # the decoder alone would lose the space
+    prompt, script = ids[prompt_slice], ids[prompt_slice.stop :]
+    assert not tok.decode(script[:1]).startswith(" ")  # the decoder alone would lose the space
     chunks, _ = _run(tok, script, prompt=prompt, max_tokens=len(script))
-    assert "".join(c.text for c in chunks) == " sat on the mat"
+    assert "".join(c.text for c in chunks) == " " + tok.decode(script)
 
 
 def test_default_max_tokens_is_256(tiny_tokenizer):

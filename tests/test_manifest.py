@@ -11,6 +11,7 @@ import pytest
 from ingot.runtime.bundle.manifest import (
     CHUNK_SIZE,
     MANIFEST,
+    MAX_MEMBERS,
     canonical_json,
     file_entry,
     parse_manifest,
@@ -235,6 +236,18 @@ def test_file_entry_chunks_only_past_one_chunk():
         (lambda m: m.pop("toolchain"), "toolchain"),
         (lambda m: m.__setitem__("provenance", 1), "provenance"),
         (lambda m: m.__setitem__("chunk_size", 1024), "chunk_size"),
+        (lambda m: m["files"][0].__setitem__("name", 5), "files[0].name"),
+        (lambda m: m["files"][0].__setitem__("algorithm", 5), "files[0].algorithm"),
+        (lambda m: m["kernels"][0].__setitem__("name", 5), "kernels[0].name"),
+        (lambda m: m["kernels"][0].__setitem__("size", 2), "kernels[0]"),  # disagrees with files
+        (lambda m: m["kernels"].append(dict(m["kernels"][0])), "kernels[1].path"),  # a module named twice
+        (lambda m: m["model"].__setitem__("sha256", "x"), "model.sha256"),
+        (lambda m: m["model"].__setitem__("size", "1"), "model.size"),
+        (lambda m: m["model"].__setitem__("path", 5), "model.path"),
+        (
+            lambda m: (m["model"].__setitem__("path", "model/m.bin"), m["files"][1].__setitem__("name", "model/m.bin")),
+            "model.path",
+        ),  # listed, but not a .gguf
     ],
 )
 def test_schema_names_more_bad_fields(mutate, field):
@@ -245,7 +258,28 @@ def test_schema_names_more_bad_fields(mutate, field):
     assert "re-pack" in err.hint
 
 
+def test_schema_messages():
+    m = _manifest()
+    m["files"][0]["name"] = "manifest.json"
+    m["root_digest"] = "0" * 64
+    assert "files[0].name names the reserved member manifest.json" in str(_refused(canonical_json(m)))
+    m = _manifest() | {"root_digest": "XYZ"}
+    assert "field root_digest is not a lowercase hex sha256 digest ('XYZ')" in str(_refused(canonical_json(m)))
+    m = _manifest()
+    m["model"]["path"] = m["files"][1]["name"] = "model/m.bin"
+    m["root_digest"] = "0" * 64
+    assert "field model.path 'model/m.bin' is not model/<name>.gguf" in str(_refused(canonical_json(m)))
+    m = _manifest()
+    m["files"] += [file_entry(f"x/{i:05d}", 1, "0" * 64, []) for i in range(MAX_MEMBERS - 3)]  # sorted after
+    assert parse_manifest(seal(m)) == m  # exactly MAX_MEMBERS
+    m["files"].insert(0, file_entry("a", 1, "0" * 64, []))
+    assert f"field files lists {MAX_MEMBERS + 1} members (at most {MAX_MEMBERS})" in str(_refused(seal(m)))
+
+
 def test_schema_accepts_edge_values():
+    m = _manifest()
+    m["files"][2]["size"] = CHUNK_SIZE  # one chunk: no chunk list
+    assert parse_manifest(seal(m)) == m
     m = _manifest()
     m["files"][0]["size"] = m["kernels"][0]["size"] = 0  # an empty member is fine
     assert parse_manifest(seal(m)) == m

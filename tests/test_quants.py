@@ -90,7 +90,7 @@ def test_dequantize_rows_picks_rows(real_model):
 @pytest.mark.parametrize("qtype", list(QUANT_TYPES))
 def test_chunked_dequantization_of_a_tall_matrix(qtype, monkeypatch):
     """More rows than bytes per row, in chunks of two rows: every chunk is written (the loop runs over rows)."""
-    rows, cols = 200, 32
+    rows, cols = 200, max(32, QUANT_TYPES[qtype].block)  # one block per row (K-quant blocks hold 256 weights)
     raw = np.random.default_rng(3).integers(0, 256, (rows, QUANT_TYPES[qtype].row_bytes(cols)), dtype=np.uint8)
     with np.errstate(invalid="ignore", over="ignore"):
         whole = dequantize(raw, qtype, cols)
