@@ -52,7 +52,7 @@ def test_one_flipped_byte_anywhere_is_refused_naming_the_member(
     pos = {
         "model header": 9,  # inside the GGUF version / tensor count
         "model tensor data": size - 3,  # the last tensor's bytes
-        "signature": data.find(b'"sig":"') + 12,  # inside the base64 of the Ed25519 signature
+        "signature": data.find(b'"sig":"') + 12,  # inside the base64 of the ECDSA signature
     }.get(where, size // 2)
     flip_byte(bundle, offset + pos)
     code, report, err = _verify(monkeypatch, capsys, bundle, "--pubkey", keys["a"]["pub"])
@@ -78,7 +78,7 @@ def test_a_whole_digest_that_disagrees_with_its_chunks_is_refused(monkeypatch, c
     m = _manifest(big_bundle)
     m["model"]["sha256"] = "0" * 64
     m["files"] = [f | {"digest": "0" * 64} if f["name"] == "model/big.gguf" else f for f in m["files"]]
-    bad = craft_tar(big_bundle, tmp_path / "bad.ingot", replace={MANIFEST: seal(m)})  # a consistent root
+    bad = craft_tar(big_bundle, tmp_path / "bad.ingot", replace={MANIFEST: seal(m)})  # a consistent self digest
     code, report, _ = _verify(monkeypatch, capsys, bad)
     assert code == 4 and report["problems"][0]["chunk"] is None and "model/big.gguf" in report["error"]
 
@@ -162,7 +162,7 @@ def _with_files(m: dict, **fields) -> bytes:
         (lambda m: _with_files(m, digest="AB" * 32), "files[0].digest"),
         (lambda m: _with_files(m, digest="abc"), "files[0].digest"),
         (lambda m: json.dumps(m, indent=2).encode(), "not in canonical JSON form"),
-        (lambda m: canonical_json(m | {"name": "renamed"}), "root digest"),
+        (lambda m: canonical_json(m | {"name": "renamed"}), "self digest"),
         (lambda m: canonical_json([m]), "is a list"),
     ],
 )
