@@ -178,3 +178,21 @@ def test_not_a_bundle(monkeypatch, capsys, tmp_path, toy_model):
     assert code == 4 and "not an Ingot bundle" in report["error"]
     code, _, err = run_cli(monkeypatch, capsys, "verify", tmp_path / "nope.ingot")
     assert code == 2 and "no such bundle" in err
+
+
+def test_a_bundle_for_another_kernel_abi_is_refused_with_exit_3(monkeypatch, capsys, tmp_path, toy_bundle):
+    from ingot.runtime.bundle.manifest import seal
+    from ingot.runtime.bundle.open import open_bundle
+    from ingot.runtime.errors import IncompatibleError
+    from ingot.runtime.gpu.constants import KERNEL_ABI
+
+    code, out, _ = run_cli(monkeypatch, capsys, "verify", toy_bundle)
+    assert code == 0 and f"runs here: kernel ABI {KERNEL_ABI}" in out
+    m = _manifest(toy_bundle)
+    m["runtime"]["kernel_abi"] = KERNEL_ABI + 1  # intact and consistent, but for another runtime
+    other = craft_tar(toy_bundle, tmp_path / "other-abi.ingot", replace={MANIFEST: seal(m)})
+    code, out, err = run_cli(monkeypatch, capsys, "verify", other)
+    assert code == 3 and out == ""
+    assert err.count("\n") == 1 and f"needs kernel ABI {KERNEL_ABI + 1}" in err and "re-pack" in err
+    with pytest.raises(IncompatibleError, match="kernel ABI"):
+        open_bundle(other)

@@ -57,7 +57,7 @@ def _bundle_facts(path: Path) -> dict:
 def build_sbom(bundle: str | Path) -> str:
     """The CycloneDX 1.6 JSON text of the bundle's AI-BOM, validated against the schema."""
     try:  # deferred: the `release` extra, only `ingot sbom` needs it
-        from cyclonedx.factory.license import LicenseFactory
+        from cyclonedx.contrib.license.factories import LicenseFactory
         from cyclonedx.model import ExternalReference, ExternalReferenceType, HashAlgorithm, HashType, Property, XsUri
         from cyclonedx.model.bom import Bom, BomMetaData
         from cyclonedx.model.component import Component, ComponentType
