@@ -28,7 +28,7 @@ from ingot.runtime.bundle.verify import verify_bundle
 from ingot.runtime.errors import UsageError
 
 FORMATS = ("cyclonedx-json",)
-_RELEASE_EXTRA = "install the release tools: pip install 'ingot-llm[release]' (or .[release] from a checkout)"
+_RELEASE_EXTRA = "install the release extra: pip install '.[release]' in a checkout, or 'WHEEL.whl[release]'"
 
 
 def _bundle_facts(path: Path) -> dict:
@@ -118,7 +118,7 @@ def build_sbom(bundle: str | Path) -> str:
         )
         for k in m["kernels"]
     ]
-    plain = [(MANIFEST, m["manifest_digest"], None)]
+    plain: list[tuple[str, str, int | None]] = [(MANIFEST, m["manifest_digest"], None)]
     described = {model["path"], *(k["path"] for k in m["kernels"])}
     plain += [(n, f["digest"], f["size"]) for n, f in files.items() if n not in described]
     if facts["signature"] is not None:

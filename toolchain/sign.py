@@ -42,7 +42,7 @@ from ingot.runtime.errors import UsageError, VerificationError
 from ingot.runtime.files import write_atomic
 
 ALGORITHMS = ("p256", "ed25519")
-_RELEASE_EXTRA = "install the release tools: pip install 'ingot-llm[release]' (or .[release] from a checkout)"
+_RELEASE_EXTRA = "install the release extra: pip install '.[release]' in a checkout, or 'WHEEL.whl[release]'"
 
 
 def keygen(prefix: str | Path, algorithm: str = "p256") -> dict:
@@ -103,10 +103,13 @@ class KeySigner:
     def sign(self, message: bytes) -> bytes:
         from cryptography.hazmat.primitives import hashes  # deferred: see keygen
         from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-        if self.algorithm == "p256":
-            return self._key.sign(message, ec.ECDSA(hashes.SHA256(), deterministic_signing=True))
-        return self._key.sign(message)
+        key = self._key
+        if isinstance(key, ec.EllipticCurvePrivateKey):
+            return key.sign(message, ec.ECDSA(hashes.SHA256(), deterministic_signing=True))
+        assert isinstance(key, Ed25519PrivateKey)
+        return key.sign(message)
 
 
 def signature_document(manifest: dict, signer: KeySigner) -> bytes:
