@@ -228,3 +228,13 @@ def test_pack_errors_are_one_line_with_exit_codes(tmp_path, monkeypatch, capsys,
         assert (got, words in err) == (code, True), err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.ingot").exists() and not list(tmp_path.glob(".o.ingot.*"))
+
+
+def test_gguf_values_beyond_exact_json_integers_are_stored_as_strings():
+    from ingot.runtime.bundle.manifest import canonical_json
+    from ingot.toolchain.pack import _exact_json
+
+    hyper = {"big": 2**60, "neg": -(2**53), "ok": 2**53 - 1, "flag": True, "list": [2**64 - 1, 3]}
+    safe = _exact_json(hyper)
+    assert safe == {"big": str(2**60), "neg": str(-(2**53)), "ok": 2**53 - 1, "flag": True, "list": [str(2**64 - 1), 3]}
+    canonical_json(safe)  # what canonical JSON refuses is gone

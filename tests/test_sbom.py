@@ -76,13 +76,16 @@ def test_the_model_component_carries_its_license_and_source(monkeypatch, capsys,
     w.write_tensors_to_file()
     w.close()
     bundle = tmp_path / "licensed.ingot"
-    pack(path, kernels=kernel_dir, out=bundle, selftest=False)
+    pack(path, kernels=kernel_dir, out=bundle, selftest=False, sources=("https://example.org/mirror/toy.gguf",))
     code, out, err = run_cli(monkeypatch, capsys, "sbom", bundle)
     assert code == 0, err
     model = next(c for c in _validate(out)["components"] if c["type"] == "machine-learning-model")
     assert model["name"] == "Licensed Toy"
     assert model["licenses"] == [{"license": {"id": "Apache-2.0"}}]
-    assert model["externalReferences"] == [{"type": "distribution", "url": "https://example.org/licensed-toy"}]
+    assert model["externalReferences"] == [
+        {"type": "distribution", "url": url}
+        for url in ("https://example.org/licensed-toy", "https://example.org/mirror/toy.gguf")
+    ]
 
 
 def test_no_bom_for_a_damaged_bundle(monkeypatch, capsys, copy_of, toy_bundle, tmp_path):

@@ -6,7 +6,7 @@ Members, in sorted order (ingot.runtime.bundle.container describes the format):
   model/<name>.gguf         stored uncompressed, data 4096-aligned (a pax `comment` pads its header) so the
                             runtime maps tensors in place. The GGUF carries the tokenizer and chat template.
   provenance.json           SLSA v1 provenance of the kernel build (provenance.py)
-  signature.dsse.json       added by `ingot sign`
+  signature.sigstore.json   added by `ingot sign` (a Sigstore bundle; runtime/bundle/signature.py)
 Determinism: every header has mtime $SOURCE_DATE_EPOCH (default 0), uid/gid 0, no user or group names,
 mode 0644; no host path or timestamp enters the manifest; the same inputs give the same bytes.
 """
@@ -156,9 +156,9 @@ def _exact_json(obj):
     return obj
 
 
-def model_origin(path: Path) -> dict:
+def model_origin(path: Path, extra_sources: tuple[str, ...] = ()) -> dict:
     """The license and source URLs the GGUF declares (general.license, general.source.*, general.url,
-    general.repo_url), for the manifest and the AI-BOM; empty when it declares none."""
+    general.repo_url) plus the packer's --source URLs, for the manifest and the AI-BOM."""
     reader = gguf.GGUFReader(path)
 
     def text(key: str) -> str | None:
@@ -172,6 +172,10 @@ def model_origin(path: Path) -> dict:
     repo = text("general.source.huggingface.repository")
     if repo:
         sources.append(f"https://huggingface.co/{repo}")
+    for url in extra_sources:
+        if not url.startswith(("https://", "http://")):
+            raise UsageError(f"--source {url!r} is not an http(s) URL", hint="pass where the model was downloaded from")
+    sources += list(extra_sources)
     out: dict = {"sources": sorted({s for s in sources if s and s.startswith(("https://", "http://"))})}
     if text("general.license"):
         out["license"] = text("general.license")
@@ -188,6 +192,7 @@ def pack(
     name: str | None = None,
     out: str | Path | None = None,
     selftest: bool = True,
+    sources: tuple[str, ...] = (),
     on_stage=None,
     on_bytes=None,
 ) -> dict:
@@ -214,7 +219,8 @@ def pack(
     modules = describe_kernels(kernel_dir, record)
 
     stage("reading the model")
-    model_info = _exact_json(describe_file(model)) | {"weight_layout": WEIGHT_LAYOUT, "origin": model_origin(model)}
+    origin = model_origin(model, tuple(sources))
+    model_info = _exact_json(describe_file(model)) | {"weight_layout": WEIGHT_LAYOUT, "origin": origin}
     size = model.stat().st_size
     with open(model, "rb", buffering=0) as f:
         digest, chunks = hash_range(f, 0, size, chunk_size=CHUNK_SIZE, on_bytes=on_bytes)

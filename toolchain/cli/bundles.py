@@ -42,8 +42,16 @@ from ingot.toolchain.sign import sign_bundle
     is_flag=True,
     help="Skip the CPU reference logits recorded for `ingot verify --device` (for huge models).",
 )
+@click.option(
+    "--source",
+    "sources",
+    multiple=True,
+    metavar="URL",
+    help="Where the model came from (repeatable), for the manifest and `ingot sbom`; added to the URLs the GGUF "
+    "declares.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def pack(model, kernel_dir, name, out_file, no_selftest, as_json):
+def pack(model, kernel_dir, name, out_file, no_selftest, sources, as_json):
     """Pack fatbins, a GGUF model, provenance and a manifest into one deterministic bundle.
 
     Same inputs give the same bytes: members are sorted, every mtime is $SOURCE_DATE_EPOCH (default 0).
@@ -57,6 +65,7 @@ def pack(model, kernel_dir, name, out_file, no_selftest, as_json):
             name=name,
             out=out_file,
             selftest=not no_selftest,
+            sources=sources,
             on_stage=lambda text: bar.update(task, description=text),
             on_bytes=lambda n: bar.advance(task, n),
         )
