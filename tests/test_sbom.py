@@ -76,7 +76,7 @@ def test_the_model_component_carries_its_license_and_source(monkeypatch, capsys,
     w.write_tensors_to_file()
     w.close()
     bundle = tmp_path / "licensed.ingot"
-    pack(path, kernels=kernel_dir, out=bundle, selftest=False, sources=("https://example.org/mirror/toy.gguf",))
+    pack(path, kernels=kernel_dir, out=bundle, selftest=False, source_urls=("https://example.org/mirror/toy.gguf",))
     code, out, err = run_cli(monkeypatch, capsys, "sbom", bundle)
     assert code == 0, err
     model = next(c for c in _validate(out)["components"] if c["type"] == "machine-learning-model")

@@ -192,7 +192,7 @@ def pack(
     name: str | None = None,
     out: str | Path | None = None,
     selftest: bool = True,
-    sources: tuple[str, ...] = (),
+    source_urls: tuple[str, ...] = (),
     on_stage=None,
     on_bytes=None,
 ) -> dict:
@@ -219,7 +219,7 @@ def pack(
     modules = describe_kernels(kernel_dir, record)
 
     stage("reading the model")
-    origin = model_origin(model, tuple(sources))
+    origin = model_origin(model, tuple(source_urls))
     model_info = _exact_json(describe_file(model)) | {"weight_layout": WEIGHT_LAYOUT, "origin": origin}
     size = model.stat().st_size
     with open(model, "rb", buffering=0) as f:

@@ -65,7 +65,7 @@ def pack(model, kernel_dir, name, out_file, no_selftest, sources, as_json):
             name=name,
             out=out_file,
             selftest=not no_selftest,
-            sources=sources,
+            source_urls=sources,
             on_stage=lambda text: bar.update(task, description=text),
             on_bytes=lambda n: bar.advance(task, n),
         )
