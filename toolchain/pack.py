@@ -219,8 +219,8 @@ def pack(
     modules = describe_kernels(kernel_dir, record)
 
     stage("reading the model")
-    origin = model_origin(model, tuple(source_urls))
-    model_info = _exact_json(describe_file(model)) | {"weight_layout": WEIGHT_LAYOUT, "origin": origin}
+    described = _exact_json(describe_file(model))  # first: it refuses a file that is not a GGUF (exit 5)
+    model_info = described | {"weight_layout": WEIGHT_LAYOUT, "origin": model_origin(model, tuple(source_urls))}
     size = model.stat().st_size
     with open(model, "rb", buffering=0) as f:
         digest, chunks = hash_range(f, 0, size, chunk_size=CHUNK_SIZE, on_bytes=on_bytes)
