@@ -187,7 +187,7 @@ def test_a_bundle_for_another_kernel_abi_is_refused_with_exit_3(monkeypatch, cap
     from ingot.runtime.gpu.constants import KERNEL_ABI
 
     code, out, _ = run_cli(monkeypatch, capsys, "verify", toy_bundle)
-    assert code == 0 and f"runs here: kernel ABI {KERNEL_ABI}" in out
+    assert code == 0 and f"this Ingot runs it: kernel ABI {KERNEL_ABI}" in out
     m = _manifest(toy_bundle)
     m["runtime"]["kernel_abi"] = KERNEL_ABI + 1  # intact and consistent, but for another runtime
     other = craft_tar(toy_bundle, tmp_path / "other-abi.ingot", replace={MANIFEST: seal(m)})

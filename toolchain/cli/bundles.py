@@ -142,7 +142,7 @@ def verify(bundle, pubkey, as_json, on_device, gpu_index):
         )
     rt = report["runtime"]
     out.print(
-        f"  runtime      runs here: kernel ABI {rt['kernel_abi']} ({rt['weight_layout']}), "
+        f"  runtime      this Ingot runs it: kernel ABI {rt['kernel_abi']} ({rt['weight_layout']}), "
         f"packed by Ingot {rt['packed_by']}"
     )
     if on_device:
