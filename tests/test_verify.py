@@ -196,3 +196,10 @@ def test_a_bundle_for_another_kernel_abi_is_refused_with_exit_3(monkeypatch, cap
     assert err.count("\n") == 1 and f"needs kernel ABI {KERNEL_ABI + 1}" in err and "re-pack" in err
     with pytest.raises(IncompatibleError, match="kernel ABI"):
         open_bundle(other)
+
+
+def test_a_v1_bundle_is_refused_with_a_repack_hint(monkeypatch, capsys, tmp_path, toy_bundle):
+    m = _manifest(toy_bundle) | {"format": "ingot-bundle/v1"}
+    old = craft_tar(toy_bundle, tmp_path / "old.ingot", replace={MANIFEST: canonical_json(m)})
+    code, report, err = _verify(monkeypatch, capsys, old)
+    assert code == 4 and "ingot-bundle/v1 is no longer read" in err and "re-pack it with `ingot pack`" in err
