@@ -18,7 +18,7 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
     fi
     . "$_root/.venv/bin/activate"
 fi
-_extras=${INGOT_EXTRAS:-serve,test,dev}
+_extras=${INGOT_EXTRAS:-serve,test,dev,release}
 _stamp="$VIRTUAL_ENV/.ingot-install-stamp"
 _want=$(cd "$_root" && cat pyproject.toml CMakeLists.txt cuda/* 2>/dev/null | python -c \
     'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')

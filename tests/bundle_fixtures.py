@@ -149,7 +149,7 @@ def keys(tmp_path_factory) -> dict:
     from ingot.toolchain.sign import keygen
 
     d = tmp_path_factory.mktemp("keys")
-    return {"a": keygen(d / "a"), "b": keygen(d / "b")}
+    return {"a": keygen(d / "a"), "b": keygen(d / "b"), "ed": keygen(d / "ed", "ed25519")}
 
 
 @pytest.fixture(scope="session")

@@ -306,7 +306,7 @@ def test_pip_wheel_without_nvcc_is_cpu_only(tmp_path):
     _cmake()
     proj = tmp_path / "proj"
     proj.mkdir()
-    for item in ("pyproject.toml", "CMakeLists.txt", "README.md", "cuda", "toolchain", "runtime"):
+    for item in ("pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE", "cuda", "toolchain", "runtime"):
         if (ROOT / item).is_dir():
             shutil.copytree(ROOT / item, proj / item, ignore=shutil.ignore_patterns("__pycache__", "*.fatbin"))
         else:

@@ -1,8 +1,11 @@
-"""ci/release.sh end to end on a tiny synthetic Llama: build, pack, verify, check-compat, sign, verify, rebuild."""
+"""ci/release.sh end to end on a tiny synthetic Llama: build, pack, verify, check-compat, sign, verify, sbom,
+rebuild. The wheel/sdist build and the install from ci/requirements.lock (WHEEL=1, INSTALL=1) are what
+tests/test_packaging.py runs; here WHEEL=0 reuses this venv's ingot."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -40,7 +43,11 @@ def release_env(tmp_path, kernel_dir, synth_model, keys):
     cache.mkdir()
     if cache_dir().is_dir():
         (cache / "kernels").symlink_to(cache_dir())  # compiled once this session already
-    env = {k: v for k, v in os.environ.items() if k not in ("SOURCE_DATE_EPOCH", "PUBKEY", "PACK_FLAGS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("SOURCE_DATE_EPOCH", "PUBKEY", "PACK_FLAGS", "WHEEL", "INSTALL", "INGOT")
+    }
     env.update(
         PATH=f"{INGOT.parent}{os.pathsep}{env.get('PATH', '')}",
         INGOT_CACHE_DIR=str(cache),
@@ -49,6 +56,7 @@ def release_env(tmp_path, kernel_dir, synth_model, keys):
         OUT=str(tmp_path / "release"),
         ARCHS=TEST_ARCHS,
         TARGETS="sm_90:580.65.06 sm_100:580.65.06",
+        WHEEL="0",
     )
     return env
 
@@ -71,11 +79,19 @@ def test_release_script_produces_signed_verified_reproducible_bundles(tmp_path, 
         "== check-compat",
         "== sign",
         "== verify the signature",
+        "== sbom",
         "== rebuild --check",
     ):
         assert step in proc.stderr
+    bom = out / "tiny-llama.cdx.json"
+    assert json.loads(bom.read_text())["specVersion"] == "1.6"
     sums = (out / "SHA256SUMS").read_text().split()
-    assert sums == [hashlib.sha256(bundle.read_bytes()).hexdigest(), "tiny-llama.ingot"]
+    assert sums == [
+        hashlib.sha256(bundle.read_bytes()).hexdigest(),
+        "tiny-llama.ingot",
+        hashlib.sha256(bom.read_bytes()).hexdigest(),
+        "tiny-llama.cdx.json",
+    ]
     check = subprocess.run(
         [INGOT, "verify", bundle, "--pubkey", keys["a"]["pub"]], env=release_env, capture_output=True, text=True
     )

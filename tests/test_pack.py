@@ -8,13 +8,16 @@ import math
 import os
 import shutil
 import tarfile
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 import pytest
 from bundle_fixtures import TEST_ARCHS, member_offset, run_cli
 
+import ingot
 from ingot.runtime.bundle.manifest import CHUNK_SIZE, MANIFEST, PROVENANCE
+from ingot.runtime.gpu.constants import KERNEL_ABI, WEIGHT_LAYOUT
 
 
 def _sha(path: Path) -> str:
@@ -121,6 +124,13 @@ def test_manifest_describes_members_truthfully(toy_bundle, toy_model, kernel_dir
     )
     assert model["architecture"] == "toy" and model["n_tensors"] == 2 and model["quant_types"] == ["F32"]
     assert model["weight_layout"].startswith("soa-v1")
+    assert model["origin"] == {"sources": []}  # the toy GGUF declares no license or source
+    assert m["runtime"] == {
+        "kernel_abi": KERNEL_ABI,
+        "weight_layout": WEIGHT_LAYOUT,
+        "ingot": ingot.__version__,
+        "selftested": False,
+    }
     assert m["toolchain"]["nvcc"]["build"] == build["toolkit"]["build"]
     assert "selftest" not in m
 
@@ -143,10 +153,15 @@ def test_provenance_is_slsa_v1_for_the_fatbins(toy_bundle, kernel_dir):
     assert subjects == {f"kernels/{p.name}": _sha(p) for p in kernel_dir.glob("*.fatbin")}
     d = prov["predicate"]["buildDefinition"]
     assert d["externalParameters"]["archs"] == TEST_ARCHS.split(",")
-    deps = {r["name"]: r["digest"]["sha256"] for r in d["resolvedDependencies"]}
+    deps = {r["name"]: r["digest"]["sha256"] for r in d["resolvedDependencies"] if "digest" in r}
     src = kernel_source_dir()
     assert deps["cuda/archs.json"] == _sha(src / "archs.json")
     assert deps["cuda/norm.cu"] == _sha(src / "norm.cu")
+    root = Path(__file__).resolve().parent.parent
+    assert deps["ci/requirements.lock"] == _sha(root / "ci" / "requirements.lock")  # the pinned Python set
+    # and the Python distributions that actually packed it, as purls
+    python = {r["name"]: r["uri"] for r in d["resolvedDependencies"] if "uri" in r}
+    assert python["numpy"] == f"pkg:pypi/numpy@{version('numpy')}" and "ingot-llm" not in python
     norm = d["internalParameters"]["modules"]["norm"]["command"]
     assert norm[0] == "nvcc" and norm[-3:] == ["-o", "norm.fatbin", "norm.cu"] and "--time" not in norm
     assert d["internalParameters"]["nvcc"]["version_text"].startswith("Cuda compilation tools")
@@ -231,3 +246,13 @@ def test_pack_errors_are_one_line_with_exit_codes(tmp_path, monkeypatch, capsys,
         assert (got, words in err) == (code, True), err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.ingot").exists() and not list(tmp_path.glob(".o.ingot.*"))
+
+
+def test_gguf_values_beyond_exact_json_integers_are_stored_as_strings():
+    from ingot.runtime.bundle.manifest import canonical_json
+    from ingot.toolchain.pack import _exact_json
+
+    hyper = {"big": 2**60, "neg": -(2**53), "ok": 2**53 - 1, "flag": True, "list": [2**64 - 1, 3]}
+    safe = _exact_json(hyper)
+    assert safe == {"big": str(2**60), "neg": str(-(2**53)), "ok": 2**53 - 1, "flag": True, "list": [str(2**64 - 1), 3]}
+    canonical_json(safe)  # what canonical JSON refuses is gone

@@ -52,7 +52,7 @@ def test_one_flipped_byte_anywhere_is_refused_naming_the_member(
     pos = {
         "model header": 9,  # inside the GGUF version / tensor count
         "model tensor data": size - 3,  # the last tensor's bytes
-        "signature": data.find(b'"sig":"') + 12,  # inside the base64 of the Ed25519 signature
+        "signature": data.find(b'"sig":"') + 12,  # inside the base64 of the ECDSA signature
     }.get(where, size // 2)
     flip_byte(bundle, offset + pos)
     code, report, err = _verify(monkeypatch, capsys, bundle, "--pubkey", keys["a"]["pub"])
@@ -78,7 +78,7 @@ def test_a_whole_digest_that_disagrees_with_its_chunks_is_refused(monkeypatch, c
     m = _manifest(big_bundle)
     m["model"]["sha256"] = "0" * 64
     m["files"] = [f | {"digest": "0" * 64} if f["name"] == "model/big.gguf" else f for f in m["files"]]
-    bad = craft_tar(big_bundle, tmp_path / "bad.ingot", replace={MANIFEST: seal(m)})  # a consistent root
+    bad = craft_tar(big_bundle, tmp_path / "bad.ingot", replace={MANIFEST: seal(m)})  # a consistent self digest
     code, report, _ = _verify(monkeypatch, capsys, bad)
     assert code == 4 and report["problems"][0]["chunk"] is None and "model/big.gguf" in report["error"]
 
@@ -162,7 +162,7 @@ def _with_files(m: dict, **fields) -> bytes:
         (lambda m: _with_files(m, digest="AB" * 32), "files[0].digest"),
         (lambda m: _with_files(m, digest="abc"), "files[0].digest"),
         (lambda m: json.dumps(m, indent=2).encode(), "not in canonical JSON form"),
-        (lambda m: canonical_json(m | {"name": "renamed"}), "root digest"),
+        (lambda m: canonical_json(m | {"name": "renamed"}), "self digest"),
         (lambda m: canonical_json([m]), "is a list"),
     ],
 )
@@ -183,15 +183,16 @@ def test_malformed_manifest_is_refused(monkeypatch, capsys, tmp_path, toy_bundle
     ids=["top logit", "argmax", "prompt tokens"],
 )
 def test_a_changed_selftest_record_is_refused(monkeypatch, capsys, tmp_path, selftest_bundle, mutate):
-    """The self-test record is what `verify --device` trusts, so the root digest must cover it: an edited record
-    with the old root is refused like any other manifest change."""
+    """The self-test record is what `verify --device` trusts, so the manifest's digests must cover it: an edited
+    record under the old self digest (format v2; the root digest covers manifest.json's bytes too) is refused like
+    any other manifest change."""
     code, _, _ = _verify(monkeypatch, capsys, selftest_bundle)
     assert code == 0
     m = _manifest(selftest_bundle)
     mutate(m["selftest"])
     bad = craft_tar(selftest_bundle, tmp_path / "bad.ingot", replace={MANIFEST: canonical_json(m)})
     code, report, _ = _verify(monkeypatch, capsys, bad)
-    assert code == 4 and "root digest" in report["error"], report["error"]
+    assert code == 4 and "self digest" in report["error"], report["error"]
 
 
 def test_not_a_bundle(monkeypatch, capsys, tmp_path, toy_model):
@@ -199,3 +200,28 @@ def test_not_a_bundle(monkeypatch, capsys, tmp_path, toy_model):
     assert code == 4 and "not an Ingot bundle" in report["error"]
     code, _, err = run_cli(monkeypatch, capsys, "verify", tmp_path / "nope.ingot")
     assert code == 2 and "no such bundle" in err
+
+
+def test_a_bundle_for_another_kernel_abi_is_refused_with_exit_3(monkeypatch, capsys, tmp_path, toy_bundle):
+    from ingot.runtime.bundle.manifest import seal
+    from ingot.runtime.bundle.open import open_bundle
+    from ingot.runtime.errors import IncompatibleError
+    from ingot.runtime.gpu.constants import KERNEL_ABI
+
+    code, out, _ = run_cli(monkeypatch, capsys, "verify", toy_bundle)
+    assert code == 0 and f"this Ingot runs it: kernel ABI {KERNEL_ABI}" in out
+    m = _manifest(toy_bundle)
+    m["runtime"]["kernel_abi"] = KERNEL_ABI + 1  # intact and consistent, but for another runtime
+    other = craft_tar(toy_bundle, tmp_path / "other-abi.ingot", replace={MANIFEST: seal(m)})
+    code, out, err = run_cli(monkeypatch, capsys, "verify", other)
+    assert code == 3 and out == ""
+    assert err.count("\n") == 1 and f"needs kernel ABI {KERNEL_ABI + 1}" in err and "re-pack" in err
+    with pytest.raises(IncompatibleError, match="kernel ABI"):
+        open_bundle(other)
+
+
+def test_a_v1_bundle_is_refused_with_a_repack_hint(monkeypatch, capsys, tmp_path, toy_bundle):
+    m = _manifest(toy_bundle) | {"format": "ingot-bundle/v1"}
+    old = craft_tar(toy_bundle, tmp_path / "old.ingot", replace={MANIFEST: canonical_json(m)})
+    code, report, err = _verify(monkeypatch, capsys, old)
+    assert code == 4 and "ingot-bundle/v1 is no longer read" in err and "re-pack it with `ingot pack`" in err

@@ -2,11 +2,11 @@
 
 Members, in sorted order (ingot.runtime.bundle.container describes the format):
   kernels/<module>.fatbin   every fatbin of the build (build.json lists them)
-  manifest.json             canonical JSON: toolchain, kernels, model, selftest, files, root digest
+  manifest.json             canonical JSON: toolchain, runtime identity, kernels, model, selftest, files
   model/<name>.gguf         stored uncompressed, data 4096-aligned (a pax `comment` pads its header) so the
                             runtime maps tensors in place. The GGUF carries the tokenizer and chat template.
   provenance.json           SLSA v1 provenance of the kernel build (provenance.py)
-  signature.dsse.json       added by `ingot sign`
+  signature.sigstore.json   added by `ingot sign` (a Sigstore bundle; runtime/bundle/signature.py)
 Determinism: every header has mtime $SOURCE_DATE_EPOCH (default 0), uid/gid 0, no user or group names,
 mode 0644; no host path or timestamp enters the manifest; the same inputs give the same bytes.
 """
@@ -19,6 +19,8 @@ import re
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import gguf
+
 import ingot
 from ingot.runtime.bundle.container import Source, write_bundle
 from ingot.runtime.bundle.manifest import (
@@ -29,6 +31,7 @@ from ingot.runtime.bundle.manifest import (
     canonical_json,
     file_entry,
     hash_range,
+    runtime_identity,
     seal,
     sha256_hex,
 )
@@ -40,7 +43,7 @@ from ingot.runtime.selftest import record as record_selftest
 from ingot.toolchain.archs import kernel_source_dir, project_root
 from ingot.toolchain.build import build
 from ingot.toolchain.nvcc import cmake_version
-from ingot.toolchain.provenance import kernel_provenance
+from ingot.toolchain.provenance import LOCK_FILE, kernel_provenance, python_environment
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
@@ -128,12 +131,54 @@ def _toolchain(record: dict) -> dict:
 
 
 def _build_inputs() -> dict[str, str]:
-    """Digests of the build policy files that are not nvcc inputs: cuda/archs.json, and CMakeLists.txt
-    when running from a checkout (an installed wheel does not ship it)."""
+    """Digests of the build inputs that are not nvcc inputs: cuda/archs.json, and, when running from a
+    checkout (an installed wheel ships neither), CMakeLists.txt and the Python lock file ci/requirements.lock."""
     out = {"cuda/archs.json": sha256_hex((kernel_source_dir() / "archs.json").read_bytes())}
     root = project_root()
     if root is not None:
-        out["CMakeLists.txt"] = sha256_hex((root / "CMakeLists.txt").read_bytes())
+        for name in ("CMakeLists.txt", LOCK_FILE):
+            if (root / name).is_file():
+                out[name] = sha256_hex((root / name).read_bytes())
+    return out
+
+
+_MAX_EXACT = 2**53 - 1  # RFC 8785 (I-JSON): larger integers are not exact in every JSON reader
+
+
+def _exact_json(obj):
+    """obj with every integer beyond +-(2**53 - 1) as its decimal string (canonical JSON refuses those)."""
+    if isinstance(obj, dict):
+        return {k: _exact_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_exact_json(v) for v in obj]
+    if isinstance(obj, int) and not isinstance(obj, bool) and abs(obj) > _MAX_EXACT:
+        return str(obj)
+    return obj
+
+
+def model_origin(path: Path, extra_sources: tuple[str, ...] = ()) -> dict:
+    """The license and source URLs the GGUF declares (general.license, general.source.*, general.url,
+    general.repo_url) plus the packer's --source URLs, for the manifest and the AI-BOM."""
+    reader = gguf.GGUFReader(path)
+
+    def text(key: str) -> str | None:
+        field = reader.fields.get(key)
+        if field is None or len(field.types) != 1 or field.types[0] != gguf.GGUFValueType.STRING:
+            return None
+        value = field.contents()
+        return value.strip() if isinstance(value, str) and value.strip() else None
+
+    sources = [text(k) for k in ("general.source.url", "general.url", "general.repo_url")]
+    repo = text("general.source.huggingface.repository")
+    if repo:
+        sources.append(f"https://huggingface.co/{repo}")
+    for url in extra_sources:
+        if not url.startswith(("https://", "http://")):
+            raise UsageError(f"--source {url!r} is not an http(s) URL", hint="pass where the model was downloaded from")
+    sources += list(extra_sources)
+    out: dict = {"sources": sorted({s for s in sources if s and s.startswith(("https://", "http://"))})}
+    if text("general.license"):
+        out["license"] = text("general.license")
     return out
 
 
@@ -147,6 +192,7 @@ def pack(
     name: str | None = None,
     out: str | Path | None = None,
     selftest: bool = True,
+    source_urls: tuple[str, ...] = (),
     on_stage=None,
     on_bytes=None,
 ) -> dict:
@@ -173,14 +219,17 @@ def pack(
     modules = describe_kernels(kernel_dir, record)
 
     stage("reading the model")
-    model_info = describe_file(model) | {"weight_layout": WEIGHT_LAYOUT}
+    described = _exact_json(describe_file(model))  # first: it refuses a file that is not a GGUF (exit 5)
+    model_info = described | {"weight_layout": WEIGHT_LAYOUT, "origin": model_origin(model, tuple(source_urls))}
     size = model.stat().st_size
     with open(model, "rb", buffering=0) as f:
         digest, chunks = hash_range(f, 0, size, chunk_size=CHUNK_SIZE, on_bytes=on_bytes)
     model_path = f"model/{name}.gguf"
 
     kernel_entries = [entry for entry, _ in modules]
-    provenance = canonical_json(kernel_provenance(record, kernel_entries, _build_inputs(), ingot.__version__))
+    provenance = canonical_json(
+        kernel_provenance(record, kernel_entries, _build_inputs(), ingot.__version__, python_environment())
+    )
     files = [file_entry(e["path"], e["size"], e["sha256"], []) for e in kernel_entries]
     files.append(file_entry(model_path, size, digest, chunks))
     files.append(file_entry(PROVENANCE, len(provenance), sha256_hex(provenance), []))
@@ -189,6 +238,7 @@ def pack(
         "name": name,
         "chunk_size": CHUNK_SIZE,
         "toolchain": _toolchain(record),
+        "runtime": runtime_identity(ingot.__version__, selftested=selftest),
         "kernels": kernel_entries,
         "model": {"path": model_path, "sha256": digest, "size": size} | model_info,
         "provenance": PROVENANCE,

@@ -5,11 +5,16 @@ An in-toto v1 Statement: the subjects are the fatbin members and their sha256; t
 a difference: the archs and nvcc flags (externalParameters), each module's exact nvcc command line and the
 digests of its source and every header it includes, the nvcc and host-compiler versions
 (internalParameters), and every input file by digest (resolvedDependencies, including cuda/archs.json and
-CMakeLists.txt when the build ran from a checkout). No host paths, user names or timestamps, so the same
-build always gives the same bytes.
+CMakeLists.txt and the Python lock file ci/requirements.lock when the build ran from a checkout) and
+every Python distribution installed where it ran, as `pkg:pypi/NAME@VERSION` (what packed the bundle and
+computed its self-test). No host paths, user names or timestamps, so the same build in the same environment
+always gives the same bytes.
 """
 
 from __future__ import annotations
+
+import re
+from importlib.metadata import distributions
 
 from ingot.runtime.errors import VerificationError
 
@@ -17,6 +22,19 @@ STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "https://ingot-llm.dev/buildtypes/kernel-fatbin/v1"
 BUILDER_ID = "https://ingot-llm.dev/builders/ingot-build"
+# The hash-pinned Python dependency set of a release build (pip-compile --generate-hashes; ci/release.sh
+# installs from it). Path relative to the checkout.
+LOCK_FILE = "ci/requirements.lock"
+
+
+def python_environment() -> dict[str, str]:
+    """Normalized distribution name -> version of every Python distribution installed here, except Ingot."""
+    out = {}
+    for d in distributions():
+        name = re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower()
+        if name and name != "ingot-llm":
+            out[name] = d.version
+    return dict(sorted(out.items()))
 
 
 def portable_command(argv: list[str], name: str) -> list[str]:
@@ -31,9 +49,15 @@ def portable_command(argv: list[str], name: str) -> list[str]:
     return out + ["-o", f"{name}.fatbin", f"{name}.cu"]
 
 
-def kernel_provenance(record: dict, modules: list[dict], extra_inputs: dict[str, str], ingot_version: str) -> dict:
+def kernel_provenance(
+    record: dict,
+    modules: list[dict],
+    extra_inputs: dict[str, str],
+    ingot_version: str,
+    python: dict[str, str] | None = None,
+) -> dict:
     """record: build.json of the kernel build; modules: the manifest's kernel entries (path, sha256);
-    extra_inputs: 'cuda/archs.json' / 'CMakeLists.txt' -> sha256."""
+    extra_inputs: 'cuda/archs.json' / 'CMakeLists.txt' / the lock file -> sha256; python: python_environment()."""
     built = {m["name"]: m for m in record["fatbins"]}
     per_module = {}
     deps: dict[str, str] = dict(extra_inputs)
@@ -58,7 +82,8 @@ def kernel_provenance(record: dict, modules: list[dict], extra_inputs: dict[str,
                     "nvcc": {"version": tk["version"], "build": tk["build"], "version_text": tk["version_text"]},
                     "host_compiler": (record.get("host_compiler") or {}).get("version"),
                 },
-                "resolvedDependencies": [{"name": n, "digest": {"sha256": d}} for n, d in sorted(deps.items())],
+                "resolvedDependencies": [{"name": n, "digest": {"sha256": d}} for n, d in sorted(deps.items())]
+                + [{"name": n, "uri": f"pkg:pypi/{n}@{v}"} for n, v in (python or {}).items()],
             },
             "runDetails": {"builder": {"id": BUILDER_ID, "version": {"ingot": ingot_version}}},
         },

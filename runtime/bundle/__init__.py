@@ -4,7 +4,7 @@ byte range and the verified fatbins). Writing bundles is the toolchain's (pack, 
 
     manifest.py   the manifest format, canonical JSON, digests, the root digest
     container.py  the tar: reading the index and members, and the deterministic writer
-    signature.py  the signature format (DSSE/in-toto, Ed25519) and its verification
+    signature.py  the signature format (Sigstore bundle of a DSSE/in-toto statement; P-256, Ed25519) and its check
     stamps.py     the verified-stamp cache
     verify.py     `ingot verify`: every digest, streaming
     open.py       `open_bundle`, what `ingot run/serve BUNDLE` call

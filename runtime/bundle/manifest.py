@@ -1,33 +1,45 @@
-"""The bundle manifest: canonical JSON, member digests, the root digest, and the schema check.
+"""The bundle manifest: canonical JSON, member digests, the root digest, the runtime identity, the schema check.
 
-A manifest is canonical JSON (RFC 8785 / JCS: keys sorted by UTF-16 code units, no whitespace, UTF-8,
-ECMAScript number formatting), so the same content always has the same bytes, and `verify` refuses any
-manifest whose bytes are not the canonical form of what they parse to.
+A manifest is canonical JSON (RFC 8785 / JCS, through the `rfc8785` library), so the same content always has
+the same bytes, and `verify` refuses any manifest whose bytes are not the canonical form of what they parse to.
 
-`files` lists every member except manifest.json and signature.dsse.json, sorted by name, in the layout of
-the OpenSSF model_signing v1.0 predicate's `resources` ({name, algorithm, digest}) plus `size`, and, for
-members larger than one chunk (64 MiB), `chunks`: the sha256 of each 64 MiB piece, so `verify` can name the
-damaged piece of a 70 GB model.
+`files` lists every member except manifest.json and the signature, sorted by name, in the layout of the
+OpenSSF model_signing v1.0 predicate's `resources` ({name, algorithm, digest}) plus `size`, and, for members
+larger than one chunk (64 MiB), `chunks`: the sha256 of each 64 MiB piece, so `verify` can name the damaged
+piece of a 70 GB model. `self_digest` is the sha256 of the manifest's canonical bytes without that field: a
+flipped byte in any manifest field is caught even in an unsigned bundle.
 
-The root digest follows model_signing's rule: sha256 over the raw digests of the resources in name order.
-The resources are the files plus one entry named "manifest.json" whose digest is the sha256 of the
-manifest's canonical bytes without `root_digest`. So a flipped byte anywhere (in a member, or in any
-manifest field) changes the root, even in an unsigned bundle; signatures sign this root.
+The root digest is exactly what OpenSSF model_signing (`method: files`, sha256) computes for the extracted
+bundle with the signature ignored: the resources are every member but the signature, manifest.json
+included as its file bytes, in model_signing's order (path components compared one by one), and the root is
+the sha256 of their raw digests concatenated. It cannot live in manifest.json (which it covers), so
+parse_manifest derives it, with `manifest_digest` (sha256 of the manifest.json bytes), into the returned
+dict; neither is ever stored. Signatures sign this root (signature.py).
+
+`runtime` records what interprets the bundle: the kernel ABI / weight-layout version of the runtime that
+packed and self-tested it. check_runtime refuses, as IncompatibleError (exit 3), a bundle whose ABI this
+runtime does not run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
-from decimal import Decimal
 
-from ingot.runtime.errors import VerificationError
+import rfc8785
 
-FORMAT = "ingot-bundle/v1"
+from ingot.runtime.errors import IncompatibleError, VerificationError
+from ingot.runtime.gpu.constants import KERNEL_ABI, WEIGHT_LAYOUT
+
+FORMAT = "ingot-bundle/v2"
+# Formats this Ingot recognises but no longer reads, and why.
+RETIRED_FORMATS = {
+    "ingot-bundle/v1": "its root digest and signature predate the model_signing/Sigstore-compatible v2 format",
+}
 MANIFEST = "manifest.json"
-SIGNATURE = "signature.dsse.json"
+SIGNATURE = "signature.sigstore.json"
+DERIVED = ("manifest_digest", "root_digest")  # set by parse_manifest/derive, never stored in manifest.json
 PROVENANCE = "provenance.json"
 CHUNK_SIZE = 64 << 20
 READ_SIZE = 8 << 20  # large reads keep hashing at disk speed
@@ -42,64 +54,11 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def canonical_json(obj) -> bytes:
-    """obj -> its RFC 8785 canonical UTF-8 bytes. Refuses NaN/inf, floats out of range and non-str keys."""
-    out: list[str] = []
-    _emit(obj, out)
-    return "".join(out).encode("utf-8")
+    """obj -> its RFC 8785 canonical UTF-8 bytes, through the `rfc8785` library (the one sigstore uses).
 
-
-def _emit(obj, out: list[str]) -> None:
-    if obj is None or obj is True or obj is False:
-        out.append({None: "null", True: "true", False: "false"}[obj])
-    elif isinstance(obj, str):
-        out.append(json.dumps(obj, ensure_ascii=False))  # JCS escaping: only " \ and control characters
-    elif isinstance(obj, int):
-        if abs(obj) > 2**53:
-            raise ValueError(f"integer {obj} is outside the exactly representable range of JSON numbers")
-        out.append(str(obj))
-    elif isinstance(obj, float):
-        out.append(_es6_number(obj))
-    elif isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj):
-            raise ValueError("JSON object keys must be strings")
-        out.append("{")
-        for i, k in enumerate(sorted(obj, key=lambda s: s.encode("utf-16-be"))):
-            out.append("," if i else "")
-            _emit(k, out)
-            out.append(":")
-            _emit(obj[k], out)
-        out.append("}")
-    elif isinstance(obj, (list, tuple)):
-        out.append("[")
-        for i, v in enumerate(obj):
-            out.append("," if i else "")
-            _emit(v, out)
-        out.append("]")
-    else:
-        raise ValueError(f"cannot put a {type(obj).__name__} in canonical JSON")
-
-
-def _es6_number(x: float) -> str:
-    """ECMAScript Number.prototype.toString: shortest round-trip digits, exponent only outside 1e-7..1e21."""
-    if not math.isfinite(x):
-        raise ValueError(f"{x} is not a JSON number")
-    if x == 0:
-        return "0"
-    _, digits, exp = Decimal(repr(abs(x))).as_tuple()
-    assert isinstance(exp, int)  # x is finite (checked above), so the exponent is a number
-    ds = "".join(map(str, digits)).rstrip("0") or "0"
-    n = exp + len(digits)  # value = 0.ds * 10**n
-    k = len(ds)
-    if k <= n <= 21:
-        s = ds + "0" * (n - k)
-    elif 0 < n <= 21:
-        s = ds[:n] + "." + ds[n:]
-    elif -6 < n <= 0:
-        s = "0." + "0" * -n + ds
-    else:
-        e = n - 1
-        s = (ds[0] + ("." + ds[1:] if k > 1 else "")) + ("e+" if e >= 0 else "e-") + str(abs(e))
-    return ("-" if x < 0 else "") + s
+    Raises ValueError (rfc8785.CanonicalizationError) for what JCS cannot carry: NaN/inf, integers outside
+    +-(2**53 - 1) (store those as strings), non-str keys, bytes and other types."""
+    return rfc8785.dumps(obj)
 
 
 # --- digests ---------------------------------------------------------------------------------------
@@ -149,28 +108,71 @@ def file_entry(name: str, size: int, digest: str, chunks: list[str]) -> dict:
 
 
 def resources(manifest: dict) -> list[dict]:
-    """The model_signing resources the root digest is taken over: the files plus the manifest itself."""
-    body = {k: v for k, v in manifest.items() if k != "root_digest"}
-    own = {"name": MANIFEST, "algorithm": "sha256", "digest": sha256_hex(canonical_json(body))}
+    """The model_signing resources of the bundle (every member but the signature), in model_signing's order.
+    Needs the derived manifest_digest (parse_manifest or derive set it)."""
+    own = {"name": MANIFEST, "algorithm": "sha256", "digest": manifest["manifest_digest"]}
     files = [{"name": f["name"], "algorithm": f["algorithm"], "digest": f["digest"]} for f in manifest["files"]]
-    return sorted(files + [own], key=lambda r: r["name"])
+    return sorted(files + [own], key=lambda r: r["name"].split("/"))
 
 
-def root_digest(manifest: dict) -> str:
-    return hashlib.sha256(b"".join(bytes.fromhex(r["digest"]) for r in resources(manifest))).hexdigest()
+def root_of(resources: list[dict]) -> str:
+    """model_signing's subject digest: sha256 over the raw resource digests, in the order given."""
+    return hashlib.sha256(b"".join(bytes.fromhex(r["digest"]) for r in resources)).hexdigest()
+
+
+def _self_digest(manifest: dict) -> str:
+    return sha256_hex(canonical_json({k: v for k, v in manifest.items() if k not in ("self_digest", *DERIVED)}))
 
 
 def seal(manifest: dict) -> bytes:
-    """Set root_digest and return the manifest's canonical bytes (what goes into the bundle)."""
-    manifest["root_digest"] = root_digest(manifest)
-    return canonical_json(manifest)
+    """Set self_digest and return the manifest's canonical bytes (what goes into the bundle); then derive the
+    manifest_digest and root_digest of those bytes into the dict."""
+    manifest["self_digest"] = _self_digest(manifest)
+    data = canonical_json({k: v for k, v in manifest.items() if k not in DERIVED})
+    derive(manifest, data)
+    return data
+
+
+def derive(manifest: dict, data: bytes) -> dict:
+    """Add the derived manifest_digest (of `data`, the manifest.json bytes) and root_digest to manifest."""
+    manifest["manifest_digest"] = sha256_hex(data)
+    manifest["root_digest"] = root_of(resources(manifest))
+    return manifest
+
+
+# --- the runtime identity ----------------------------------------------------------------------------
+
+
+def runtime_identity(ingot_version: str, selftested: bool) -> dict:
+    """The manifest's `runtime` section, for a bundle packed (and self-tested) by this Ingot."""
+    return {
+        "kernel_abi": KERNEL_ABI,
+        "weight_layout": WEIGHT_LAYOUT,
+        "ingot": ingot_version,
+        "selftested": selftested,
+    }
+
+
+def check_runtime(manifest: dict) -> dict:
+    """Whether this runtime can run the bundle: IncompatibleError (exit 3) naming the fix when its kernel ABI
+    differs; otherwise the report `ingot verify` prints."""
+    rt = manifest["runtime"]
+    if rt["kernel_abi"] != KERNEL_ABI:
+        raise IncompatibleError(
+            f"bundle {manifest['name']!r} needs kernel ABI {rt['kernel_abi']} (weight layout "
+            f"{rt['weight_layout'].split(':')[0]!r}, packed by Ingot {rt['ingot']}); this Ingot runs kernel ABI "
+            f"{KERNEL_ABI} ({WEIGHT_LAYOUT.split(':')[0]!r})",
+            hint=f"install Ingot {rt['ingot']} to run it, or re-pack the model with this Ingot (`ingot pack`)",
+        )
+    return {"kernel_abi": KERNEL_ABI, "weight_layout": WEIGHT_LAYOUT.split(":")[0], "packed_by": rt["ingot"]}
 
 
 # --- parsing and the schema check --------------------------------------------------------------------
 
 
 def parse_manifest(data: bytes) -> dict:
-    """manifest.json bytes -> the manifest, after the canonical-form, schema and root-digest checks."""
+    """manifest.json bytes -> the manifest, after the canonical-form, schema and self-digest checks, with the
+    derived manifest_digest and root_digest added (see the module docstring)."""
     where = MANIFEST
     try:
         manifest = json.loads(data.decode("utf-8"))
@@ -185,13 +187,13 @@ def parse_manifest(data: bytes) -> dict:
         raise VerificationError(
             f"{where} is not in canonical JSON form (same content must have the same bytes)", hint=_TAMPERED
         )
-    expect = root_digest(manifest)
-    if manifest["root_digest"] != expect:
+    expect = _self_digest(manifest)
+    if manifest["self_digest"] != expect:
         raise VerificationError(
-            f"{where}: root digest {manifest['root_digest'][:16]}... does not match its content ({expect[:16]}...)",
+            f"{where}: self digest {manifest['self_digest'][:16]}... does not match its content ({expect[:16]}...)",
             hint=_TAMPERED,
         )
-    return manifest
+    return derive(manifest, data)
 
 
 _TAMPERED = "the bundle is corrupt or was modified after packing; re-download or re-pack it"
@@ -248,13 +250,21 @@ def validate(m) -> None:
     if not isinstance(m, dict):
         raise _bad("(top level)", f"is a {type(m).__name__}, not an object")
     fmt = _get(m, "format", str, "format")
+    if fmt in RETIRED_FORMATS:
+        raise VerificationError(
+            f"{MANIFEST}: bundle format {fmt} is no longer read by this Ingot ({RETIRED_FORMATS[fmt]})",
+            hint=f"re-pack it with `ingot pack` (writes {FORMAT}) and sign it again",
+        )
     if fmt != FORMAT:
         raise VerificationError(
             f"{MANIFEST}: unknown bundle format {fmt!r} (this Ingot reads {FORMAT})",
             hint="upgrade Ingot, or re-pack the bundle with this version",
         )
     _get(m, "name", str, "name")
-    _digest(m, "root_digest", "root_digest")
+    _digest(m, "self_digest", "self_digest")
+    for key in DERIVED:
+        if key in m:
+            raise _bad(key, "must not be stored (it is derived from the bundle)")
     chunk = _get(m, "chunk_size", int, "chunk_size")
     if chunk != CHUNK_SIZE:
         raise _bad("chunk_size", f"is {chunk}, expected {CHUNK_SIZE}")
@@ -304,6 +314,11 @@ def validate(m) -> None:
         seen.add(name)
     for key, types in (("toolchain", dict), ("provenance", str)):
         _get(m, key, types, key)
+    rt = _get(m, "runtime", dict, "runtime")
+    _get(rt, "kernel_abi", int, "runtime.kernel_abi")
+    for key in ("weight_layout", "ingot"):
+        _get(rt, key, str, f"runtime.{key}")
+    _get(rt, "selftested", bool, "runtime.selftested")
     if "selftest" in m and not isinstance(m["selftest"], dict):
         raise _bad("selftest", "is not an object")
 

@@ -22,7 +22,7 @@ from ingot.runtime.bundle.container import (
     read_member,
     read_signature,
 )
-from ingot.runtime.bundle.manifest import sha256_hex
+from ingot.runtime.bundle.manifest import check_runtime, sha256_hex
 from ingot.runtime.bundle.signature import check_signature, load_public_key
 from ingot.runtime.bundle.stamps import read_stamp, write_stamp
 from ingot.runtime.bundle.verify import check_members
@@ -71,6 +71,7 @@ def open_bundle(path: str | Path, *, allow_unverified: bool = False, pubkey: str
                 "explicitly disabled; its kernels and weights may not be what was packed.",
                 file=sys.stderr,
             )
+        check_runtime(manifest)  # an intact bundle for another kernel ABI still cannot run here (exit 3)
         by_name = {m.name: m for m in index}
         fatbins = {}
         for k in manifest["kernels"]:

@@ -1,18 +1,26 @@
-"""The signature format and its verification: in-toto statements in DSSE envelopes, Ed25519 keys.
+"""The signature format and its verification: Sigstore bundles (v0.3) holding a DSSE envelope of an in-toto
+statement, signed with an ECDSA (P-256, P-384, P-521) or Ed25519 key.
 
-What is signed: an in-toto v1 Statement whose one subject is the bundle (name, digest = the manifest's root
-digest), with the OpenSSF model_signing v1.0 predicate (`resources`: every file plus the manifest itself,
-{name, algorithm, digest}, the list the root digest is computed over). The statement's canonical JSON is the
-DSSE payload (payloadType application/vnd.in-toto+json); the signature is Ed25519 over
-PAE(payloadType, payload) exactly as the DSSE protocol defines it.
+What is signed: an in-toto v1 Statement whose one subject is the bundle (name, digest = the root digest),
+with the OpenSSF model_signing v1.0 predicate (`serialization`: files, sha256, no symlinks, the signature
+member ignored; `resources`: every member but the signature, {name, algorithm, digest}, the list the root
+digest is computed over). The statement's canonical JSON is the DSSE payload (payloadType
+application/vnd.in-toto+json); the signature is over PAE(payloadType, payload) exactly as the DSSE protocol
+defines it (ECDSA signatures DER-encoded, with SHA-256/384/512 by curve size, like model_signing).
 
-Where: the member `signature.dsse.json` inside the bundle (not a sidecar), so a bundle stays one file. The
-member holds {mediaType, dsseEnvelope, verificationMaterial}, shaped like a Sigstore bundle:
-verificationMaterial carries the public key, so an unsigned-key `ingot verify` still detects a damaged
-signature; only `--pubkey` authenticates the signer. Making signatures (private keys) is the toolchain's
-(toolchain/sign.py); this module is what a target machine needs to check them.
+Where: the member `signature.sigstore.json` inside the bundle, a Sigstore bundle in its v0.3 JSON form
+(mediaType application/vnd.dev.sigstore.bundle.v0.3+json; verificationMaterial.publicKey.hint; no
+transparency-log entries). That is what `model_signing sign key` writes, so `model_signing verify key` checks
+an Ingot signature on the extracted bundle, and `ingot verify --pubkey` checks one model_signing made.
 
-keyid: sha256 (hex) of the public key's DER SubjectPublicKeyInfo, i.e. of the body of the .pub PEM file.
+The key hint (keyid) is model_signing's: the sha256 (hex) of the public key's SubjectPublicKeyInfo PEM, as
+`ingot keygen` writes PREFIX.pub. A Sigstore bundle names its key but does not carry it, so only `--pubkey`
+checks the signature bytes; without it `verify` still checks that the signed statement is about this bundle.
+Keyless signatures (a Fulcio certificate and a Rekor entry instead of a key hint) are refused here: verify
+those with `sigstore verify` or `model_signing verify sigstore` on the extracted bundle.
+
+Making signatures (private keys) is the toolchain's (toolchain/sign.py); this module is what a target machine
+needs to check them, with no dependency beyond `cryptography`.
 """
 
 from __future__ import annotations
@@ -21,24 +29,27 @@ import base64
 import binascii
 import hashlib
 import json
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingot.runtime.bundle.manifest import SIGNATURE, canonical_json, resources
+from ingot.runtime.bundle.manifest import SIGNATURE, resources
 from ingot.runtime.errors import UsageError, VerificationError
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://model_signing/signature/v1.0"
-MEDIA_TYPE = "application/vnd.ingot.signature.v1+json"
+MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
+_MEDIA_TYPES = (MEDIA_TYPE, "application/vnd.dev.sigstore.bundle+json;version=0.3")
 _BAD_SIG = "the signature member was damaged or does not belong to this bundle; re-sign with `ingot sign`"
+_KEY_HINT = "pass a PEM public key (PREFIX.pub from `ingot keygen`: ECDSA P-256 or Ed25519)"
+# curve -> the hash model_signing (and Sigstore's key details) pair with it
+_EC_HASHES = {"secp256r1": "SHA256", "secp384r1": "SHA384", "secp521r1": "SHA512"}
 
 
 @dataclass(frozen=True)
 class SignatureCheck:
-    keyid: str
-    authenticated: bool  # True: checked against a public key the caller supplied
+    keyid: str  # the signature's key hint ("" when it names none)
+    authenticated: bool  # True: the signature bytes were checked against a public key the caller supplied
 
 
 def pae(payload_type: str, payload: bytes) -> bytes:
@@ -67,21 +78,9 @@ def statement(manifest: dict) -> dict:
 # --- keys---------------------------------------------------------------------------------------------
 
 
-def keyid_of_der(der: bytes) -> str:
-    return hashlib.sha256(der).hexdigest()
-
-
-def _pem_body(pem: bytes, label: str, where: str) -> bytes:
-    """The DER inside a PEM block (no cryptography import: this is on open_bundle's path)."""
-    text = pem.decode("ascii", errors="replace")
-    begin, end = f"-----BEGIN {label}-----", f"-----END {label}-----"
-    if begin not in text or end not in text:
-        raise UsageError(f"{where} is not a PEM {label.lower()}", hint="pass the PREFIX.pub written by `ingot keygen`")
-    body = text.split(begin, 1)[1].split(end, 1)[0]
-    try:
-        return base64.b64decode("".join(body.split()), validate=True)
-    except binascii.Error:
-        raise UsageError(f"{where}: damaged PEM body", hint="pass the PREFIX.pub written by `ingot keygen`") from None
+def key_hint(public_pem: bytes) -> str:
+    """model_signing's public-key hint: sha256 (hex) of the SubjectPublicKeyInfo PEM bytes."""
+    return hashlib.sha256(public_pem).hexdigest()
 
 
 def read_key_file(path, what: str) -> bytes:
@@ -93,85 +92,67 @@ def read_key_file(path, what: str) -> bytes:
         raise UsageError(f"{path} is a directory, not a {what} file") from None
 
 
-def keyid_of_pem_file(path) -> str:
-    return keyid_of_der(_pem_body(read_key_file(path, "public key"), "PUBLIC KEY", str(path)))
+class PublicKey:
+    """A --pubkey: ECDSA (P-256/384/521) or Ed25519, with its hint; checks DSSE signatures."""
 
-
-# --- signers and verifiers----------------------------------------------------------------------------
-
-
-class Signer(ABC):
-    """Produces signatures and the verification material a verifier needs besides the envelope."""
-
-    keyid: str
-
-    @abstractmethod
-    def sign(self, message: bytes) -> bytes: ...
-
-    @abstractmethod
-    def material(self) -> dict: ...
-
-
-class Verifier(ABC):
-    keyid: str
-    where: str  # the key's file or origin, for messages
-
-    @abstractmethod
-    def verify(self, message: bytes, signature: bytes) -> bool: ...
-
-
-class Ed25519Verifier(Verifier):
-    def __init__(self, der: bytes, where: str):
+    def __init__(self, pem: bytes, where: str):
+        # deferred: cryptography is only needed when a key is given, and open_bundle is on the cold-start path
         from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+        if b"-----BEGIN PUBLIC KEY-----" not in pem:
+            raise UsageError(f"{where} is not a PEM public key", hint=_KEY_HINT)
         try:
-            key = serialization.load_der_public_key(der)
+            key = serialization.load_pem_public_key(pem)
         except ValueError:
-            raise VerificationError(f"{where} does not hold a readable public key", hint=_BAD_SIG) from None
-        if not isinstance(key, Ed25519PublicKey):
-            raise VerificationError(f"{where} is not an Ed25519 public key", hint="use a key from `ingot keygen`")
+            raise UsageError(f"{where}: damaged PEM public key", hint=_KEY_HINT) from None
+        if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in _EC_HASHES:
+            self.algorithm = f"ecdsa-{key.curve.name}"
+        elif isinstance(key, Ed25519PublicKey):
+            self.algorithm = "ed25519"
+        else:
+            raise UsageError(f"{where} is not an ECDSA P-256/384/521 or Ed25519 public key", hint=_KEY_HINT)
         self._key = key
-        self.keyid = keyid_of_der(der)
+        canonical = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        self.keyid = key_hint(canonical)
         self.where = where
 
-    @classmethod
-    def from_pem_file(cls, path) -> Ed25519Verifier:
-        der = _pem_body(read_key_file(path, "public key"), "PUBLIC KEY", str(path))
-        try:
-            return cls(der, str(path))
-        except VerificationError as e:
-            raise UsageError(e.message, hint="pass the PREFIX.pub written by `ingot keygen`") from None
-
     def verify(self, message: bytes, signature: bytes) -> bool:
-        from cryptography.exceptions import InvalidSignature
+        from cryptography.exceptions import InvalidSignature  # deferred: see __init__
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
 
         try:
-            self._key.verify(signature, message)
+            if isinstance(self._key, ec.EllipticCurvePublicKey):
+                algorithm = getattr(hashes, _EC_HASHES[self._key.curve.name])()
+                self._key.verify(signature, message, ec.ECDSA(algorithm))
+            else:
+                self._key.verify(signature, message)
             return True
         except InvalidSignature:
             return False
 
 
-def load_public_key(path) -> Ed25519Verifier:
+def load_public_key(path) -> PublicKey:
     """A --pubkey file, parsed once: a bad key file is a usage error, whatever the bundle holds."""
-    return Ed25519Verifier.from_pem_file(path)
+    return PublicKey(read_key_file(path, "public key"), str(path))
 
 
 # --- the signature document------------------------------------------------------------------------------
 
 
-def sign_document(manifest: dict, signer: Signer) -> bytes:
-    payload = canonical_json(statement(manifest))
-    sig = signer.sign(pae(PAYLOAD_TYPE, payload))
-    envelope = {
-        "payload": base64.b64encode(payload).decode(),
-        "payloadType": PAYLOAD_TYPE,
-        "signatures": [{"keyid": signer.keyid, "sig": base64.b64encode(sig).decode()}],
+def sigstore_bundle_dict(payload: bytes, signature: bytes, hint: str) -> dict:
+    """The Sigstore bundle (v0.3, JSON form) of one DSSE signature by the key with this hint."""
+    return {
+        "mediaType": MEDIA_TYPE,
+        "verificationMaterial": {"publicKey": {"hint": hint}, "tlogEntries": []},
+        "dsseEnvelope": {
+            "payload": base64.b64encode(payload).decode(),
+            "payloadType": PAYLOAD_TYPE,
+            "signatures": [{"sig": base64.b64encode(signature).decode(), "keyid": hint}],
+        },
     }
-    return canonical_json(
-        {"mediaType": MEDIA_TYPE, "dsseEnvelope": envelope, "verificationMaterial": signer.material()}
-    )
 
 
 def _field(obj, key: str, types, where: str):
@@ -188,16 +169,43 @@ def _b64(text: str, where: str) -> bytes:
         raise VerificationError(f"{SIGNATURE}: {where} is not valid base64", hint=_BAD_SIG) from None
 
 
-def verify_signature_document(data: bytes, manifest: dict, trusted: Verifier | None = None) -> SignatureCheck:
-    """Check the signature member against this manifest. trusted: the key the caller requires (from
-    load_public_key); without one the signature is checked against the key it carries."""
+def _signed_resources(signed) -> tuple[dict, str] | None:
+    """({name: (algorithm, digest)}, subject sha256) of a model_signing v1.0 statement over sha256 files."""
+    try:
+        ser = signed["predicate"]["serialization"]
+        if signed["_type"] != STATEMENT_TYPE or signed["predicateType"] != PREDICATE_TYPE:
+            return None
+        if ser["method"] != "files" or ser["hash_type"] != "sha256" or len(signed["subject"]) != 1:
+            return None
+        out = {r["name"]: (r["algorithm"], r["digest"]) for r in signed["predicate"]["resources"]}
+        root = signed["subject"][0]["digest"]["sha256"]
+        return (out, root) if len(out) == len(signed["predicate"]["resources"]) else None
+    except (KeyError, TypeError, IndexError):
+        return None
+
+
+def verify_signature_document(data: bytes, manifest: dict, trusted: PublicKey | None = None) -> SignatureCheck:
+    """Check the signature member against this bundle. trusted: the key the caller requires (from
+    load_public_key); without one only the statement's binding to this bundle is checked."""
 
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         raise VerificationError(f"{SIGNATURE} is not valid UTF-8 JSON", hint=_BAD_SIG) from None
-    if _field(doc, "mediaType", str, "") != MEDIA_TYPE:
-        raise VerificationError(f"{SIGNATURE}: unknown mediaType {doc['mediaType']!r}", hint=_BAD_SIG)
+    media = _field(doc, "mediaType", str, "")
+    if media not in _MEDIA_TYPES:
+        raise VerificationError(
+            f"{SIGNATURE}: mediaType {media!r} is not a Sigstore bundle v0.3", hint="re-sign with `ingot sign`"
+        )
+    material = _field(doc, "verificationMaterial", dict, "")
+    if "publicKey" not in material:
+        raise VerificationError(
+            f"{SIGNATURE} is a keyless (certificate) Sigstore signature, which Ingot does not verify",
+            hint="check it with `sigstore verify` or `model_signing verify sigstore` on the extracted bundle",
+        )
+    hint = _field(material, "publicKey", dict, "verificationMaterial.").get("hint") or ""
+    if not isinstance(hint, str):
+        raise VerificationError(f"{SIGNATURE}: verificationMaterial.publicKey.hint is malformed", hint=_BAD_SIG)
     env = _field(doc, "dsseEnvelope", dict, "")
     if _field(env, "payloadType", str, "dsseEnvelope.") != PAYLOAD_TYPE:
         raise VerificationError(f"{SIGNATURE}: payloadType is not {PAYLOAD_TYPE}", hint=_BAD_SIG)
@@ -205,44 +213,43 @@ def verify_signature_document(data: bytes, manifest: dict, trusted: Verifier | N
     sigs = _field(env, "signatures", list, "dsseEnvelope.")
     if len(sigs) != 1:
         raise VerificationError(f"{SIGNATURE}: expected one signature, found {len(sigs)}", hint=_BAD_SIG)
-    keyid = _field(sigs[0], "keyid", str, "signatures[0].")
     sig = _b64(_field(sigs[0], "sig", str, "signatures[0]."), "the signature")
 
     if trusted is not None:
-        verifier = trusted
-        if verifier.keyid != keyid:
+        if hint and hint != trusted.keyid:
             raise VerificationError(
-                f"{SIGNATURE}: signed by key {keyid[:16]}..., not by --pubkey {verifier.where} "
-                f"({verifier.keyid[:16]}...)",
+                f"{SIGNATURE}: signed by key {hint[:16]}..., not by --pubkey {trusted.where} ({trusted.keyid[:16]}...)",
                 hint="pass the public key of the signer",
             )
-    else:
-        key = _field(_field(doc, "verificationMaterial", dict, ""), "publicKey", dict, "verificationMaterial.")
-        der = _b64(_field(key, "rawBytes", str, "publicKey."), "the embedded public key")
-        verifier = Ed25519Verifier(der, f"{SIGNATURE}: the embedded public key")
-        if verifier.keyid != keyid:
+        if not trusted.verify(pae(PAYLOAD_TYPE, payload), sig):
             raise VerificationError(
-                f"{SIGNATURE}: the embedded public key does not match keyid {keyid[:16]}...", hint=_BAD_SIG
+                f"{SIGNATURE}: the {trusted.algorithm} signature does not verify with --pubkey {trusted.where}",
+                hint=_BAD_SIG,
             )
-    if not verifier.verify(pae(PAYLOAD_TYPE, payload), sig):
-        raise VerificationError(f"{SIGNATURE}: the Ed25519 signature does not verify", hint=_BAD_SIG)
-    # Signed and intact: now the statement must be about this very manifest.
+    # The statement must be about this very bundle: its resources and root digest.
     try:
         signed = json.loads(payload)
     except ValueError:
         raise VerificationError(f"{SIGNATURE}: the signed payload is not JSON", hint=_BAD_SIG) from None
-    if signed != statement(manifest):
+    got = _signed_resources(signed)
+    if got is None:
         raise VerificationError(
-            f"{SIGNATURE}: the signature is valid but for a different bundle (signed root "
-            f"digest differs from {manifest['root_digest'][:16]}...)",
+            f"{SIGNATURE}: the signed payload is not a model_signing v1.0 statement over sha256 files",
             hint=_BAD_SIG,
         )
-    return SignatureCheck(keyid=keyid, authenticated=trusted is not None)
+    ours = {r["name"]: (r["algorithm"], r["digest"]) for r in resources(manifest)}
+    if got != (ours, manifest["root_digest"]):
+        raise VerificationError(
+            f"{SIGNATURE}: the signature is for a different bundle (signed root digest differs from "
+            f"{manifest['root_digest'][:16]}...)",
+            hint=_BAD_SIG,
+        )
+    return SignatureCheck(keyid=trusted.keyid if trusted else hint, authenticated=trusted is not None)
 
 
-def check_signature(envelope: bytes | None, manifest: dict, trusted: Verifier | None) -> SignatureCheck | None:
-    """The signature member, if any: it must sign this manifest's root digest. With pubkey it must be by
-    that key (and an unsigned bundle fails); without, it is checked against the key it carries."""
+def check_signature(envelope: bytes | None, manifest: dict, trusted: PublicKey | None) -> SignatureCheck | None:
+    """The signature member, if any: it must sign this bundle's root digest. With pubkey it must be by
+    that key (and an unsigned bundle fails); without, only its binding to this bundle is checked."""
     if envelope is None:
         if trusted is not None:
             raise VerificationError(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ingot.runtime.bundle.container import DAMAGED as _DAMAGED
 from ingot.runtime.bundle.container import Member, load_manifest, open_file, read_index, read_signature
-from ingot.runtime.bundle.manifest import CHUNK_SIZE, MANIFEST, SIGNATURE, files_by_name, hash_range
+from ingot.runtime.bundle.manifest import CHUNK_SIZE, MANIFEST, SIGNATURE, check_runtime, files_by_name, hash_range
 from ingot.runtime.bundle.signature import check_signature, load_public_key
 from ingot.runtime.bundle.stamps import write_stamp
 from ingot.runtime.errors import VerificationError
@@ -113,6 +113,7 @@ def verify_bundle(path: str | Path, *, pubkey=None, on_bytes=None) -> dict:
         manifest = load_manifest(f, index)
         check_members(f, index, manifest, on_bytes=on_bytes)
         sig = check_signature(read_signature(f, index), manifest, trusted)
+    runtime = check_runtime(manifest)  # intact, but can this runtime run it? (exit 3 when not)
     # A full pass also vouches for this exact file to open_bundle (`ingot run` right after starts fast).
     write_stamp(os.path.realpath(path), st, manifest["root_digest"], [sig.keyid] if sig and sig.authenticated else [])
     seconds = time.perf_counter() - t0
@@ -128,4 +129,5 @@ def verify_bundle(path: str | Path, *, pubkey=None, on_bytes=None) -> dict:
         "seconds": round(seconds, 3),
         "mb_per_s": round(hashed / 1e6 / seconds, 1) if seconds else None,
         "signature": None if sig is None else {"keyid": sig.keyid, "authenticated": sig.authenticated},
+        "runtime": runtime,
     }

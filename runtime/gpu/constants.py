@@ -43,6 +43,11 @@ SAMPLE_THREADS = SHARED["SAMPLE_THREADS"][0]
 WEIGHT_LAYOUT = (
     "soa-v1: quantized matrices repacked at load into separate quant/scale(/min) arrays; q,k,v and gate,up stacked"
 )
+# The version of the contract between this host code and a bundle's kernels and weights: kernel signatures
+# and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
+# records the value it was packed and self-tested with, and a runtime with another value refuses to run it
+# (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
+KERNEL_ABI = 1
 
 
 def header() -> str:

@@ -6,7 +6,7 @@ imported only when that command runs (click's lazy-group pattern), so `ingot run
 kernel build or the server's imports, and `ingot --help` is instant.
 
     kernels.py   build, inspect, doctor, check-compat
-    bundles.py   pack, verify, keygen, sign, rebuild
+    bundles.py   pack, verify, keygen, sign, rebuild, sbom
     models.py    run, perplexity, model fetch|synth|info
     serve.py     serve
     bench.py     bench
@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("bundles", "keygen"),
     "sign": ("bundles", "sign"),
     "rebuild": ("bundles", "rebuild"),
+    "sbom": ("bundles", "sbom"),
     "run": ("models", "run"),
     "perplexity": ("models", "perplexity_command"),
     "model": ("models", "model"),

@@ -1,4 +1,4 @@
-"""Bundle commands: `ingot pack`, `verify`, `keygen`, `sign`, `rebuild`."""
+"""Bundle commands: `ingot pack`, `verify`, `keygen`, `sign`, `rebuild`, `sbom`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from ingot.runtime.selftest import run_selftest
 from ingot.toolchain.cli.output import bytes_bar, emit_json, err, mib, out
 from ingot.toolchain.pack import pack as run_pack
 from ingot.toolchain.rebuild import rebuild_check
+from ingot.toolchain.sbom import FORMATS as SBOM_FORMATS
+from ingot.toolchain.sbom import write_sbom
 from ingot.toolchain.sign import keygen as run_keygen
 from ingot.toolchain.sign import sign_bundle
 
@@ -40,8 +42,16 @@ from ingot.toolchain.sign import sign_bundle
     is_flag=True,
     help="Skip the CPU reference logits recorded for `ingot verify --device` (for huge models).",
 )
+@click.option(
+    "--source",
+    "sources",
+    multiple=True,
+    metavar="URL",
+    help="Where the model came from (repeatable), for the manifest and `ingot sbom`; added to the URLs the GGUF "
+    "declares.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def pack(model, kernel_dir, name, out_file, no_selftest, as_json):
+def pack(model, kernel_dir, name, out_file, no_selftest, sources, as_json):
     """Pack fatbins, a GGUF model, provenance and a manifest into one deterministic bundle.
 
     Same inputs give the same bytes: members are sorted, every mtime is $SOURCE_DATE_EPOCH (default 0).
@@ -55,6 +65,7 @@ def pack(model, kernel_dir, name, out_file, no_selftest, as_json):
             name=name,
             out=out_file,
             selftest=not no_selftest,
+            source_urls=sources,
             on_stage=lambda text: bar.update(task, description=text),
             on_bytes=lambda n: bar.advance(task, n),
         )
@@ -74,7 +85,7 @@ def pack(model, kernel_dir, name, out_file, no_selftest, as_json):
 @click.option(
     "--pubkey",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Require a valid signature by this public key (PREFIX.pub from `ingot keygen`).",
+    help="Require a valid signature by this public key (PREFIX.pub from `ingot keygen`: ECDSA P-256 or Ed25519).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (also on failure).")
 @click.option(
@@ -88,8 +99,9 @@ def pack(model, kernel_dir, name, out_file, no_selftest, as_json):
 def verify(bundle, pubkey, as_json, on_device, gpu_index):
     """Recompute every digest of a bundle, check its root digest and signature, and refuse unsafe members.
 
-    Exit 0 if it verifies, 4 naming the bad member (and 64 MiB chunk) otherwise; with --device, 4 also when
-    the GPU self-test disagrees with the CPU reference, 3 when there is no GPU to run it on.
+    Exit 0 if it verifies, 4 naming the bad member (and 64 MiB chunk) otherwise, 3 if it is intact but
+    packed for a kernel ABI this Ingot does not run; with --device, 4 also when the GPU self-test disagrees
+    with the CPU reference, 3 when there is no GPU to run it on.
     """
     size = bundle.stat().st_size if bundle.is_file() else 0
     try:
@@ -124,7 +136,15 @@ def verify(bundle, pubkey, as_json, on_device, gpu_index):
     elif sig["authenticated"]:
         out.print(f"  signature    valid, by --pubkey {pubkey} (keyid {sig['keyid'][:16]}...)")
     else:
-        out.print(f"  signature    intact, keyid {sig['keyid'][:16]}... (pass --pubkey to check who signed it)")
+        out.print(
+            f"  signature    present, key hint {sig['keyid'][:16] or '(none)'}..., signs this bundle "
+            "(pass --pubkey to check the signature and who made it)"
+        )
+    rt = report["runtime"]
+    out.print(
+        f"  runtime      this Ingot runs it: kernel ABI {rt['kernel_abi']} ({rt['weight_layout']}), "
+        f"packed by Ingot {rt['packed_by']}"
+    )
     if on_device:
         st = report["selftest"]
         out.print(
@@ -142,22 +162,38 @@ def verify(bundle, pubkey, as_json, on_device, gpu_index):
     metavar="PREFIX",
     help="Writes PREFIX.key (private, mode 0600) and PREFIX.pub.",
 )
+@click.option(
+    "--algorithm",
+    type=click.Choice(["p256", "ed25519"]),
+    default="p256",
+    show_default=True,
+    help="ECDSA P-256 (verifiable with `model_signing verify key`) or Ed25519.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the paths and keyid as JSON.")
-def keygen(prefix, as_json):
-    """Create an Ed25519 signing key pair for `ingot sign` and `ingot verify --pubkey`."""
-    result = run_keygen(prefix)
+def keygen(prefix, algorithm, as_json):
+    """Create a signing key pair for `ingot sign` and `ingot verify --pubkey`."""
+    result = run_keygen(prefix, algorithm)
     if as_json:
         emit_json(result)
         return
     out.print(f"private key  {result['key']}  (keep it secret; mode 0600)")
     out.print(f"public key   {result['pub']}  (give it to users: ingot verify BUNDLE --pubkey {result['pub']})")
-    out.print(f"keyid        {result['keyid']}")
+    out.print(f"keyid        {result['keyid']}  ({result['algorithm']}; sha256 of the .pub file, model_signing's hint)")
 
 
 @click.command()
 @click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--key", type=click.Path(dir_okay=False, path_type=Path), help="PREFIX.key from `ingot keygen`.")
 @click.option(
-    "--key", required=True, type=click.Path(dir_okay=False, path_type=Path), help="PREFIX.key from `ingot keygen`."
+    "--attach",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Instead of --key: put in this Sigstore bundle (e.g. from `model_signing sign key` over the extracted "
+    "bundle) after checking it signs this bundle.",
+)
+@click.option(
+    "--pubkey",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="With --attach: also require the attached signature to be valid for this public key.",
 )
 @click.option(
     "--out",
@@ -166,9 +202,10 @@ def keygen(prefix, as_json):
     help="Write the signed bundle here (default: replace BUNDLE, atomically).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def sign(bundle, key, out_file, as_json):
-    """Sign a bundle's root digest (Ed25519, DSSE envelope of an in-toto statement) into signature.dsse.json."""
-    result = sign_bundle(bundle, key, out_file)
+def sign(bundle, key, attach, pubkey, out_file, as_json):
+    """Sign a bundle's root digest into signature.sigstore.json: a Sigstore bundle (v0.3) with a DSSE envelope
+    of an in-toto statement in the OpenSSF model_signing v1.0 format (needs the `release` extra)."""
+    result = sign_bundle(bundle, key, out_file, attach=attach, pubkey=pubkey)
     if as_json:
         emit_json(result)
         return
@@ -217,3 +254,32 @@ def rebuild(bundle, check, as_json):
             f"{bad[0]['module']} ({bad[0]['reasons'][0]})",
             hint="rebuild with the recorded toolkit and sources (see the table or --json)",
         )
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(SBOM_FORMATS),
+    default="cyclonedx-json",
+    show_default=True,
+    help="The BOM format.",
+)
+@click.option(
+    "--out",
+    "out_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the BOM here (default: print it).",
+)
+def sbom(bundle, fmt, out_file):
+    """Emit the AI-BOM of a verified bundle: a CycloneDX 1.6 ML-BOM (model with license and source, kernels
+    with archs, every member's sha256, toolchain, Python dependencies), schema-validated (`release` extra).
+
+    Exit 0 written; 4 the bundle fails verification; 2 bad arguments or the extra is missing.
+    """
+    text = write_sbom(bundle, out_file, fmt)
+    if out_file is None:
+        click.echo(text, nl=False)
+    else:
+        out.print(f"{out_file}  CycloneDX 1.6 ML-BOM of {bundle}")
