@@ -110,6 +110,17 @@ API_KEY = Setting(
     "a key string",
     "`ingot serve` requires this key (Authorization: Bearer KEY or x-api-key: KEY); same as --api-key.",
 )
+def _paths(text: str) -> list[Path]:
+    return [Path(p) for p in text.split(":") if p.strip()]
+
+
+TRUSTED_KEYS = Setting(
+    "INGOT_TRUSTED_KEYS",
+    None,
+    _paths,
+    "a list of public key (.pub) paths separated by ':'",
+    "Trust policy for `ingot run/serve/bench`: a bundle must be signed by one of these keys (like --pubkey).",
+)
 TEST_MODELS = Setting(
     "INGOT_TEST_MODELS",
     None,
@@ -126,6 +137,7 @@ ALL: tuple[Setting, ...] = (
     DECODE_GEMM_MIN_BATCH,
     KV_FRACTION,
     API_KEY,
+    TRUSTED_KEYS,
     TEST_MODELS,
 )
 
@@ -135,4 +147,4 @@ def in_force() -> dict[str, Any]:
     values = {s.name: s.get() for s in ALL}
     if values[API_KEY.name]:
         values[API_KEY.name] = "***"
-    return {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+    return {k: str(v) if isinstance(v, Path) else [str(p) for p in v] if isinstance(v, list) else v for k, v in values.items()}

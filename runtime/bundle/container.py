@@ -23,6 +23,7 @@ from pathlib import Path
 from ingot.runtime.bundle.manifest import (
     MANIFEST,
     MAX_MANIFEST_SIZE,
+    MAX_MEMBER_SIZE,
     MAX_MEMBERS,
     READ_SIZE,
     SIGNATURE,
@@ -34,6 +35,7 @@ from ingot.runtime.errors import IngotError, UsageError, VerificationError
 MODEL_ALIGN = 4096
 MAX_SIGNATURE_SIZE = 1 << 20
 MAX_FATBIN_SIZE = 1 << 30
+MAX_TAR_HEADER = 64 << 10  # one header block or pax/GNU record set; the writer's largest is ~5 KiB (alignment)
 _PAX_KEYS = {"comment", "path", "size"}  # what the writer emits: alignment padding, long names, sizes > 8 GiB
 DAMAGED = "the bundle is corrupt or was modified after packing; re-download or re-pack it"
 
@@ -76,7 +78,7 @@ def read_index(f, file_size: int) -> list[Member]:
     names: set[str] = set()
     f.seek(0)
     try:
-        tar = tarfile.open(fileobj=f, mode="r:")
+        tar = tarfile.open(fileobj=_HeaderReader(f), mode="r:")
     except tarfile.ReadError as e:
         raise VerificationError(
             f"not an Ingot bundle: not a readable tar archive ({e})", hint="pass a .ingot file made by `ingot pack`"
@@ -105,6 +107,32 @@ def read_index(f, file_size: int) -> list[Member]:
         end = tar.offset
     _check_trailer(f, end, file_size, members)
     return members
+
+
+class _HeaderReader:
+    """The bundle file as tarfile sees it while indexing: tarfile only reads headers (it seeks over member
+    data), so any single read larger than MAX_TAR_HEADER is a hostile size field (a pax header claiming 2**62
+    bytes) and is refused before anything is allocated; seeks are bounded the same way."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0 or n > MAX_TAR_HEADER:
+            raise VerificationError(
+                f"bundle has a tar header of {'unbounded' if n is None or n < 0 else f'{n:,}'} bytes at offset "
+                f"{self.f.tell():,} (at most {MAX_TAR_HEADER:,})",
+                hint=DAMAGED,
+            )
+        return self.f.read(n)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 0 and not 0 <= offset <= MAX_MEMBER_SIZE:
+            raise VerificationError(f"bundle has a tar header pointing to offset {offset:,}", hint=DAMAGED)
+        return self.f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
 
 
 def _check_member(info: tarfile.TarInfo, seen: set[str]) -> None:
@@ -230,13 +258,70 @@ def _tarinfo(name: str, size: int, mtime: int) -> tarfile.TarInfo:
     return info
 
 
-def _align_data(info: tarfile.TarInfo, tar: tarfile.TarFile, align: int) -> None:
-    """Grow a pax `comment` until this member's data starts at a multiple of `align` in the archive."""
+# What tarfile.TarFile uses by default, spelled out: the writer and the canonical check must agree exactly.
+_FORMAT, _ENCODING, _ERRORS = tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape"
+
+
+def _align_data(info: tarfile.TarInfo, offset: int, align: int) -> None:
+    """Grow a pax `comment` until this member's data (its header starting at `offset`) starts at a multiple of
+    `align` in the archive."""
     for n in range(0, align + 4 * tarfile.BLOCKSIZE, 64):
         info.pax_headers = {"comment": "ingot: padding so the data below starts page-aligned " + "." * n}
-        if (tar.offset + len(info.tobuf(tar.format, tar.encoding, tar.errors))) % align == 0:
+        if (offset + len(info.tobuf(_FORMAT, _ENCODING, _ERRORS))) % align == 0:
             return
     raise AssertionError("no pax padding aligns the member")  # unreachable: 64-byte steps cover every block
+
+
+def _member_info(name: str, size: int, mtime: int, offset: int) -> tarfile.TarInfo:
+    """The header write_bundle writes for a member whose header starts at `offset`."""
+    info = _tarinfo(name, size, mtime)
+    if name.startswith("model/"):
+        _align_data(info, offset, MODEL_ALIGN)
+    return info
+
+
+def _trailer_size(end: int) -> int:
+    """tarfile.close(): two zero blocks, then zeros up to a whole record."""
+    return 2 * tarfile.BLOCKSIZE + (-(end + 2 * tarfile.BLOCKSIZE) % tarfile.RECORDSIZE)
+
+
+def check_canonical(f, index: list[Member], file_size: int) -> None:
+    """Every byte of the file outside member data must be exactly what write_bundle writes for these members
+    (headers and pax records, padding, end-of-archive, total length). With the members' digests this covers
+    every byte of a bundle: a flipped padding byte, a pax comment or smuggled pax record, a truncated trailer
+    are all refused, naming the offset. Reads only the headers and padding (a few KiB)."""
+    names = [m.name for m in index]
+    if names != sorted(names):
+        raise VerificationError("bundle members are not in name order (not written by `ingot pack`)", hint=DAMAGED)
+    mtime = index[0].mtime if index else 0
+    offset = 0
+    for m in index:
+        header = _member_info(m.name, m.size, mtime, offset).tobuf(_FORMAT, _ENCODING, _ERRORS)
+        _expect(f, offset, header, f"the tar header of member {m.name}")
+        end = offset + len(header) + m.size
+        if offset + len(header) != m.offset:  # unreachable when the header bytes match; kept as a guard
+            raise VerificationError(f"member {m.name} data starts at an unexpected offset {m.offset:,}", hint=DAMAGED)
+        pad = -m.size % tarfile.BLOCKSIZE
+        _expect(f, end, bytes(pad), f"the padding after member {m.name}")
+        offset = end + pad
+    want = offset + _trailer_size(offset)
+    if file_size != want:
+        raise VerificationError(
+            f"bundle is {file_size:,} bytes but its members make a {want:,}-byte archive "
+            f"({'truncated end-of-archive' if file_size < want else 'extra bytes at the end'})",
+            hint=DAMAGED,
+        )
+    _expect(f, offset, bytes(want - offset), "the end-of-archive")
+
+
+def _expect(f, offset: int, want: bytes, where: str) -> None:
+    f.seek(offset)
+    got = f.read(len(want))
+    if got != want:
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got))
+        raise VerificationError(
+            f"bundle has non-canonical bytes at offset {offset + at:,} (in {where})", hint=DAMAGED
+        )
 
 
 def write_bundle(out: Path, sources: list[Source], *, mtime: int, on_bytes=None) -> dict:
@@ -249,11 +334,10 @@ def write_bundle(out: Path, sources: list[Source], *, mtime: int, on_bytes=None)
         with os.fdopen(fd, "wb") as raw:
             sink = _HashingSink(raw)
             with tarfile.open(fileobj=sink, mode="w:", format=tarfile.PAX_FORMAT, copybufsize=READ_SIZE) as tar:
+                assert (tar.format, tar.encoding, tar.errors) == (_FORMAT, _ENCODING, _ERRORS)
                 for src in sorted(sources, key=lambda s: s.name):
-                    info = _tarinfo(src.name, src.size, mtime)
-                    if src.name.startswith("model/"):
-                        _align_data(info, tar, MODEL_ALIGN)
-                    offsets[src.name] = tar.offset + len(info.tobuf(tar.format, tar.encoding, tar.errors))
+                    info = _member_info(src.name, src.size, mtime, tar.offset)
+                    offsets[src.name] = tar.offset + len(info.tobuf(_FORMAT, _ENCODING, _ERRORS))
                     _add(tar, info, src, on_bytes)
             os.fchmod(raw.fileno(), 0o644)
         os.replace(tmp, out)

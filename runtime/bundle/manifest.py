@@ -23,6 +23,7 @@ import math
 import re
 from decimal import Decimal
 
+from ingot.runtime.limits import bounded_json_loads
 from ingot.runtime.errors import VerificationError
 
 FORMAT = "ingot-bundle/v1"
@@ -171,10 +172,7 @@ def seal(manifest: dict) -> bytes:
 def parse_manifest(data: bytes) -> dict:
     """manifest.json bytes -> the manifest, after the canonical-form, schema and root-digest checks."""
     where = MANIFEST
-    try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise VerificationError(f"{where} is not valid UTF-8 JSON ({e})", hint=_TAMPERED) from None
+    manifest = bounded_json_loads(data, what=where, max_size=MAX_MANIFEST_SIZE, hint=_TAMPERED)
     validate(manifest)
     try:
         canonical = canonical_json(manifest)

@@ -20,13 +20,13 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
 from ingot.runtime.bundle.manifest import SIGNATURE, canonical_json, resources
 from ingot.runtime.errors import UsageError, VerificationError
+from ingot.runtime.limits import bounded_json_loads
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -191,10 +191,7 @@ def verify_signature_document(data: bytes, manifest: dict, trusted: Verifier | N
     """Check the signature member against this manifest. trusted: the key the caller requires (from
     load_public_key); without one the signature is checked against the key it carries."""
 
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise VerificationError(f"{SIGNATURE} is not valid UTF-8 JSON", hint=_BAD_SIG) from None
+    doc = bounded_json_loads(data, what=SIGNATURE, max_size=1 << 20, hint=_BAD_SIG)
     if _field(doc, "mediaType", str, "") != MEDIA_TYPE:
         raise VerificationError(f"{SIGNATURE}: unknown mediaType {doc['mediaType']!r}", hint=_BAD_SIG)
     env = _field(doc, "dsseEnvelope", dict, "")
@@ -226,10 +223,7 @@ def verify_signature_document(data: bytes, manifest: dict, trusted: Verifier | N
     if not verifier.verify(pae(PAYLOAD_TYPE, payload), sig):
         raise VerificationError(f"{SIGNATURE}: the Ed25519 signature does not verify", hint=_BAD_SIG)
     # Signed and intact: now the statement must be about this very manifest.
-    try:
-        signed = json.loads(payload)
-    except ValueError:
-        raise VerificationError(f"{SIGNATURE}: the signed payload is not JSON", hint=_BAD_SIG) from None
+    signed = bounded_json_loads(payload, what=f"{SIGNATURE}: the signed payload", max_size=1 << 20, hint=_BAD_SIG)
     if signed != statement(manifest):
         raise VerificationError(
             f"{SIGNATURE}: the signature is valid but for a different bundle (signed root "

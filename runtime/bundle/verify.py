@@ -3,7 +3,9 @@ signature, and name exactly what is wrong.
 
 Order of checks: the tar structure (container.read_index: only unique, safely named regular files, nothing
 after the end), the manifest (canonical form, schema, root digest), the member set (every listed file
-present, nothing extra), sizes, then the sha256 of every member with 8 MiB reads. A member whose digest is
+present, nothing extra), sizes, then the sha256 of every member with 8 MiB reads, the signature, and last
+the container's canonical form (container.check_canonical: every byte outside member data is exactly what
+`ingot pack` writes), so together every byte of the file is checked. A member whose digest is
 wrong is re-read chunk by chunk (64 MiB) to name the damaged chunk. Nothing is extracted to disk.
 """
 
@@ -14,7 +16,14 @@ import time
 from pathlib import Path
 
 from ingot.runtime.bundle.container import DAMAGED as _DAMAGED
-from ingot.runtime.bundle.container import Member, load_manifest, open_file, read_index, read_signature
+from ingot.runtime.bundle.container import (
+    Member,
+    check_canonical,
+    load_manifest,
+    open_file,
+    read_index,
+    read_signature,
+)
 from ingot.runtime.bundle.manifest import CHUNK_SIZE, MANIFEST, SIGNATURE, files_by_name, hash_range
 from ingot.runtime.bundle.signature import check_signature, load_public_key
 from ingot.runtime.bundle.stamps import write_stamp
@@ -113,6 +122,8 @@ def verify_bundle(path: str | Path, *, pubkey=None, on_bytes=None) -> dict:
         manifest = load_manifest(f, index)
         check_members(f, index, manifest, on_bytes=on_bytes)
         sig = check_signature(read_signature(f, index), manifest, trusted)
+        # The digests cover member data; this covers every other byte (headers, padding, end-of-archive).
+        check_canonical(f, index, size)
     # A full pass also vouches for this exact file to open_bundle (`ingot run` right after starts fast).
     write_stamp(os.path.realpath(path), st, manifest["root_digest"], [sig.keyid] if sig and sig.authenticated else [])
     seconds = time.perf_counter() - t0

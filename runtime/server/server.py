@@ -46,6 +46,7 @@ class Options:
     max_seqs: int = 32  # sequences decoded together
     ctx: int | None = None  # tokens per sequence; None: the engine's default
     api_key: str | None = None
+    pubkeys: tuple[str, ...] = ()  # trusted public keys (with INGOT_TRUSTED_KEYS: the trust policy)
 
 
 def pick_gpu(requested: int | None) -> int:
@@ -89,7 +90,7 @@ class Server:
     def load(self) -> Engine:
         """On the engine thread, while the socket already answers."""
         t0 = time.perf_counter()
-        opened = open_model(self.spec)
+        opened = open_model(self.spec, pubkeys=self.options.pubkeys)
         self.tokenizer = Tokenizer.from_model(opened.model)
         self.model = opened.model
         self.engine = open_serving_engine(opened, self.options)
