@@ -28,7 +28,13 @@ _STEPS = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")  # +1 / -1, offset by one
 
 
 def bounded_json_loads(
-    data: bytes, *, what: str, max_size: int, max_depth: int = MAX_JSON_DEPTH, error: type[IngotError] = VerificationError, hint: str | None = None
+    data: bytes,
+    *,
+    what: str,
+    max_size: int,
+    max_depth: int = MAX_JSON_DEPTH,
+    error: type[IngotError] = VerificationError,
+    hint: str | None = None,
 ):
     """json.loads for untrusted bytes: at most max_size bytes and max_depth nested arrays/objects; anything
     else (too big, too deep, not UTF-8 JSON) raises `error` with one line naming `what`."""

@@ -110,6 +110,8 @@ API_KEY = Setting(
     "a key string",
     "`ingot serve` requires this key (Authorization: Bearer KEY or x-api-key: KEY); same as --api-key.",
 )
+
+
 def _paths(text: str) -> list[Path]:
     return [Path(p) for p in text.split(":") if p.strip()]
 
@@ -147,4 +149,8 @@ def in_force() -> dict[str, Any]:
     values = {s.name: s.get() for s in ALL}
     if values[API_KEY.name]:
         values[API_KEY.name] = "***"
-    return {k: str(v) if isinstance(v, Path) else [str(p) for p in v] if isinstance(v, list) else v for k, v in values.items()}
+    return {k: _plain(v) for k, v in values.items()}
+
+
+def _plain(v: Any) -> Any:
+    return str(v) if isinstance(v, Path) else [str(p) for p in v] if isinstance(v, list) else v

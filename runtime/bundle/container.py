@@ -318,10 +318,8 @@ def _expect(f, offset: int, want: bytes, where: str) -> None:
     f.seek(offset)
     got = f.read(len(want))
     if got != want:
-        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got))
-        raise VerificationError(
-            f"bundle has non-canonical bytes at offset {offset + at:,} (in {where})", hint=DAMAGED
-        )
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), len(got))
+        raise VerificationError(f"bundle has non-canonical bytes at offset {offset + at:,} (in {where})", hint=DAMAGED)
 
 
 def write_bundle(out: Path, sources: list[Source], *, mtime: int, on_bytes=None) -> dict:

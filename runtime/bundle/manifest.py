@@ -23,8 +23,8 @@ import math
 import re
 from decimal import Decimal
 
-from ingot.runtime.limits import bounded_json_loads
 from ingot.runtime.errors import VerificationError
+from ingot.runtime.limits import bounded_json_loads
 
 FORMAT = "ingot-bundle/v1"
 MANIFEST = "manifest.json"

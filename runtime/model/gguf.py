@@ -235,13 +235,14 @@ def _window_reader_class():
                 raise _Hostile(f"unknown metadata array type {item}")
             # One part holding all values, not one numpy view per element (gguf's way: ~300 bytes per value)
             values = self._get(orig_offs + 12, nptype, n)
-            return 12 + int(values.nbytes), [itype, alen, values], [2] if n else [], [GGUFValueType.ARRAY, GGUFValueType(item)]
+            types = [GGUFValueType.ARRAY, GGUFValueType(item)]
+            return 12 + int(values.nbytes), [itype, alen, values], [2] if n else [], types
 
         def _build_tensors(self, start_offs, fields):
             from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # deferred with the reader
 
-            for field in fields:
-                _, name, n_dims, dims, raw_dtype, offset_tensor = field.parts
+            for entry in fields:
+                _, name, n_dims, dims, raw_dtype, offset_tensor = entry.parts
                 label = bytes(name).decode("utf-8", errors="replace")[:80]
                 if not 1 <= int(n_dims[0]) <= MAX_GGUF_DIMS:
                     raise _Hostile(f"tensor {label} has {int(n_dims[0])} dimensions (1..{MAX_GGUF_DIMS})")
@@ -497,6 +498,7 @@ _REQUIRED = object()
 def _read_config(meta: _Metadata, arch: str, tensors: dict[str, QTensor], path: Path) -> Config:
     if "token_embd.weight" not in tensors:
         raise ModelError(f"{path}: missing tensor token_embd.weight")
+
     def bounded(key: str, hi: int, default=None) -> int:
         n = meta.get_int(f"{arch}.{key}", default)
         if not 1 <= n <= hi:
