@@ -116,7 +116,7 @@ def hash_range(f, offset: int, size: int, *, chunk_size: int | None = None, on_b
     chunks: list[str] = []
     piece = hashlib.sha256() if chunk_size else None
     in_piece = 0
-    buf = bytearray(READ_SIZE)
+    buf = bytearray(min(READ_SIZE, max(size, 1)))  # small members need no 8 MiB buffer (zero-filled per call)
     view = memoryview(buf)
     f.seek(offset)
     left = size

@@ -28,7 +28,7 @@ from ingot.runtime.bundle.container import (
 from ingot.runtime.bundle.manifest import SIGNATURE, sha256_hex
 from ingot.runtime.bundle.signature import Verifier, check_signature, load_public_key
 from ingot.runtime.bundle.stamps import read_stamp, write_stamp
-from ingot.runtime.bundle.verify import check_members
+from ingot.runtime.bundle.verify import check_members, check_signature_member
 from ingot.runtime.errors import VerificationError
 
 
@@ -151,13 +151,13 @@ def _check(f, real: str, st: os.stat_result, index: list[Member], manifest: dict
         check_canonical(f, index, st.st_size)  # every byte outside member data (verify.py)
     envelope = read_signature(f, index)
     if not trusted:
-        sig = check_signature(envelope, manifest, None)
+        check_signature_member(envelope, manifest, None)
         write_stamp(real, st, root, [])
         return None
     error: VerificationError | None = None
     for key in trusted:  # the policy: a valid signature by any one of the trusted keys
         try:
-            sig = check_signature(envelope, manifest, key)
+            sig = check_signature_member(envelope, manifest, key)
         except VerificationError as e:
             error = error or e
             continue

@@ -11,6 +11,7 @@ wrong is re-read chunk by chunk (64 MiB) to name the damaged chunk. Nothing is e
 
 from __future__ import annotations
 
+import base64
 import os
 import time
 from pathlib import Path
@@ -24,10 +25,19 @@ from ingot.runtime.bundle.container import (
     read_index,
     read_signature,
 )
-from ingot.runtime.bundle.manifest import CHUNK_SIZE, MANIFEST, SIGNATURE, files_by_name, hash_range
-from ingot.runtime.bundle.signature import check_signature, load_public_key
+from ingot.runtime.bundle.manifest import (
+    CHUNK_SIZE,
+    MANIFEST,
+    SIGNATURE,
+    canonical_json,
+    files_by_name,
+    hash_range,
+    sha256_hex,
+)
+from ingot.runtime.bundle.signature import Verifier, check_signature, load_public_key
 from ingot.runtime.bundle.stamps import write_stamp
-from ingot.runtime.errors import VerificationError
+from ingot.runtime.errors import IngotError, VerificationError
+from ingot.runtime.limits import bounded_json_loads
 
 
 class MemberError(VerificationError):
@@ -108,6 +118,50 @@ def _locate(f, m: Member, entry: dict) -> list[dict]:
     return out or whole
 
 
+def check_signature_member(envelope: bytes | None, manifest: dict, trusted: Verifier | None):
+    """check_signature, and with a trusted key also the key material the member carries: otherwise a flipped
+    byte in the embedded public key (unused when --pubkey decides) would pass, and every byte must count."""
+    try:
+        sig = check_signature(envelope, manifest, trusted)
+        if envelope is not None:
+            if trusted is not None:
+                check_signature(envelope, manifest, None)
+            _check_exact_form(envelope)
+    except IngotError:
+        raise
+    except Exception as e:  # e.g. cryptography's UnsupportedAlgorithm for a damaged embedded key: still exit 4
+        raise VerificationError(
+            f"{SIGNATURE} is unreadable ({type(e).__name__}: {str(e)[:100]})", hint=_DAMAGED
+        ) from None
+    return sig
+
+
+def _check_exact_form(envelope: bytes) -> None:
+    """The signature member must be byte for byte what `ingot sign` writes (signature.sign_document): canonical
+    JSON with exactly its fields, the verification material derived from the embedded key. The Ed25519
+    signature covers the payload, not these bytes, and the root digest leaves the member out, so without this
+    a flipped byte in, say, the material's `keyid` would pass. Mirrors signature.py's v1 format: keep in step."""
+    doc = bounded_json_loads(envelope, what=SIGNATURE, max_size=1 << 20, hint=_DAMAGED)
+    env, material = doc.get("dsseEnvelope"), doc.get("verificationMaterial")
+    key = material.get("publicKey") if isinstance(material, dict) else None
+    raw = key.get("rawBytes") if isinstance(key, dict) else None
+    try:
+        der = base64.b64decode(raw, validate=True) if isinstance(raw, str) else None
+    except ValueError:
+        der = None
+    ok = (
+        der is not None
+        and set(doc) == {"mediaType", "dsseEnvelope", "verificationMaterial"}
+        and isinstance(env, dict)
+        and set(env) == {"payload", "payloadType", "signatures"}
+        and all(isinstance(s, dict) and set(s) == {"keyid", "sig"} for s in env["signatures"])
+        and material == {"publicKey": {"algorithm": "ed25519", "keyid": sha256_hex(der), "rawBytes": raw}}
+        and canonical_json(doc) == envelope
+    )
+    if not ok:
+        raise VerificationError(f"{SIGNATURE} is not in the exact form `ingot sign` writes", hint=_DAMAGED)
+
+
 def verify_bundle(path: str | Path, *, pubkey=None, on_bytes=None) -> dict:
     """Full verification of one bundle file; returns the report `ingot verify --json` prints."""
     path = Path(path)
@@ -121,7 +175,7 @@ def verify_bundle(path: str | Path, *, pubkey=None, on_bytes=None) -> dict:
         index = read_index(f, size)
         manifest = load_manifest(f, index)
         check_members(f, index, manifest, on_bytes=on_bytes)
-        sig = check_signature(read_signature(f, index), manifest, trusted)
+        sig = check_signature_member(read_signature(f, index), manifest, trusted)
         # The digests cover member data; this covers every other byte (headers, padding, end-of-archive).
         check_canonical(f, index, size)
     # A full pass also vouches for this exact file to open_bundle (`ingot run` right after starts fast).
