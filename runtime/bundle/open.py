@@ -26,7 +26,7 @@ from ingot.runtime.bundle.container import (
     read_signature,
 )
 from ingot.runtime.bundle.manifest import SIGNATURE, sha256_hex
-from ingot.runtime.bundle.signature import Verifier, check_signature, load_public_key
+from ingot.runtime.bundle.signature import Verifier, load_public_key
 from ingot.runtime.bundle.stamps import read_stamp, write_stamp
 from ingot.runtime.bundle.verify import check_members, check_signature_member
 from ingot.runtime.errors import VerificationError
