@@ -42,6 +42,7 @@ MAX_WIDTH = 1 << 20  # embedding, feed-forward and vocabulary sizes
 MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024
 MAX_CTX = 1 << 24
+MAX_TOKEN_CHARS = 4096  # one vocabulary entry (merges are derived per split of each entry)
 NEOX_ROPE_ARCHITECTURES = ("qwen2",)  # rotate (x[i], x[i + rope_dim/2]); the others rotate (x[2i], x[2i+1])
 
 
@@ -479,6 +480,10 @@ class _Metadata:
         f = self.fields.get(key)
         if f is None:
             return None
+        from gguf import GGUFValueType  # deferred with the reader (see _window_reader_class)
+
+        if f.types != [GGUFValueType.ARRAY, GGUFValueType.STRING] and f.data:
+            raise ModelError(f"{self.path}: metadata key {key} should hold a list of strings")
         return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
 
     def numbers(self, key: str) -> np.ndarray | None:
@@ -601,6 +606,9 @@ def _read_vocab(meta: _Metadata, path: Path) -> Vocab:
     scores = meta.numbers("tokenizer.ggml.scores")
     model = meta.get_str("tokenizer.ggml.model")
     n = len(tokens)
+    longest = max(len(t) for t in tokens)
+    if longest > MAX_TOKEN_CHARS:
+        raise ModelError(f"{path}: a vocabulary entry of {longest:,} characters (at most {MAX_TOKEN_CHARS:,})")
     for key, values in (("tokenizer.ggml.token_type", types), ("tokenizer.ggml.scores", scores)):
         if values is not None and len(values) != n:
             raise ModelError(f"{path}: {key} has {len(values):,} entries for {n:,} tokens")
