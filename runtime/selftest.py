@@ -51,6 +51,11 @@ def record(path: Path) -> dict:
         raise ModelError(
             f"self-test: {e.message}", hint="pass --no-selftest to pack a model the CPU engine cannot run"
         ) from None
+    if not np.isfinite(logits).all():
+        raise ModelError(
+            f"self-test: {path} gives NaN or infinite logits (its weights hold NaN/inf values)",
+            hint="re-convert the model; pass --no-selftest to pack it anyway",
+        )
     top = np.lexsort((np.arange(len(logits)), -logits))[:TOP_K]  # by value, ties by id
     return {
         "prompt": PROMPT,

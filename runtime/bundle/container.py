@@ -16,6 +16,7 @@ import functools
 import hashlib
 import io
 import os
+import stat
 import tarfile
 import tempfile
 from dataclasses import dataclass
@@ -53,13 +54,22 @@ class Member:
 
 
 def open_file(path: str | Path):
-    """The bundle file, opened unbuffered for reading; UsageError when there is none."""
+    """The bundle file, opened unbuffered for reading; UsageError when there is none or it is not a regular
+    file (opened non-blocking first, so a named pipe is refused instead of hanging)."""
     try:
-        return open(path, "rb", buffering=0)  # noqa: SIM115 (callers hold it in a with block)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise UsageError(f"{path}: no such bundle", hint="make one with `ingot pack`") from None
     except IsADirectoryError:
         raise UsageError(f"{path} is a directory", hint="pass a .ingot bundle file") from None
+    except PermissionError:
+        raise UsageError(f"{path}: permission denied") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        kind = "a directory" if os.path.isdir(path) else "not a regular file (a pipe, socket or device)"
+        raise UsageError(f"{path} is {kind}", hint="pass a .ingot bundle file")
+    os.set_blocking(fd, True)
+    return open(fd, "rb", buffering=0)  # noqa: SIM115 (callers hold it in a with block)
 
 
 def is_bundle(path: Path) -> bool:

@@ -111,6 +111,8 @@ def _arch_sort_key(arch: str) -> tuple[int, str]:
 
 def read_fatbin(path: str | Path) -> Fatbin:
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise UsageError(f"{path} is not a regular file (a pipe, socket or device)", hint="pass one .fatbin file")
     try:
         data = path.read_bytes()
     except FileNotFoundError:
