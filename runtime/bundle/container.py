@@ -73,7 +73,9 @@ def open_file(path: str | Path):
 
 
 def is_bundle(path: Path) -> bool:
-    """A tar archive (ustar magic) rather than a fatbin or a folder."""
+    """A tar archive (ustar magic) rather than a fatbin or a folder (never opens a pipe or device)."""
+    if not Path(path).is_file():
+        return False
     try:
         with open(path, "rb") as f:
             f.seek(257)
