@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -175,6 +176,8 @@ def _window_reader_class():
         def __init__(self, source, offset: int, size: int | None):
             # source: a path, or an open file whose descriptor is mapped (the verified one, for a bundle)
             self._window = (offset, size)
+            self._strings = 0
+            self.decoded_strings: dict[int, list[str]] = {}
             super().__init__(source, "r")
 
         @property
@@ -203,7 +206,6 @@ def _window_reader_class():
             count = int(count)
             if count > MAX_GGUF_KV or count * 13 > self._left(offs):  # a key/value takes at least 13 bytes
                 raise _Hostile(f"{count:,} metadata entries do not fit (at most {MAX_GGUF_KV:,} in the bytes left)")
-            self._strings = 0
             return super()._build_fields(offs, count)
 
         def _build_tensor_info(self, offs, count):
@@ -216,7 +218,7 @@ def _window_reader_class():
             from gguf import GGUFValueType  # deferred with the reader (see _window_reader_class)
 
             if raw_type == GGUFValueType.STRING:
-                self._strings = getattr(self, "_strings", 0) + 1
+                self._strings += 1
                 if self._strings > MAX_GGUF_STRINGS:
                     raise _Hostile(f"more than {MAX_GGUF_STRINGS:,} metadata strings")
             if raw_type != GGUFValueType.ARRAY:
@@ -230,7 +232,8 @@ def _window_reader_class():
             if item == GGUFValueType.STRING:
                 if n * 8 > left or self._strings + n > MAX_GGUF_STRINGS:
                     raise _Hostile(f"a metadata array of {n:,} strings does not fit")
-                return super()._get_field_parts(orig_offs, raw_type)
+                self._strings += n
+                return self._string_array(orig_offs, n, [itype, alen])
             nptype = self.gguf_scalar_to_np.get(GGUFValueType(item))
             if nptype is None:
                 raise _Hostile(f"unknown metadata array type {item}")
@@ -238,6 +241,27 @@ def _window_reader_class():
             values = self._get(orig_offs + 12, nptype, n)
             types = [GGUFValueType.ARRAY, GGUFValueType(item)]
             return 12 + int(values.nbytes), [itype, alen, values], [2] if n else [], types
+
+        def _string_array(self, orig_offs: int, n: int, head: list):
+            """A string array decoded in one pass (gguf's reader makes two numpy views per string: ~600 bytes
+            and ~10 us each); the strings are kept in `decoded_strings` by the array's offset."""
+            from gguf import GGUFValueType  # deferred with the reader
+
+            view, size = memoryview(self._data), len(self._data)
+            order = "big" if self.byte_order == "S" and sys.byteorder == "little" else "little"
+            pos = orig_offs + 12
+            out = []
+            for _ in range(n):
+                if pos + 8 > size:
+                    raise _Truncated(f"data ends at byte {size:,} inside a string array")
+                length = int.from_bytes(view[pos : pos + 8], order)
+                if pos + 8 + length > size:
+                    raise _Truncated(f"data ends at byte {size:,} but a string needs {pos + 8 + length:,}")
+                out.append(str(view[pos + 8 : pos + 8 + length], "utf-8", "replace"))
+                pos += 8 + length
+            self.decoded_strings[orig_offs] = out
+            types = [GGUFValueType.ARRAY, GGUFValueType.STRING]
+            return pos - orig_offs, [*head, self._data[orig_offs + 12 : pos]], [2] if n else [], types
 
         def _build_tensors(self, start_offs, fields):
             from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # deferred with the reader
@@ -443,6 +467,7 @@ class _Metadata:
     def __init__(self, reader: GGUFReader, path: Path):
         self.fields = reader.fields
         self.path = path
+        self.decoded = getattr(reader, "decoded_strings", {})
 
     def _value(self, key: str, default, want_string: bool = False):
         f = self.fields.get(key)
@@ -484,6 +509,9 @@ class _Metadata:
 
         if f.types != [GGUFValueType.ARRAY, GGUFValueType.STRING] and f.data:
             raise ModelError(f"{self.path}: metadata key {key} should hold a list of strings")
+        value_at = f.offset + sum(int(p.nbytes) for p in f.parts[:3])  # after key length, key, type
+        if value_at in self.decoded:
+            return self.decoded[value_at]
         return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
 
     def numbers(self, key: str) -> np.ndarray | None:
