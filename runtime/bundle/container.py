@@ -19,6 +19,7 @@ import os
 import stat
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -341,11 +342,52 @@ def _expect(f, offset: int, want: bytes, where: str) -> None:
         raise VerificationError(f"bundle has non-canonical bytes at offset {offset + at:,} (in {where})", hint=DAMAGED)
 
 
+STALE_TEMP_S = 300  # a temp file not written for this long, whose writer is gone, is an interrupted pack/sign
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(out: Path, *, now: float | None = None) -> list[Path]:
+    """Remove `.NAME.ingot.PID.*.tmp` siblings of `out` left by a pack or sign that was killed: not written
+    for STALE_TEMP_S and their writer's pid is not running here (names without a pid: age alone)."""
+    prefix, removed = f".{out.name}.", []
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return removed
+    for e in entries:
+        if not (e.name.startswith(prefix) and e.name.endswith(".tmp")):
+            continue
+        pid = e.name[len(prefix) :].split(".", 1)[0]
+        try:
+            if not e.is_file(follow_symlinks=False) or now - e.stat(follow_symlinks=False).st_mtime < STALE_TEMP_S:
+                continue
+            if pid.isdigit() and _alive(int(pid)):
+                continue
+            os.unlink(e.path)
+            removed.append(Path(e.path))
+        except OSError:
+            continue
+    return removed
+
+
 def write_bundle(out: Path, sources: list[Source], *, mtime: int, on_bytes=None) -> dict:
     """Write the members in name order as a PAX tar, atomically; returns sha256, size and member offsets."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    remove_stale_temps(out)
+    # The writer's pid is in the temp name, so a later run can tell an abandoned one (killed pack/sign) from
+    # one still being written.
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp")
     offsets = {}
     try:
         with os.fdopen(fd, "wb") as raw:
