@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Literal, cast
 
 from ingot.runtime.bundle.manifest import (
     MANIFEST,
@@ -92,7 +93,7 @@ def read_index(f, file_size: int) -> list[Member]:
     names: set[str] = set()
     f.seek(0)
     try:
-        tar = tarfile.open(fileobj=_HeaderReader(f), mode="r:")
+        tar = tarfile.open(fileobj=cast(IO[bytes], _HeaderReader(f)), mode="r:")
     except tarfile.ReadError as e:
         raise VerificationError(
             f"not an Ingot bundle: not a readable tar archive ({e})", hint="pass a .ingot file made by `ingot pack`"
@@ -273,7 +274,8 @@ def _tarinfo(name: str, size: int, mtime: int) -> tarfile.TarInfo:
 
 
 # What tarfile.TarFile uses by default, spelled out: the writer and the canonical check must agree exactly.
-_FORMAT, _ENCODING, _ERRORS = tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape"
+_FORMAT: Literal[2] = tarfile.PAX_FORMAT
+_ENCODING, _ERRORS = tarfile.ENCODING, "surrogateescape"
 
 
 def _align_data(info: tarfile.TarInfo, offset: int, align: int) -> None:
@@ -358,7 +360,7 @@ def _alive(pid: int) -> bool:
 def remove_stale_temps(out: Path, *, now: float | None = None) -> list[Path]:
     """Remove `.NAME.ingot.PID.*.tmp` siblings of `out` left by a pack or sign that was killed: not written
     for STALE_TEMP_S and their writer's pid is not running here (names without a pid: age alone)."""
-    prefix, removed = f".{out.name}.", []
+    prefix, removed = f".{out.name}.", cast(list[Path], [])
     now = time.time() if now is None else now
     try:
         entries = list(os.scandir(out.parent))

@@ -90,7 +90,7 @@ def open_bundle(
         raise
 
 
-def _open(f, given: Path, real: str, allow_unverified: bool, trusted: list[Verifier]) -> OpenBundle:
+def _open(f, given: Path, real: str, allow_unverified: bool, trusted: Sequence[Verifier]) -> OpenBundle:
     st = os.fstat(f.fileno())  # the stamp is keyed by this descriptor's identity, never by a fresh stat(path)
     index = read_index(f, st.st_size)
     manifest = load_manifest(f, index)
@@ -137,7 +137,7 @@ def _open(f, given: Path, real: str, allow_unverified: bool, trusted: list[Verif
     )
 
 
-def _check(f, real: str, st: os.stat_result, index: list[Member], manifest: dict, trusted: list[Verifier]):
+def _check(f, real: str, st: os.stat_result, index: list[Member], manifest: dict, trusted: Sequence[Verifier]):
     """Full verification unless stamped; returns the keyid of the trusted signer (None without a policy)."""
     root = manifest["root_digest"]
     signers = read_stamp(real, st, root)

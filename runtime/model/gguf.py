@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -247,8 +247,10 @@ def _window_reader_class():
             and ~10 us each); the strings are kept in `decoded_strings` by the array's offset."""
             from gguf import GGUFValueType  # deferred with the reader
 
-            view, size = memoryview(self._data), len(self._data)
-            order = "big" if self.byte_order == "S" and sys.byteorder == "little" else "little"
+            view, size = memoryview(self._data.data), len(self._data)
+            order: Literal["little", "big"] = (
+                "big" if self.byte_order == "S" and sys.byteorder == "little" else "little"
+            )
             pos = orig_offs + 12
             out = []
             for _ in range(n):
