@@ -2,8 +2,8 @@
 
 GGUF reader, bundle reader (every mutation must be refused), manifest/signature/JSON parsing, fatbin reader,
 and the HTTP request parsers of the three API dialects. Each may only return or raise its documented error
-type (ModelError/UsageError, VerificationError, UsageError, ApiError); anything else is a crash to turn into a
-regression test in tests/security/test_hostile_inputs.py.
+type (ModelError/UsageError, VerificationError, UsageError, ApiError or UsageError -> 400); anything else is
+a crash to turn into a regression test in tests/security/test_hostile_inputs.py.
 
 Profiles: "ci" (default; small max_examples, derandomized so CI is reproducible, ~60 s in all) and "long"
 (INGOT_FUZZ=long: many more examples, random seeds, no deadline).
@@ -274,3 +274,5 @@ def test_fuzz_request_parsers(body):
             parse(Fields(body))
         except ApiError as e:
             assert 400 <= e.status < 500 and e.message
+        except UsageError as e:  # e.g. SamplingParams' range checks: the app answers these with a 400 too
+            assert e.message
