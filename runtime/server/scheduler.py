@@ -199,13 +199,13 @@ class Scheduler:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is still queued or running, release it, close the engine, and end the thread. After a
-        drain deadline the engine thread gets half a second more (it may be in a long prefill whose requests
+        drain deadline the engine thread gets 0.2 s more (it may be in a long prefill whose requests
         were already answered); it is a daemon thread, so the process can exit without it."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
         if self._deadline is not None:
-            timeout = min(timeout, max(self._deadline - time.monotonic(), 0.0) + 0.5)
+            timeout = min(timeout, max(self._deadline - time.monotonic(), 0.0) + 0.2)
         if self._thread is not None:
             self._thread.join(timeout)
 

@@ -16,8 +16,14 @@ class Result:
     code: int
     out: str
     err: str
-    seconds: float
+    seconds: float  # wall time
     rss_mb: float
+    cpu_s: float = 0.0  # user + system CPU time of the child
+
+    def within_budget(self) -> bool:
+        """Peak RSS under MAX_RSS_MB, CPU time under MAX_SECONDS, and wall time under MAX_SECONDS scaled by
+        how overloaded the machine is (CI runs these next to the rest of the suite on a few cores)."""
+        return self.rss_mb < MAX_RSS_MB and self.cpu_s < MAX_SECONDS and self.seconds < MAX_SECONDS * load_factor()
 
 
 def run_measured(*args, env: dict | None = None, timeout: float = 60) -> Result:
@@ -27,8 +33,8 @@ def run_measured(*args, env: dict | None = None, timeout: float = 60) -> Result:
         "t = time.perf_counter()\n"
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
         "dt = time.perf_counter() - t\n"
-        "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024\n"
-        "sys.stdout.write(repr((p.returncode, p.stdout, p.stderr, dt, rss)))\n"
+        "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+        "sys.stdout.write(repr((p.returncode, p.stdout, p.stderr, dt, u.ru_maxrss / 1024, u.ru_utime + u.ru_stime)))\n"
     )
     full = {**os.environ, **(env or {})}
     p = subprocess.run(
@@ -38,8 +44,13 @@ def run_measured(*args, env: dict | None = None, timeout: float = 60) -> Result:
         env=full,
         timeout=timeout,
     )
-    rc, out, err, dt, rss = eval(p.stdout)  # noqa: S307 (our own repr)
-    return Result(rc, out, err, dt, rss)
+    rc, out, err, dt, rss, cpu = eval(p.stdout)  # noqa: S307 (our own repr)
+    return Result(rc, out, err, dt, rss, cpu)
+
+
+def load_factor() -> float:
+    """1 on an idle machine; the run-queue length per CPU when it is overloaded."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 def one_line(err: str) -> str:

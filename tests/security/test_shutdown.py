@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+from measure import load_factor
 from server_fixtures import ServerProcess
 
 from ingot.runtime.server.server import SHUTDOWN_GRACE_S
@@ -82,5 +83,6 @@ def test_sigterm_mid_prefill_answers_every_client_and_exits_0_in_time(synth_mode
     print(f"shutdown: {complete} complete, {errors} errors, exit {code} after {took:.2f} s (grace {SHUTDOWN_GRACE_S})")
     assert complete + errors == CLIENTS and errors > 0  # SIGTERM really landed mid-work
     assert code == 0, output
-    assert took <= SHUTDOWN_GRACE_S + 1.0, output
+    # grace + 1 s; on an overloaded machine (CI next to the whole suite) the exit itself takes longer
+    assert took <= SHUTDOWN_GRACE_S + 1.0 * load_factor(), output
     assert "Traceback" not in output and "CancelledError" not in output, output
