@@ -68,9 +68,8 @@ def test_hostile_gguf(tmp_path, case):
     path = tmp_path / "hostile.gguf"
     path.write_bytes(GGUF_CASES[case]())
     r = run_measured("model", "info", path, env={"INGOT_CACHE_DIR": str(tmp_path / "cache")})
-    print(
-        f"{case}: exit {r.code}, {r.seconds:.2f} s wall, {r.cpu_s:.2f} s CPU, {r.rss_mb:.0f} MB, {path.stat().st_size:,} bytes"
-    )
+    size = path.stat().st_size
+    print(f"{case}: exit {r.code}, {r.seconds:.2f} s wall, {r.cpu_s:.2f} s CPU, {r.rss_mb:.0f} MB, {size:,} bytes")
     assert r.code == 5, r.err
     one_line(r.err)
     assert r.within_budget(), r
