@@ -51,6 +51,11 @@ def record(path: Path) -> dict:
         raise ModelError(
             f"self-test: {e.message}", hint="pass --no-selftest to pack a model the CPU engine cannot run"
         ) from None
+    if not np.isfinite(logits).all():
+        raise ModelError(
+            f"self-test: {path} gives NaN or infinite logits (its weights hold NaN/inf values)",
+            hint="re-convert the model; pass --no-selftest to pack it anyway",
+        )
     top = np.lexsort((np.arange(len(logits)), -logits))[:TOP_K]  # by value, ties by id
     return {
         "prompt": PROMPT,
@@ -79,7 +84,8 @@ def run_selftest(bundle_path: Path, *, gpu: int = 0, pubkey: Path | None = None)
             f"{bundle_path} has no self-test record (packed with --no-selftest)",
             hint="repack without --no-selftest to use `ingot verify --device`",
         )
-    model = load_model(bundle.model_path, offset=bundle.model_offset, size=bundle.model_size)
+    with bundle:  # mapped from the verified descriptor, never by path again
+        model = load_model(bundle.model_path, offset=bundle.model_offset, size=bundle.model_size, file=bundle.file)
     tokens = [int(t) for t in expected["tokens"]]
     with CudaEngine(model, kernels=bundle.fatbins, gpu=gpu, max_seqs=1, max_ctx=len(tokens) + 8) as engine:
         seq = engine.new_sequence(SamplingParams())

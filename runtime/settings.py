@@ -124,6 +124,19 @@ TEST_GEMMA3 = Setting(
     "a GGUF path",
     "Tests only: the real Gemma 3 270M GGUF, when it is not in the model cache (its tests skip without it).",
 )
+
+
+def _paths(text: str) -> list[Path]:
+    return [Path(p) for p in text.split(":") if p.strip()]
+
+
+TRUSTED_KEYS = Setting(
+    "INGOT_TRUSTED_KEYS",
+    None,
+    _paths,
+    "a list of public key (.pub) paths separated by ':'",
+    "Trust policy for `ingot run/serve/bench`: a bundle must be signed by one of these keys (like --pubkey).",
+)
 TEST_MODELS = Setting(
     "INGOT_TEST_MODELS",
     None,
@@ -142,6 +155,7 @@ ALL: tuple[Setting, ...] = (
     API_KEY,
     TEST_MODEL,
     TEST_GEMMA3,
+    TRUSTED_KEYS,
     TEST_MODELS,
 )
 
@@ -151,4 +165,8 @@ def in_force() -> dict[str, Any]:
     values = {s.name: s.get() for s in ALL}
     if values[API_KEY.name]:
         values[API_KEY.name] = "***"
-    return {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+    return {k: _plain(v) for k, v in values.items()}
+
+
+def _plain(v: Any) -> Any:
+    return str(v) if isinstance(v, Path) else [str(p) for p in v] if isinstance(v, list) else v

@@ -78,6 +78,17 @@ def craft_tar(src: Path, dst: Path, *, drop=(), replace=None, extra=()) -> Path:
     return dst
 
 
+def repack(src: Path, dst: Path, *, replace: dict[str, bytes]) -> Path:
+    """Rewrite a bundle with Ingot's own deterministic writer (a canonical container), replacing member bytes:
+    for bundles that must be intact apart from what the test changes in a member."""
+    from ingot.runtime.bundle.container import Source, write_bundle
+
+    with tarfile.open(src) as tin:
+        members = [(m.name, replace.get(m.name, tin.extractfile(m).read()), int(m.mtime)) for m in tin.getmembers()]
+    write_bundle(dst, [Source(name, len(data), data=data) for name, data, _ in members], mtime=members[0][2])
+    return dst
+
+
 @pytest.fixture(scope="session")
 def kernel_dir(tmp_path_factory) -> Path:
     """The real kernels, built once for sm_90 + compute_90 (the kernel cache makes repeat sessions fast)."""

@@ -81,8 +81,8 @@ def test_sigterm_finishes_the_stream_in_flight(model_path):
     assert data[-1] == "data: [DONE]"
     finish = json.loads(data[-2][5:])["choices"][0]["finish_reason"]
     assert finish in ("stop", "length")
-    # uvicorn shuts down cleanly, then re-raises the signal so the exit status says SIGTERM
-    assert server.wait_exit() == -signal.SIGTERM, server.output
+    # a clean drain is a normal exit (issue #13): uvicorn's re-raise of the caught signal is suppressed
+    assert server.wait_exit() == 0, server.output
     assert "Application shutdown complete" in server.output
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health")

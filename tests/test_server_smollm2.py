@@ -165,8 +165,8 @@ def test_sigterm_ends_requests_that_outlast_the_grace(real_model_path, model_id)
     assert "event: content_block_delta" in rest and rest[-1] == "event: error", (rest, server.output)
     assert cut_off.status_code == 503, (cut_off.text, server.output)
     assert cut_off.json()["error"]["message"] == "the server is shutting down"
-    # uvicorn shuts down cleanly, then re-raises the signal so the exit status says SIGTERM
-    assert code == -signal.SIGTERM and "Application shutdown complete" in server.output, server.output
+    # a clean drain is a normal exit (issue #13): uvicorn's re-raise of the caught signal is suppressed
+    assert code == 0 and "Application shutdown complete" in server.output, server.output
     assert "Traceback" not in server.output, server.output
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health")

@@ -6,7 +6,7 @@ import json
 import tarfile
 
 import pytest
-from bundle_fixtures import craft_tar, flip_byte, member_offset, run_cli
+from bundle_fixtures import craft_tar, flip_byte, member_offset, repack, run_cli
 
 from ingot.runtime.bundle.manifest import CHUNK_SIZE, MANIFEST, SIGNATURE, canonical_json
 
@@ -212,7 +212,7 @@ def test_a_bundle_for_another_kernel_abi_is_refused_with_exit_3(monkeypatch, cap
     assert code == 0 and f"this Ingot runs it: kernel ABI {KERNEL_ABI}" in out
     m = _manifest(toy_bundle)
     m["runtime"]["kernel_abi"] = KERNEL_ABI + 1  # intact and consistent, but for another runtime
-    other = craft_tar(toy_bundle, tmp_path / "other-abi.ingot", replace={MANIFEST: seal(m)})
+    other = repack(toy_bundle, tmp_path / "other-abi.ingot", replace={MANIFEST: seal(m)})
     code, out, err = run_cli(monkeypatch, capsys, "verify", other)
     assert code == 3 and out == ""
     assert err.count("\n") == 1 and f"needs kernel ABI {KERNEL_ABI + 1}" in err and "re-pack" in err

@@ -30,7 +30,9 @@ def check_paths(paths: list[Path], cc: int, driver: Driver) -> list[Decision]:
     decisions = []
     for p in paths:
         if is_bundle(p):
-            for name, data in open_bundle(p).fatbins.items():
+            with open_bundle(p) as bundle:
+                fatbins = bundle.fatbins
+            for name, data in fatbins.items():
                 fat = parse_fatbin(data, name=f"{p}:kernels/{name}.fatbin")
                 decisions.append(decide(fat, cc, driver, module=f"{name}.fatbin"))
         else:

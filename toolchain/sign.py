@@ -29,6 +29,7 @@ from ingot.runtime.bundle.manifest import (
 from ingot.runtime.bundle.signature import (
     PAYLOAD_TYPE,
     PublicKey,
+    exact_form,
     key_hint,
     load_public_key,
     pae,
@@ -159,8 +160,8 @@ def sign_bundle(
             keyid = signer.keyid
         else:
             assert attached is not None
-            doc = attached
-            keyid = verify_signature_document(doc, manifest, trusted).keyid
+            keyid = verify_signature_document(attached, manifest, trusted).keyid
+            doc = exact_form(attached)  # the same signature in ingot's canonical form (what verify requires)
         # Every member is re-hashed while it is copied, so only bytes matching the signed manifest go out.
         listed = files_by_name(manifest)
         sources = [Source(MANIFEST, len(manifest_bytes), data=manifest_bytes), Source(SIGNATURE, len(doc), data=doc)]

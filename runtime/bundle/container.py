@@ -1,7 +1,7 @@
 """The bundle container: one uncompressed POSIX tar, read and written here and nowhere else.
 
 A bundle (`NAME.ingot`) holds manifest.json, kernels/<module>.fatbin, model/<name>.gguf, provenance.json and,
-once signed, signature.dsse.json, in name order. Nothing is ever extracted: members are located by the data
+once signed, signature.sigstore.json, in name order. Nothing is ever extracted: members are located by the data
 offsets in their tar headers, small ones are read into memory, and the model is mapped in place by the
 runtime; the writer aligns the model's data to 4096 bytes for that (a pax `comment` pads its header).
 
@@ -12,18 +12,22 @@ files, nothing but end-of-archive zeros after the last member.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
+import stat
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO, Literal, cast
 
 from ingot.runtime.bundle.manifest import (
     MANIFEST,
     MAX_MANIFEST_SIZE,
+    MAX_MEMBER_SIZE,
     MAX_MEMBERS,
     READ_SIZE,
     SIGNATURE,
@@ -35,6 +39,7 @@ from ingot.runtime.errors import IngotError, UsageError, VerificationError
 MODEL_ALIGN = 4096
 MAX_SIGNATURE_SIZE = 1 << 20
 MAX_FATBIN_SIZE = 1 << 30
+MAX_TAR_HEADER = 64 << 10  # one header block or pax/GNU record set; the writer's largest is ~5 KiB (alignment)
 _PAX_KEYS = {"comment", "path", "size"}  # what the writer emits: alignment padding, long names, sizes > 8 GiB
 DAMAGED = "the bundle is corrupt or was modified after packing; re-download or re-pack it"
 
@@ -51,17 +56,28 @@ class Member:
 
 
 def open_file(path: str | Path):
-    """The bundle file, opened unbuffered for reading; UsageError when there is none."""
+    """The bundle file, opened unbuffered for reading; UsageError when there is none or it is not a regular
+    file (opened non-blocking first, so a named pipe is refused instead of hanging)."""
     try:
-        return open(path, "rb", buffering=0)  # noqa: SIM115 (callers hold it in a with block)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise UsageError(f"{path}: no such bundle", hint="make one with `ingot pack`") from None
     except IsADirectoryError:
         raise UsageError(f"{path} is a directory", hint="pass a .ingot bundle file") from None
+    except PermissionError:
+        raise UsageError(f"{path}: permission denied") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        kind = "a directory" if os.path.isdir(path) else "not a regular file (a pipe, socket or device)"
+        raise UsageError(f"{path} is {kind}", hint="pass a .ingot bundle file")
+    os.set_blocking(fd, True)
+    return open(fd, "rb", buffering=0)  # noqa: SIM115 (callers hold it in a with block)
 
 
 def is_bundle(path: Path) -> bool:
-    """A tar archive (ustar magic) rather than a fatbin or a folder."""
+    """A tar archive (ustar magic) rather than a fatbin or a folder (never opens a pipe or device)."""
+    if not Path(path).is_file():
+        return False
     try:
         with open(path, "rb") as f:
             f.seek(257)
@@ -77,7 +93,7 @@ def read_index(f, file_size: int) -> list[Member]:
     names: set[str] = set()
     f.seek(0)
     try:
-        tar = tarfile.open(fileobj=f, mode="r:")
+        tar = tarfile.open(fileobj=cast(IO[bytes], _HeaderReader(f)), mode="r:")
     except tarfile.ReadError as e:
         raise VerificationError(
             f"not an Ingot bundle: not a readable tar archive ({e})", hint="pass a .ingot file made by `ingot pack`"
@@ -106,6 +122,32 @@ def read_index(f, file_size: int) -> list[Member]:
         end = tar.offset
     _check_trailer(f, end, file_size, members)
     return members
+
+
+class _HeaderReader:
+    """The bundle file as tarfile sees it while indexing: tarfile only reads headers (it seeks over member
+    data), so any single read larger than MAX_TAR_HEADER is a hostile size field (a pax header claiming 2**62
+    bytes) and is refused before anything is allocated; seeks are bounded the same way."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0 or n > MAX_TAR_HEADER:
+            raise VerificationError(
+                f"bundle has a tar header of {'unbounded' if n is None or n < 0 else f'{n:,}'} bytes at offset "
+                f"{self.f.tell():,} (at most {MAX_TAR_HEADER:,})",
+                hint=DAMAGED,
+            )
+        return self.f.read(n)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 0 and not 0 <= offset <= MAX_MEMBER_SIZE:
+            raise VerificationError(f"bundle has a tar header pointing to offset {offset:,}", hint=DAMAGED)
+        return self.f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
 
 
 def _check_member(info: tarfile.TarInfo, seen: set[str]) -> None:
@@ -231,20 +273,123 @@ def _tarinfo(name: str, size: int, mtime: int) -> tarfile.TarInfo:
     return info
 
 
-def _align_data(info: tarfile.TarInfo, tar: tarfile.TarFile, align: int) -> None:
-    """Grow a pax `comment` until this member's data starts at a multiple of `align` in the archive."""
+# What tarfile.TarFile uses by default, spelled out: the writer and the canonical check must agree exactly.
+_FORMAT: Literal[2] = tarfile.PAX_FORMAT
+_ENCODING, _ERRORS = tarfile.ENCODING, "surrogateescape"
+
+
+def _align_data(info: tarfile.TarInfo, offset: int, align: int) -> None:
+    """Grow a pax `comment` until this member's data (its header starting at `offset`) starts at a multiple of
+    `align` in the archive."""
     for n in range(0, align + 4 * tarfile.BLOCKSIZE, 64):
         info.pax_headers = {"comment": "ingot: padding so the data below starts page-aligned " + "." * n}
-        if (tar.offset + len(info.tobuf(tar.format, tar.encoding, tar.errors))) % align == 0:
+        if (offset + len(info.tobuf(_FORMAT, _ENCODING, _ERRORS))) % align == 0:
             return
     raise AssertionError("no pax padding aligns the member")  # unreachable: 64-byte steps cover every block
+
+
+def _member_info(name: str, size: int, mtime: int, offset: int) -> tarfile.TarInfo:
+    """The header write_bundle writes for a member whose header starts at `offset`."""
+    info = _tarinfo(name, size, mtime)
+    if name.startswith("model/"):
+        _align_data(info, offset, MODEL_ALIGN)
+    return info
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_header(name: str, size: int, mtime: int, offset: int) -> bytes:
+    """The header bytes write_bundle writes (cached: the model's alignment search builds ~50 candidates)."""
+    return _member_info(name, size, mtime, offset).tobuf(_FORMAT, _ENCODING, _ERRORS)
+
+
+def _trailer_size(end: int) -> int:
+    """tarfile.close(): two zero blocks, then zeros up to a whole record."""
+    return 2 * tarfile.BLOCKSIZE + (-(end + 2 * tarfile.BLOCKSIZE) % tarfile.RECORDSIZE)
+
+
+def check_canonical(f, index: list[Member], file_size: int) -> None:
+    """Every byte of the file outside member data must be exactly what write_bundle writes for these members
+    (headers and pax records, padding, end-of-archive, total length). With the members' digests this covers
+    every byte of a bundle: a flipped padding byte, a pax comment or smuggled pax record, a truncated trailer
+    are all refused, naming the offset. Reads only the headers and padding (a few KiB)."""
+    names = [m.name for m in index]
+    if names != sorted(names):
+        raise VerificationError("bundle members are not in name order (not written by `ingot pack`)", hint=DAMAGED)
+    mtime = index[0].mtime if index else 0
+    offset = 0
+    for m in index:
+        header = _expected_header(m.name, m.size, mtime, offset)
+        _expect(f, offset, header, f"the tar header of member {m.name}")
+        end = offset + len(header) + m.size
+        if offset + len(header) != m.offset:  # unreachable when the header bytes match; kept as a guard
+            raise VerificationError(f"member {m.name} data starts at an unexpected offset {m.offset:,}", hint=DAMAGED)
+        pad = -m.size % tarfile.BLOCKSIZE
+        _expect(f, end, bytes(pad), f"the padding after member {m.name}")
+        offset = end + pad
+    want = offset + _trailer_size(offset)
+    if file_size != want:
+        raise VerificationError(
+            f"bundle is {file_size:,} bytes but its members make a {want:,}-byte archive "
+            f"({'truncated end-of-archive' if file_size < want else 'extra bytes at the end'})",
+            hint=DAMAGED,
+        )
+    _expect(f, offset, bytes(want - offset), "the end-of-archive")
+
+
+def _expect(f, offset: int, want: bytes, where: str) -> None:
+    f.seek(offset)
+    got = f.read(len(want))
+    if got != want:
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), len(got))
+        raise VerificationError(f"bundle has non-canonical bytes at offset {offset + at:,} (in {where})", hint=DAMAGED)
+
+
+STALE_TEMP_S = 300  # a temp file not written for this long, whose writer is gone, is an interrupted pack/sign
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(out: Path, *, now: float | None = None) -> list[Path]:
+    """Remove `.NAME.ingot.PID.*.tmp` siblings of `out` left by a pack or sign that was killed: not written
+    for STALE_TEMP_S and their writer's pid is not running here (names without a pid: age alone)."""
+    prefix, removed = f".{out.name}.", cast(list[Path], [])
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return removed
+    for e in entries:
+        if not (e.name.startswith(prefix) and e.name.endswith(".tmp")):
+            continue
+        pid = e.name[len(prefix) :].split(".", 1)[0]
+        try:
+            if not e.is_file(follow_symlinks=False) or now - e.stat(follow_symlinks=False).st_mtime < STALE_TEMP_S:
+                continue
+            if pid.isdigit() and _alive(int(pid)):
+                continue
+            os.unlink(e.path)
+            removed.append(Path(e.path))
+        except OSError:
+            continue
+    return removed
 
 
 def write_bundle(out: Path, sources: list[Source], *, mtime: int, on_bytes=None) -> dict:
     """Write the members in name order as a PAX tar, atomically; returns sha256, size and member offsets."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    remove_stale_temps(out)
+    # The writer's pid is in the temp name, so a later run can tell an abandoned one (killed pack/sign) from
+    # one still being written.
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp")
     offsets = {}
     try:
         with os.fdopen(fd, "wb") as raw:
@@ -253,11 +398,10 @@ def write_bundle(out: Path, sources: list[Source], *, mtime: int, on_bytes=None)
             with tarfile.open(  # type: ignore[call-overload]
                 fileobj=sink, mode="w:", format=tarfile.PAX_FORMAT, copybufsize=READ_SIZE
             ) as tar:
+                assert (tar.format, tar.encoding, tar.errors) == (_FORMAT, _ENCODING, _ERRORS)
                 for src in sorted(sources, key=lambda s: s.name):
-                    info = _tarinfo(src.name, src.size, mtime)
-                    if src.name.startswith("model/"):
-                        _align_data(info, tar, MODEL_ALIGN)
-                    offsets[src.name] = tar.offset + len(info.tobuf(tar.format, tar.encoding, tar.errors))
+                    info = _member_info(src.name, src.size, mtime, tar.offset)
+                    offsets[src.name] = tar.offset + len(info.tobuf(_FORMAT, _ENCODING, _ERRORS))
                     _add(tar, info, src, on_bytes)
             os.fchmod(raw.fileno(), 0o644)
         os.replace(tmp, out)

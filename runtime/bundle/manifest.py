@@ -24,13 +24,13 @@ runtime does not run.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 
 import rfc8785
 
 from ingot.runtime.errors import IncompatibleError, VerificationError
 from ingot.runtime.gpu.constants import KERNEL_ABI, WEIGHT_LAYOUT
+from ingot.runtime.limits import bounded_json_loads
 
 FORMAT = "ingot-bundle/v2"
 # Formats this Ingot recognises but no longer reads, and why.
@@ -75,7 +75,7 @@ def hash_range(f, offset: int, size: int, *, chunk_size: int | None = None, on_b
     chunks: list[str] = []
     piece = hashlib.sha256() if chunk_size else None
     in_piece = 0
-    buf = bytearray(READ_SIZE)
+    buf = bytearray(min(READ_SIZE, max(size, 1)))  # small members need no 8 MiB buffer (zero-filled per call)
     view = memoryview(buf)
     f.seek(offset)
     left = size
@@ -174,10 +174,7 @@ def parse_manifest(data: bytes) -> dict:
     """manifest.json bytes -> the manifest, after the canonical-form, schema and self-digest checks, with the
     derived manifest_digest and root_digest added (see the module docstring)."""
     where = MANIFEST
-    try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise VerificationError(f"{where} is not valid UTF-8 JSON ({e})", hint=_TAMPERED) from None
+    manifest = bounded_json_loads(data, what=where, max_size=MAX_MANIFEST_SIZE, hint=_TAMPERED)
     validate(manifest)
     try:
         canonical = canonical_json(manifest)

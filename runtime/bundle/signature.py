@@ -28,12 +28,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ingot.runtime.bundle.manifest import SIGNATURE, resources
+from ingot.runtime.bundle.manifest import SIGNATURE, canonical_json, resources
 from ingot.runtime.errors import UsageError, VerificationError
+from ingot.runtime.limits import bounded_json_loads
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -184,14 +184,19 @@ def _signed_resources(signed) -> tuple[dict, str] | None:
         return None
 
 
-def verify_signature_document(data: bytes, manifest: dict, trusted: PublicKey | None = None) -> SignatureCheck:
-    """Check the signature member against this bundle. trusted: the key the caller requires (from
-    load_public_key); without one only the statement's binding to this bundle is checked."""
+@dataclass(frozen=True)
+class Envelope:
+    """What a signature member says: the DSSE payload, the signature over PAE(payload), the key hint."""
 
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise VerificationError(f"{SIGNATURE} is not valid UTF-8 JSON", hint=_BAD_SIG) from None
+    payload: bytes
+    sig: bytes
+    hint: str
+
+
+def parse_signature_document(data: bytes) -> Envelope:
+    """The signature member (a Sigstore bundle v0.3 with a public-key hint and one DSSE signature), read with
+    bounded size and depth; VerificationError naming what is malformed."""
+    doc = bounded_json_loads(data, what=SIGNATURE, max_size=1 << 20, hint=_BAD_SIG)
     media = _field(doc, "mediaType", str, "")
     if media not in _MEDIA_TYPES:
         raise VerificationError(
@@ -214,6 +219,23 @@ def verify_signature_document(data: bytes, manifest: dict, trusted: PublicKey | 
     if len(sigs) != 1:
         raise VerificationError(f"{SIGNATURE}: expected one signature, found {len(sigs)}", hint=_BAD_SIG)
     sig = _b64(_field(sigs[0], "sig", str, "signatures[0]."), "the signature")
+    return Envelope(payload, sig, hint)
+
+
+def exact_form(data: bytes) -> bytes:
+    """The bytes `ingot sign` writes for this signature member: the same payload, signature and key hint in
+    ingot's canonical Sigstore bundle. A member whose bytes differ carries something no signature covers (the
+    root digest leaves the signature member out, and the signature covers only the payload), so verify
+    refuses it; `ingot sign --attach` stores a model_signing signature in this form."""
+    e = parse_signature_document(data)
+    return canonical_json(sigstore_bundle_dict(e.payload, e.sig, e.hint))
+
+
+def verify_signature_document(data: bytes, manifest: dict, trusted: PublicKey | None = None) -> SignatureCheck:
+    """Check the signature member against this bundle. trusted: the key the caller requires (from
+    load_public_key); without one only the statement's binding to this bundle is checked."""
+    e = parse_signature_document(data)
+    payload, sig, hint = e.payload, e.sig, e.hint
 
     if trusted is not None:
         if hint and hint != trusted.keyid:
@@ -227,10 +249,7 @@ def verify_signature_document(data: bytes, manifest: dict, trusted: PublicKey | 
                 hint=_BAD_SIG,
             )
     # The statement must be about this very bundle: its resources and root digest.
-    try:
-        signed = json.loads(payload)
-    except ValueError:
-        raise VerificationError(f"{SIGNATURE}: the signed payload is not JSON", hint=_BAD_SIG) from None
+    signed = bounded_json_loads(payload, what=f"{SIGNATURE}: the signed payload", max_size=1 << 20, hint=_BAD_SIG)
     got = _signed_resources(signed)
     if got is None:
         raise VerificationError(

@@ -3,7 +3,9 @@ signature, and name exactly what is wrong.
 
 Order of checks: the tar structure (container.read_index: only unique, safely named regular files, nothing
 after the end), the manifest (canonical form, schema, root digest), the member set (every listed file
-present, nothing extra), sizes, then the sha256 of every member with 8 MiB reads. A member whose digest is
+present, nothing extra), sizes, then the sha256 of every member with 8 MiB reads, the signature, and last
+the container's canonical form (container.check_canonical: every byte outside member data is exactly what
+`ingot pack` writes), so together every byte of the file is checked. A member whose digest is
 wrong is re-read chunk by chunk (64 MiB) to name the damaged chunk. Nothing is extracted to disk.
 """
 
@@ -14,11 +16,25 @@ import time
 from pathlib import Path
 
 from ingot.runtime.bundle.container import DAMAGED as _DAMAGED
-from ingot.runtime.bundle.container import Member, load_manifest, open_file, read_index, read_signature
-from ingot.runtime.bundle.manifest import CHUNK_SIZE, MANIFEST, SIGNATURE, check_runtime, files_by_name, hash_range
-from ingot.runtime.bundle.signature import check_signature, load_public_key
+from ingot.runtime.bundle.container import (
+    Member,
+    check_canonical,
+    load_manifest,
+    open_file,
+    read_index,
+    read_signature,
+)
+from ingot.runtime.bundle.manifest import (
+    CHUNK_SIZE,
+    MANIFEST,
+    SIGNATURE,
+    check_runtime,
+    files_by_name,
+    hash_range,
+)
+from ingot.runtime.bundle.signature import PublicKey, check_signature, exact_form, load_public_key
 from ingot.runtime.bundle.stamps import write_stamp
-from ingot.runtime.errors import VerificationError
+from ingot.runtime.errors import IngotError, VerificationError
 
 
 class MemberError(VerificationError):
@@ -99,6 +115,32 @@ def _locate(f, m: Member, entry: dict) -> list[dict]:
     return out or whole
 
 
+def check_signature_member(envelope: bytes | None, manifest: dict, trusted: PublicKey | None):
+    """check_signature, and with a trusted key also the key material the member carries: otherwise a flipped
+    byte in the embedded public key (unused when --pubkey decides) would pass, and every byte must count."""
+    try:
+        sig = check_signature(envelope, manifest, trusted)
+        if envelope is not None:
+            if trusted is not None:
+                check_signature(envelope, manifest, None)
+            _check_exact_form(envelope)
+    except IngotError:
+        raise
+    except Exception as e:  # e.g. cryptography's UnsupportedAlgorithm for a damaged embedded key: still exit 4
+        raise VerificationError(
+            f"{SIGNATURE} is unreadable ({type(e).__name__}: {str(e)[:100]})", hint=_DAMAGED
+        ) from None
+    return sig
+
+
+def _check_exact_form(envelope: bytes) -> None:
+    """The signature member must be byte for byte what `ingot sign` writes (signature.exact_form): the root
+    digest leaves the member out and the signature covers only its payload, so without this a byte changed in,
+    say, the key hint's neighbourhood or the JSON's spacing would pass, and every byte must count."""
+    if exact_form(envelope) != envelope:
+        raise VerificationError(f"{SIGNATURE} is not in the exact form `ingot sign` writes", hint=_DAMAGED)
+
+
 def verify_bundle(path: str | Path, *, pubkey=None, on_bytes=None) -> dict:
     """Full verification of one bundle file; returns the report `ingot verify --json` prints."""
     path = Path(path)
@@ -112,7 +154,9 @@ def verify_bundle(path: str | Path, *, pubkey=None, on_bytes=None) -> dict:
         index = read_index(f, size)
         manifest = load_manifest(f, index)
         check_members(f, index, manifest, on_bytes=on_bytes)
-        sig = check_signature(read_signature(f, index), manifest, trusted)
+        sig = check_signature_member(read_signature(f, index), manifest, trusted)
+        # The digests cover member data; this covers every other byte (headers, padding, end-of-archive).
+        check_canonical(f, index, size)
     runtime = check_runtime(manifest)  # intact, but can this runtime run it? (exit 3 when not)
     # A full pass also vouches for this exact file to open_bundle (`ingot run` right after starts fast).
     write_stamp(os.path.realpath(path), st, manifest["root_digest"], [sig.keyid] if sig and sig.authenticated else [])

@@ -30,6 +30,13 @@ FLAG_ZSTD = 0x8000
 FLAG_ARCH_SPECIFIC = 0x100000
 FLAG_FAMILY = 0x200000
 
+# Limits (README: Limits): a hostile fatbin costs at most this much to inspect.
+MAX_FATBIN_ENTRIES = 4096  # images in one file; nvcc writes one per arch (~10-20)
+MAX_IMAGE_SIZE = 1 << 30  # one decompressed image
+MAX_COMPRESSION_RATIO = 256  # a decompressed size claim beyond 256x the stored bytes (+1 MiB) is refused
+MAX_ELF_SECTIONS = 1 << 16
+MAX_ELF_SYMBOLS = 1 << 20
+
 _CONTAINER = struct.Struct("<IHHQ")
 _ENTRY_MIN = 64
 _NONZERO = re.compile(rb"[^\0]")
@@ -104,6 +111,8 @@ def _arch_sort_key(arch: str) -> tuple[int, str]:
 
 def read_fatbin(path: str | Path) -> Fatbin:
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise UsageError(f"{path} is not a regular file (a pipe, socket or device)", hint="pass one .fatbin file")
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -139,7 +148,7 @@ def parse_fatbin(data: bytes, name: str = "<bytes>") -> Fatbin:
                 f"{name}: truncated fatbin (container at {pos} needs {end} bytes, file has {len(data)})",
                 hint="the file was cut short; rebuild or re-download it",
             )
-        entries.extend(_parse_entries(data, pos + header_size, end, name, containers))
+        entries.extend(_parse_entries(data, pos + header_size, end, name, containers, len(entries)))
         containers += 1
         pos = end
     if not data:
@@ -150,9 +159,13 @@ def parse_fatbin(data: bytes, name: str = "<bytes>") -> Fatbin:
     return Fatbin(entries=tuple(entries), size=len(data), kernels=tuple(kernels), containers=containers)
 
 
-def _parse_entries(data: bytes, pos: int, end: int, name: str, container: int) -> list[Entry]:
-    out = []
+def _parse_entries(data: bytes, pos: int, end: int, name: str, container: int, before: int) -> list[Entry]:
+    out: list[Entry] = []
     while pos < end:
+        if before + len(out) >= MAX_FATBIN_ENTRIES:
+            raise UsageError(
+                f"{name}: more than {MAX_FATBIN_ENTRIES} images in one fatbin", hint="not a fatbin of nvcc"
+            )
         if pos + _ENTRY_MIN > end:
             raise UsageError(f"{name}: corrupt fatbin (partial entry header at offset {pos})")
         (kind,) = struct.unpack_from("<H", data, pos)
@@ -169,6 +182,11 @@ def _parse_entries(data: bytes, pos: int, end: int, name: str, container: int) -
         stored = compressed if compression != "none" else padded
         if stored > padded:
             raise UsageError(f"{name}: corrupt fatbin entry at offset {pos} (compressed size beyond its payload)")
+        if compression != "none" and uncompressed > min(MAX_IMAGE_SIZE, MAX_COMPRESSION_RATIO * stored + (1 << 20)):
+            raise UsageError(
+                f"{name}: corrupt fatbin entry at offset {pos} "
+                f"(claims {uncompressed:,} bytes from {stored:,} compressed)"
+            )
         raw = _decompress(payload[:stored], compression, uncompressed, name, pos)
         variant = "a" if flags & FLAG_ARCH_SPECIFIC else "f" if flags & FLAG_FAMILY else ""
         if kind == KIND_PTX:
@@ -239,20 +257,29 @@ def _elf_kernels(elf: bytes, name: str, pos: int) -> list[str]:
     """Kernel entry points of a cubin: FUNC symbols with the CUDA entry flag (st_other 0x10)."""
     if elf[:4] != b"\x7fELF" or len(elf) < 0x40 or elf[4] != 2:
         raise UsageError(f"{name}: SASS entry at offset {pos} is not a 64-bit ELF cubin")
+    corrupt = UsageError(f"{name}: corrupt cubin in the SASS entry at offset {pos}")
     try:
         (shoff,) = struct.unpack_from("<Q", elf, 0x28)
         shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+        # Every offset and size is checked against the image before use (a 2**63 offset is refused, not an
+        # OverflowError; a symbol table claiming more entries than bytes is refused, not iterated).
+        if shnum > MAX_ELF_SECTIONS or shentsize < 64 or shoff + shnum * shentsize > len(elf):
+            raise corrupt
         sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
         kernels = []
         for _name, sh_type, _flags, _addr, off, size, link, _info, _align, entsize in sections:
             if sh_type != 2 or not entsize:  # SHT_SYMTAB
                 continue
+            if entsize < 24 or off + size > len(elf) or size // entsize > MAX_ELF_SYMBOLS or link >= len(sections):
+                raise corrupt
             str_off = sections[link][4]
+            if str_off >= len(elf):
+                raise corrupt
             for i in range(size // entsize):
                 st_name, st_info, st_other = struct.unpack_from("<IBB", elf, off + i * entsize)
                 if st_info & 0xF == 2 and st_other & 0x10:  # STT_FUNC, STO_CUDA_ENTRY
                     end = elf.index(b"\0", str_off + st_name)
                     kernels.append(elf[str_off + st_name : end].decode())
         return kernels
-    except (struct.error, IndexError, ValueError, UnicodeDecodeError):
-        raise UsageError(f"{name}: corrupt cubin in the SASS entry at offset {pos}") from None
+    except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError):
+        raise corrupt from None

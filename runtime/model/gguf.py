@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -28,6 +30,21 @@ if TYPE_CHECKING:
 
 from ingot.runtime.model.architectures import ARCHITECTURES, Architecture, block_tensors
 from ingot.runtime.model.quants import QUANT_TYPES, dequantize
+
+# Limits (README: Limits): a GGUF's counts, lengths and offsets are checked against these and against the
+# bytes present before anything is allocated, so a small hostile file costs little memory and time.
+MAX_GGUF_KV = 1 << 16  # metadata key/values
+MAX_GGUF_TENSORS = 1 << 16  # Llama 3.1 405B has 1,138
+MAX_GGUF_STRINGS = 1 << 20  # strings in all metadata arrays together (Llama 3: 128k tokens + 280k merges)
+MAX_GGUF_DIMS = 4  # GGML_MAX_DIMS
+MAX_TENSOR_ELEMENTS = 1 << 40
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 20  # embedding, feed-forward and vocabulary sizes
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_CTX = 1 << 24
+MAX_TOKEN_CHARS = 4096  # one vocabulary entry (merges are derived per split of each entry)
+
 
 # --- Config ---------------------------------------------------------------------------------------
 
@@ -157,6 +174,10 @@ class _Truncated(ValueError):
     pass
 
 
+class _Hostile(ValueError):
+    """A count, length or offset beyond the limits or the file (reported as ModelError)."""
+
+
 @functools.cache
 def _window_reader_class():
     """gguf is imported only when a file is actually parsed: a model found in the index cache (below) never
@@ -173,9 +194,12 @@ def _window_reader_class():
         file without noticing; `_get` turns that into one clear error instead.
         """
 
-        def __init__(self, path: Path, offset: int, size: int | None):
+        def __init__(self, source, offset: int, size: int | None):
+            # source: a path, or an open file whose descriptor is mapped (the verified one, for a bundle)
             self._window = (offset, size)
-            super().__init__(path, "r")
+            self._strings = 0
+            self.decoded_strings: dict[int, list[str]] = {}
+            super().__init__(source, "r")
 
         # gguf declares `data: np.memmap`; a property returning a plain view of it is what we want (see above)
         @property  # type: ignore[override]
@@ -190,28 +214,133 @@ def _window_reader_class():
             self._data = whole[offset : None if size is None else offset + size].view(np.ndarray)
 
         def _get(self, offset, dtype, count=1, override_order=None):
-            end = offset + np.dtype(dtype).itemsize * int(count)
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
             if end > len(self._data):
                 raise _Truncated(f"data ends at byte {len(self._data):,} but the file needs {end:,}")
             return super()._get(offset, dtype, count, override_order)
 
+        # --- limits: counts and lengths are checked against the bytes left before the reader loops ---
+
+        def _left(self, offs: int) -> int:
+            return len(self._data) - int(offs)
+
+        def _build_fields(self, offs, count):
+            count = int(count)
+            if count > MAX_GGUF_KV or count * 13 > self._left(offs):  # a key/value takes at least 13 bytes
+                raise _Hostile(f"{count:,} metadata entries do not fit (at most {MAX_GGUF_KV:,} in the bytes left)")
+            return super()._build_fields(offs, count)
+
+        def _build_tensor_info(self, offs, count):
+            count = int(count)
+            if count > MAX_GGUF_TENSORS or count * 24 > self._left(offs):  # a tensor entry takes at least 24
+                raise _Hostile(f"{count:,} tensors do not fit (at most {MAX_GGUF_TENSORS:,} in the bytes left)")
+            return super()._build_tensor_info(offs, count)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            from gguf import GGUFValueType  # deferred with the reader (see _window_reader_class)
+
+            if raw_type == GGUFValueType.STRING:
+                self._strings += 1
+                if self._strings > MAX_GGUF_STRINGS:
+                    raise _Hostile(f"more than {MAX_GGUF_STRINGS:,} metadata strings")
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            n, item = int(alen[0]), int(itype[0])
+            left = self._left(orig_offs + 12)
+            if item == GGUFValueType.ARRAY:
+                raise _Hostile("nested metadata arrays are not supported")
+            if item == GGUFValueType.STRING:
+                if n * 8 > left or self._strings + n > MAX_GGUF_STRINGS:
+                    raise _Hostile(f"a metadata array of {n:,} strings does not fit")
+                self._strings += n
+                return self._string_array(orig_offs, n, [itype, alen])
+            nptype = self.gguf_scalar_to_np.get(GGUFValueType(item))
+            if nptype is None:
+                raise _Hostile(f"unknown metadata array type {item}")
+            # One part holding all values, not one numpy view per element (gguf's way: ~300 bytes per value)
+            values = self._get(orig_offs + 12, nptype, n)
+            types = [GGUFValueType.ARRAY, GGUFValueType(item)]
+            return 12 + int(values.nbytes), [itype, alen, values], [2] if n else [], types
+
+        def _string_array(self, orig_offs: int, n: int, head: list):
+            """A string array decoded in one pass (gguf's reader makes two numpy views per string: ~600 bytes
+            and ~10 us each); the strings are kept in `decoded_strings` by the array's offset."""
+            from gguf import GGUFValueType  # deferred with the reader
+
+            view, size = memoryview(self._data.data), len(self._data)
+            order: Literal["little", "big"] = (
+                "big" if self.byte_order == "S" and sys.byteorder == "little" else "little"
+            )
+            pos = orig_offs + 12
+            out = []
+            for _ in range(n):
+                if pos + 8 > size:
+                    raise _Truncated(f"data ends at byte {size:,} inside a string array")
+                length = int.from_bytes(view[pos : pos + 8], order)
+                if pos + 8 + length > size:
+                    raise _Truncated(f"data ends at byte {size:,} but a string needs {pos + 8 + length:,}")
+                out.append(str(view[pos + 8 : pos + 8 + length], "utf-8", "replace"))
+                pos += 8 + length
+            self.decoded_strings[orig_offs] = out
+            types = [GGUFValueType.ARRAY, GGUFValueType.STRING]
+            return pos - orig_offs, [*head, self._data[orig_offs + 12 : pos]], [2] if n else [], types
+
+        def _build_tensors(self, start_offs, fields):
+            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # deferred with the reader
+
+            for entry in fields:
+                _, name, n_dims, dims, raw_dtype, offset_tensor = entry.parts
+                label = bytes(name).decode("utf-8", errors="replace")[:80]
+                if not 1 <= int(n_dims[0]) <= MAX_GGUF_DIMS:
+                    raise _Hostile(f"tensor {label} has {int(n_dims[0])} dimensions (1..{MAX_GGUF_DIMS})")
+                n = math.prod(int(d) for d in dims)
+                if not 0 < n <= MAX_TENSOR_ELEMENTS:
+                    raise _Hostile(f"tensor {label} has {n:,} elements")
+                try:
+                    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+                except (ValueError, KeyError):
+                    raise _Hostile(f"tensor {label} has unknown type {int(raw_dtype[0])}") from None
+                start = int(start_offs) + int(offset_tensor[0])  # Python ints: no uint64 wrap-around
+                end = start + n * type_size // block
+                if end > len(self._data):
+                    raise _Truncated(
+                        f"tensor {label} needs bytes {start:,}..{end:,} but the data ends at {len(self._data):,}"
+                    )
+            return super()._build_tensors(start_offs, fields)
+
     return _WindowReader
 
 
-def load_model(path: str | Path, *, offset: int = 0, size: int | None = None) -> Model:
+def load_model(path: str | Path, *, offset: int = 0, size: int | None = None, file=None) -> Model:
     """Open a GGUF (or the GGUF stored at [offset, offset+size) of a bigger file), validate it, map its tensors.
+
+    file: an already open (raw, binary) file to map instead of opening `path` again; `path` then only names it.
+    A bundle passes the descriptor it verified, so the bytes that run are the bytes that were checked even if
+    the path is renamed over meanwhile (resolve.open_model).
 
     The first open parses the file with gguf's reader (about a second for a 49k-token vocabulary); what it
     learned (config, vocabulary, tensor table) is kept in an index cache keyed by the file's identity, so the
     next process maps the same file in a few milliseconds. Any change to the file invalidates its entry."""
     path = Path(path)
+    if file is not None:
+        st = os.fstat(file.fileno())
+        if st.st_size == 0:
+            raise ModelError(f"{path} is empty, not a GGUF file")
+        index = _index_file(path, offset, size, st)
+        model = _load_indexed(path, offset, index, file)
+        if model is None:
+            model, starts = _parse_model(path, offset, size, file)
+            _save_index(model, starts, index)
+        return model
     if not path.exists():
         raise UsageError(f"model file not found: {path}", hint="pass a .gguf path, a .ingot bundle, or 'smollm2'")
     if not path.is_file():
         raise UsageError(f"model path is not a file: {path}")
     if path.stat().st_size == 0:
         raise ModelError(f"{path} is empty, not a GGUF file")
-    index = _index_file(path, offset, size)
+    index = _index_file(path, offset, size, path.stat())
     model = _load_indexed(path, offset, index)
     if model is None:
         model, starts = _parse_model(path, offset, size)
@@ -219,15 +348,17 @@ def load_model(path: str | Path, *, offset: int = 0, size: int | None = None) ->
     return model
 
 
-def _parse_model(path: Path, offset: int, size: int | None) -> tuple[Model, dict[str, int]]:
+def _parse_model(path: Path, offset: int, size: int | None, file=None) -> tuple[Model, dict[str, int]]:
     """Parse with gguf's reader. Returns the model and each tensor's byte offset from the GGUF's start."""
     try:
-        reader = _window_reader_class()(path, offset, size)
+        reader = _window_reader_class()(path if file is None else file, offset, size)
     except _Truncated as e:
         raise ModelError(f"{path} is truncated: {e}", hint="download or copy the file again") from None
     except PermissionError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
-    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
+    except _Hostile as e:
+        raise ModelError(f"{path} is not a valid GGUF file ({e})") from None
+    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError, MemoryError) as e:
         magic = "GGUF magic invalid" in str(e)
         raise ModelError(f"{path} is not a GGUF file" if magic else f"{path} is not a valid GGUF file ({e})") from None
 
@@ -248,7 +379,10 @@ def _parse_model(path: Path, offset: int, size: int | None) -> tuple[Model, dict
             )
         raw = reader.data[t.data_offset : t.data_offset + t.n_bytes]
         if len(shape) == 2:
-            raw = raw.reshape(shape[0], QUANT_TYPES[qtype].row_bytes(shape[1]))
+            try:
+                raw = raw.reshape(shape[0], QUANT_TYPES[qtype].row_bytes(shape[1]))
+            except ValueError:
+                raise ModelError(f"{path}: tensor {t.name} of shape {shape} does not fit {qtype} rows") from None
         tensors[t.name] = QTensor(t.name, qtype, shape, raw)
         starts[t.name] = int(t.data_offset)
 
@@ -276,13 +410,12 @@ def _parse_model(path: Path, offset: int, size: int | None) -> tuple[Model, dict
 _INDEX_SCHEMA = "ingot-model-index-v2"  # v2: Config gained the architecture's numbers
 
 
-def _index_file(path: Path, offset: int, size: int | None) -> Path:
+def _index_file(path: Path, offset: int, size: int | None, st: os.stat_result) -> Path:
     import hashlib
     import json
 
     from ingot.runtime.files import cache_root
 
-    st = path.stat()
     key = json.dumps(
         [
             _INDEX_SCHEMA,
@@ -318,14 +451,14 @@ def _save_index(model: Model, starts: dict[str, int], index: Path) -> None:
         pass
 
 
-def _load_indexed(path: Path, offset: int, index: Path) -> Model | None:
+def _load_indexed(path: Path, offset: int, index: Path, file=None) -> Model | None:
     import json
 
     try:
         data = json.loads(index.read_text())
         if data.get("schema") != _INDEX_SCHEMA:
             return None
-        window = np.memmap(path, mode="r")[offset : offset + data["size"]].view(np.ndarray)
+        window = np.memmap(path if file is None else file, mode="r")[offset : offset + data["size"]].view(np.ndarray)
         tensors = {}
         for name, qtype, shape, start, nbytes in data["tensors"]:
             raw = window[start : start + nbytes]
@@ -354,17 +487,22 @@ class _Metadata:
     def __init__(self, reader: GGUFReader, path: Path):
         self.fields = reader.fields
         self.path = path
+        self.decoded = getattr(reader, "decoded_strings", {})
 
-    def _value(self, key: str, default):
+    def _value(self, key: str, default, want_string: bool = False):
         f = self.fields.get(key)
         if f is None:
             if default is _REQUIRED:
                 raise ModelError(f"{self.path}: missing metadata key {key}")
             return default
+        from gguf import GGUFValueType  # deferred with the reader (see _window_reader_class)
+
+        if len(f.types) != 1 or (f.types[0] == GGUFValueType.STRING) != want_string:
+            raise ModelError(f"{self.path}: metadata key {key} should hold one {'string' if want_string else 'number'}")
         return f
 
     def get_str(self, key: str, default=None):
-        f = self._value(key, _REQUIRED if default is None else default)
+        f = self._value(key, _REQUIRED if default is None else default, want_string=True)
         return f if isinstance(f, str) else bytes(f.parts[-1]).decode("utf-8", errors="replace")
 
     def get_int(self, key: str, default=None) -> int:
@@ -376,17 +514,24 @@ class _Metadata:
         return f if isinstance(f, float) else float(f.parts[-1][0])
 
     def get_bool(self, key: str, default: bool) -> bool:
-        f = self.fields.get(key)
+        f = self._value(key, None)
         return default if f is None else bool(f.parts[-1][0])
 
     def optional_int(self, key: str) -> int | None:
-        f = self.fields.get(key)
+        f = self._value(key, None)
         return None if f is None else int(f.parts[-1][0])
 
     def strings(self, key: str) -> list[str] | None:
         f = self.fields.get(key)
         if f is None:
             return None
+        from gguf import GGUFValueType  # deferred with the reader (see _window_reader_class)
+
+        if f.types != [GGUFValueType.ARRAY, GGUFValueType.STRING] and f.data:
+            raise ModelError(f"{self.path}: metadata key {key} should hold a list of strings")
+        value_at = f.offset + sum(int(p.nbytes) for p in f.parts[:3])  # after key length, key, type
+        if value_at in self.decoded:
+            return self.decoded[value_at]
         return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
 
     def numbers(self, key: str) -> np.ndarray | None:
@@ -417,15 +562,35 @@ def _read_config(meta: _Metadata, arch: str, tensors: dict[str, QTensor], path: 
     a = ARCHITECTURES[arch]
     if "token_embd.weight" not in tensors:
         raise ModelError(f"{path}: missing tensor token_embd.weight")
-    dim = meta.get_int(f"{arch}.embedding_length")
-    n_heads = meta.get_int(f"{arch}.attention.head_count")
-    n_kv_heads = meta.get_int(f"{arch}.attention.head_count_kv", n_heads)
-    head_dim = meta.get_int(f"{arch}.attention.key_length", dim // n_heads)
+
+    def bounded(key: str, hi: int, default=None) -> int:
+        n = meta.get_int(f"{arch}.{key}", default)
+        if not 1 <= n <= hi:
+            raise ModelError(f"{path}: {arch}.{key} is {n} (expected 1..{hi:,})")
+        return n
+
+    dim = bounded("embedding_length", MAX_WIDTH)
+    n_heads = bounded("attention.head_count", MAX_HEADS)
+    n_kv_heads = bounded("attention.head_count_kv", n_heads, n_heads)
+    head_dim = bounded("attention.key_length", MAX_HEAD_DIM, max(dim // n_heads, 1))
     if meta.get_int(f"{arch}.attention.value_length", head_dim) != head_dim:
         raise ModelError(f"{path}: different key and value head sizes are not supported")
     if n_heads % n_kv_heads:
         raise ModelError(f"{path}: {n_heads} attention heads is not a multiple of {n_kv_heads} KV heads")
-    rope_dim = meta.get_int(f"{arch}.rope.dimension_count", head_dim)
+    rope_dim = bounded("rope.dimension_count", head_dim, head_dim)
+    if rope_dim % 2:
+        raise ModelError(f"{path}: {arch}.rope.dimension_count is {rope_dim} (expected an even number)")
+    n_layers = bounded("block_count", min(MAX_LAYERS, max(len(tensors) // 9, 1)))
+    ffn_dim = bounded("feed_forward_length", MAX_WIDTH)
+    n_ctx_train = bounded("context_length", MAX_CTX)
+    norm_eps = meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon")
+    rope_theta = meta.get_float(f"{arch}.rope.freq_base", 10000.0)
+    for key, x in (("attention.layer_norm_rms_epsilon", norm_eps), ("rope.freq_base", rope_theta)):
+        if not (math.isfinite(x) and x > 0):
+            raise ModelError(f"{path}: {arch}.{key} is {x} (expected a positive number)")
+    n_vocab = tensors["token_embd.weight"].shape[0]
+    if not 1 <= n_vocab <= MAX_WIDTH:
+        raise ModelError(f"{path}: token_embd.weight has {n_vocab:,} rows (expected 1..{MAX_WIDTH:,})")
 
     scaling = meta.get_str(f"{arch}.rope.scaling.type", "none")
     rope_scale = meta.get_float(f"{arch}.rope.scaling.factor", 1.0) if scaling not in ("none", "") else 1.0
@@ -447,16 +612,16 @@ def _read_config(meta: _Metadata, arch: str, tensors: dict[str, QTensor], path: 
     ]
     return Config(
         arch=arch,
-        n_vocab=tensors["token_embd.weight"].shape[0],
-        n_ctx_train=meta.get_int(f"{arch}.context_length"),
+        n_vocab=n_vocab,
+        n_ctx_train=n_ctx_train,
         dim=dim,
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        ffn_dim=meta.get_int(f"{arch}.feed_forward_length"),
-        norm_eps=meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon"),
-        rope_theta=meta.get_float(f"{arch}.rope.freq_base", 10000.0),
+        ffn_dim=ffn_dim,
+        norm_eps=norm_eps,
+        rope_theta=rope_theta,
         rope_dim=rope_dim,
         rope_neox=a.rope_neox,
         rope_freq_factors=factors,
@@ -508,6 +673,19 @@ def _read_vocab(meta: _Metadata, path: Path) -> Vocab:
     types = meta.numbers("tokenizer.ggml.token_type")
     scores = meta.numbers("tokenizer.ggml.scores")
     model = meta.get_str("tokenizer.ggml.model")
+    n = len(tokens)
+    longest = max(len(t) for t in tokens)
+    if longest > MAX_TOKEN_CHARS:
+        raise ModelError(f"{path}: a vocabulary entry of {longest:,} characters (at most {MAX_TOKEN_CHARS:,})")
+    for key, values in (("tokenizer.ggml.token_type", types), ("tokenizer.ggml.scores", scores)):
+        if values is not None and len(values) != n:
+            raise ModelError(f"{path}: {key} has {len(values):,} entries for {n:,} tokens")
+    if scores is not None and not np.isfinite(np.asarray(scores, dtype=np.float64)).all():
+        raise ModelError(f"{path}: tokenizer.ggml.scores holds NaN or infinite values")
+    for key in ("bos", "eos", "eot", "eom", "unknown"):
+        i = meta.optional_int(f"tokenizer.ggml.{key}_token_id")
+        if i is not None and not 0 <= i < n:
+            raise ModelError(f"{path}: tokenizer.ggml.{key}_token_id is {i}, outside the {n:,}-token vocabulary")
     return Vocab(
         model=model,
         pre=meta.get_str("tokenizer.ggml.pre", "default"),

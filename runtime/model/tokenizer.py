@@ -71,6 +71,14 @@ END_OF_GENERATION_TEXTS = (
 
 class Tokenizer:
     def __init__(self, vocab: Vocab):
+        try:
+            self._build(vocab)
+        except ModelError:
+            raise
+        except Exception as e:  # tokenizers raises its own exception types on an unusable vocabulary
+            raise ModelError(f"the model's tokenizer vocabulary is unusable ({type(e).__name__}: {e})") from None
+
+    def _build(self, vocab: Vocab) -> None:
         self.vocab = vocab
         self.n_vocab = len(vocab.tokens)
         self.bos_id, self.eos_id = vocab.bos_id, vocab.eos_id
@@ -137,7 +145,11 @@ def _byte_level_bpe(vocab: Vocab) -> HFTokenizer:
         )
     if not vocab.merges:
         raise ModelError("byte-level BPE vocabulary without merges (tokenizer.ggml.merges)")
-    merges = [(a, b) for a, _, b in (m.partition(" ") for m in vocab.merges)]
+    pairs = [m.split(" ", 1) for m in vocab.merges]
+    bad = next((m for m in pairs if len(m) != 2 or not all(m)), None)
+    if bad is not None:
+        raise ModelError(f"tokenizer.ggml.merges holds {' '.join(bad)[:40]!r}, not 'left right'")
+    merges = [(a, b) for a, b in pairs]
     tok = HFTokenizer(models.BPE(_vocab_ids(vocab), merges, ignore_merges=vocab.pre in IGNORE_MERGES))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]

@@ -122,6 +122,9 @@ class _Uvicorn(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
+        # uvicorn re-raises the signals it caught once it is done (the process would then die of SIGTERM,
+        # exit -15); a clean drain is a normal exit, status 0.
+        self._captured_signals.clear()
         self.scheduler.drain(SHUTDOWN_GRACE_S)
 
 

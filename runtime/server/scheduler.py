@@ -147,7 +147,9 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._stopping = False
+        self._draining = False  # set by drain(): new requests get a 503
         self._deadline: float | None = None  # set by drain()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._reserved = 0  # KV pages reserved by running jobs
         self._kv_total = self._page_tokens = 0
         self._thread: threading.Thread | None = None
@@ -155,12 +157,16 @@ class Scheduler:
     # --- called from the event loop ---------------------------------------------------------------
 
     def start(self, load: Callable[[], Engine], on_failure: Callable[[BaseException], None]) -> None:
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:  # started outside an event loop (tests): drain then relies on the engine thread
+            self._loop = None
         self._thread = threading.Thread(target=self._main, args=(load, on_failure), name="ingot-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         with self._cv:
-            if self._stopping:
+            if self._stopping or self._draining:
                 raise ApiError(503, "the server is shutting down")
             self._waiting.append(job)
             self._cv.notify()
@@ -172,15 +178,41 @@ class Scheduler:
             self._cv.notify()
 
     def drain(self, seconds: float) -> None:
-        """Shutdown has begun: what is still queued or generating after `seconds` is ended with a 503. Called
-        from a signal handler, so it only sets a deadline (taking the lock there could deadlock)."""
+        """Shutdown has begun: new requests get a 503, and what is still queued or generating after `seconds`
+        is ended with a 503. Called from a signal handler, so it only sets flags and wakes the event loop
+        (taking the lock there could deadlock); the 503s are sent from the event loop, so they go out on time
+        even while the engine thread is busy in a long prefill."""
+        if self._deadline is not None:
+            return
+        self._draining = True
         self._deadline = time.monotonic() + seconds
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._loop.call_later, seconds, self._expire)
+            except RuntimeError:  # the loop is closed already
+                pass
+
+    def _expire(self) -> None:
+        """On the event loop, at the drain deadline: every request not finished yet gets its 503 now (its
+        sequence is released by the engine thread as soon as it is free; no new prefill starts)."""
+        with self._cv:
+            jobs = list(self._waiting) + list(self._running)
+            for job in jobs:
+                job.cancelled = True
+            self._cv.notify()
+        for job in jobs:
+            if not job.ended:
+                job.emit(ApiError(503, "the server is shutting down"))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what is still queued or running, release it, close the engine, and end the thread."""
+        """Cancel what is still queued or running, release it, close the engine, and end the thread. After a
+        drain deadline the engine thread gets 0.2 s more (it may be in a long prefill whose requests
+        were already answered); it is a daemon thread, so the process can exit without it."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        if self._deadline is not None:
+            timeout = min(timeout, max(self._deadline - time.monotonic(), 0.0) + 0.2)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -212,6 +244,9 @@ class Scheduler:
         finally:
             self._shut_down()
 
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
     def _pages(self, n_tokens: int) -> int:
         return -(-n_tokens // self._page_tokens)
 
@@ -239,7 +274,7 @@ class Scheduler:
         engine = self._live_engine()
         while True:
             with self._cv:
-                if not self._waiting:
+                if not self._waiting or self._past_deadline():
                     return
                 job = self._waiting[0]
                 r = job.request

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +25,7 @@ from ingot.runtime.engines.base import Engine
 from ingot.runtime.errors import IncompatibleError, UsageError
 from ingot.runtime.generate import GenerationRequest
 from ingot.runtime.gpu import probe
+from ingot.runtime.limits import bounded_json_loads
 from ingot.runtime.model.chat import chat_prompt
 from ingot.runtime.model.gguf import Model
 from ingot.runtime.model.tokenizer import Tokenizer
@@ -46,6 +46,7 @@ class Options:
     max_seqs: int = 32  # sequences decoded together
     ctx: int | None = None  # tokens per sequence; None: the engine's default
     api_key: str | None = None
+    pubkeys: tuple[str, ...] = ()  # trusted public keys (with INGOT_TRUSTED_KEYS: the trust policy)
 
 
 def pick_gpu(requested: int | None) -> int:
@@ -88,7 +89,7 @@ class Server:
     def load(self) -> Engine:
         """On the engine thread, while the socket already answers."""
         t0 = time.perf_counter()
-        opened = open_model(self.spec)
+        opened = open_model(self.spec, pubkeys=self.options.pubkeys)
         tokenizer = Tokenizer.from_model(opened.model)
         self._loaded = (opened.model, tokenizer, open_serving_engine(opened, self.options))
         log.info(
@@ -155,10 +156,10 @@ class Server:
             body += part
             if len(body) > MAX_BODY_BYTES:
                 raise ApiError(413, f"the request body is more than the limit of {MAX_BODY_BYTES} bytes")
-        try:
-            return json.loads(body)
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        try:  # bounded nesting: a deeply nested body is a 400, not a RecursionError (500)
+            return bounded_json_loads(bytes(body), what="the request body", max_size=MAX_BODY_BYTES, error=UsageError)
+        except UsageError as e:
+            raise ApiError(400, e.message.replace("not valid UTF-8 JSON", "not valid JSON")) from None
 
     async def prompt_tokens(self, req: TextRequest) -> list[int]:
         """The prompt's token ids, built exactly as `ingot run` builds them (with and without --chat)."""

@@ -9,7 +9,7 @@ from ingot.runtime.bench import cold_start, run_benchmarks
 from ingot.runtime.engines import open_engine
 from ingot.runtime.errors import UsageError
 from ingot.runtime.resolve import open_model
-from ingot.toolchain.cli.options import device_option, json_option, model_argument
+from ingot.toolchain.cli.options import device_option, json_option, model_argument, pubkey_option
 from ingot.toolchain.cli.output import emit_json, out
 
 
@@ -56,8 +56,9 @@ from ingot.toolchain.cli.output import emit_json, out
     help="Also time `ingot run MODEL -n 1` in a fresh process (spawn -> first token).",
 )
 @click.option("--allow-unverified", is_flag=True, help="Benchmark a bundle that does not verify.")
+@pubkey_option
 @json_option("the results")
-def bench(model_spec, n_prompt, n_gen, reps, batches, device, with_cold_start, allow_unverified, as_json):
+def bench(model_spec, n_prompt, n_gen, reps, batches, device, with_cold_start, allow_unverified, pubkeys, as_json):
     """Throughput like llama-bench: pp (prefill), tg (batch-1 and batched decode), cold start, GPU memory."""
     try:
         sizes = sorted({int(b) for b in batches.split(",") if b.strip()})
@@ -65,7 +66,7 @@ def bench(model_spec, n_prompt, n_gen, reps, batches, device, with_cold_start, a
         raise UsageError(f"--batch {batches!r} is not a list of integers", hint="e.g. --batch 1,4,16") from None
     if not sizes or min(sizes) < 1:
         raise UsageError("--batch sizes must be >= 1")
-    opened = open_model(model_spec, allow_unverified=allow_unverified)
+    opened = open_model(model_spec, allow_unverified=allow_unverified, pubkeys=pubkeys)
     model = opened.model
     engine = open_engine(
         model, device, kernels=opened.kernels, max_seqs=max(sizes), max_ctx=max(n_prompt, 8 * max(sizes)) + n_gen + 8

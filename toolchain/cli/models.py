@@ -23,11 +23,11 @@ from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.perplexity import perplexity, tokenize_for_perplexity
 from ingot.runtime.resolve import Opened, open_model
 from ingot.runtime.sampling import SamplingParams
-from ingot.toolchain.cli.options import device_option, model_argument, unverified_option
+from ingot.toolchain.cli.options import device_option, model_argument, pubkey_option, unverified_option
 from ingot.toolchain.cli.output import download_bar, emit_json, err, out, steps_bar
 
 
-def open_model_for_cli(spec: str, allow_unverified: bool, quiet: bool) -> Opened:
+def open_model_for_cli(spec: str, allow_unverified: bool, quiet: bool, pubkeys=()) -> Opened:
     """open_model with a download bar, and a loud warning before running a bundle unverified."""
     if allow_unverified and spec.endswith(".ingot"):
         err.print(
@@ -35,7 +35,7 @@ def open_model_for_cli(spec: str, allow_unverified: bool, quiet: bool) -> Opened
             "do not verify; its model and kernels may not be what was packed.[/]"
         )
     with download_bar(quiet) as progress:
-        return open_model(spec, allow_unverified=allow_unverified, progress=progress)
+        return open_model(spec, allow_unverified=allow_unverified, progress=progress, pubkeys=pubkeys)
 
 
 # --- run --------------------------------------------------------------------------------------------
@@ -66,6 +66,7 @@ def open_model_for_cli(spec: str, allow_unverified: bool, quiet: bool) -> Opened
 @click.option("--stop", multiple=True, help="Stop before this text (repeatable); it is not printed.")
 @device_option
 @unverified_option
+@pubkey_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of streaming text.")
 def run(
     model_spec,
@@ -81,6 +82,7 @@ def run(
     stop,
     device,
     allow_unverified,
+    pubkeys,
     as_json,
 ):
     """Generate text from a prompt, streaming it as it is produced.
@@ -96,7 +98,7 @@ def run(
         from ingot.runtime.gpu.driver import prewarm  # deferred: cuda-bindings is heavy and unused on the CPU
 
         prewarm()  # CUDA's start-up overlaps opening the model (cold start)
-    opened = open_model_for_cli(model_spec, allow_unverified, as_json)
+    opened = open_model_for_cli(model_spec, allow_unverified, as_json, pubkeys)
     model = opened.model
     tokenizer = Tokenizer.from_model(model)
     if chat:

@@ -29,5 +29,14 @@ unverified_option = click.option(
 )
 
 
+pubkey_option = click.option(
+    "--pubkey",
+    "pubkeys",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Trust policy: run a bundle only if signed by this public key (repeatable; also $INGOT_TRUSTED_KEYS).",
+)
+
+
 def json_option(what: str = "the result"):
     return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON.")

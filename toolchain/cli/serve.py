@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ingot.runtime.server import require_server_libraries
-from ingot.toolchain.cli.options import device_option, gpu_option, model_argument
+from ingot.toolchain.cli.options import device_option, gpu_option, model_argument, pubkey_option
 
 
 @click.command()
@@ -27,7 +27,8 @@ from ingot.toolchain.cli.options import device_option, gpu_option, model_argumen
     help="Sequences generated together (more requests wait in a queue).",
 )
 @click.option("--ctx", type=click.IntRange(min=16), help="Tokens per sequence (default: the model's, at most 8192).")
-def serve(model_spec, host, port, device, gpu, api_key, max_seqs, ctx):
+@pubkey_option
+def serve(model_spec, host, port, device, gpu, api_key, max_seqs, ctx, pubkeys):
     """Serve MODEL over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models), Anthropic
     (/v1/messages) and Ollama (/api/chat, /api/generate, /api/tags, /api/show) APIs, with streaming.
 
@@ -42,7 +43,7 @@ def serve(model_spec, host, port, device, gpu, api_key, max_seqs, ctx):
 
     run_server(
         model_spec,
-        Options(device=device, gpu=gpu, max_seqs=max_seqs, ctx=ctx, api_key=api_key or None),
+        Options(device=device, gpu=gpu, max_seqs=max_seqs, ctx=ctx, api_key=api_key or None, pubkeys=tuple(pubkeys)),
         host=host,
         port=port,
     )
