@@ -104,3 +104,25 @@ def test_python_dash_m_ingot_and_version():
     out = subprocess.run([sys.executable, "-m", "ingot", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and ingot.__version__ in out.stdout
     assert ingot.__version__ != "0.0.0+source"  # installed: the distribution's version
+
+
+def test_imports_inside_functions_only_defer_a_heavy_dependency():
+    """README: no import inside a function except to defer a heavy optional dependency, with a comment (on
+    the line, or in the docstring of the function holding it) saying so."""
+    import ast
+
+    offenders = []
+    for path in sorted(list((ROOT / "runtime").rglob("*.py")) + list((ROOT / "toolchain").rglob("*.py"))):
+        text = path.read_text()
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = (ast.get_docstring(fn) or "").lower()
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    # the reason may stand on the import or on an earlier line of the same function
+                    said = "\n".join(lines[fn.lineno - 1 : node.end_lineno]).lower()
+                    if "deferred" not in said and "deferred" not in doc:
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not offenders, "\n".join(offenders)

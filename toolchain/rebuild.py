@@ -13,7 +13,15 @@ import os
 import tempfile
 from pathlib import Path
 
+from ingot.runtime.bundle.container import load_manifest, open_file, read_index, read_member
+from ingot.runtime.bundle.manifest import PROVENANCE
+from ingot.runtime.bundle.verify import check_members
 from ingot.runtime.errors import BuildError
+from ingot.runtime.gpu.archs import parse_arch
+from ingot.toolchain.archs import kernel_source_dir
+from ingot.toolchain.build import build_module
+from ingot.toolchain.nvcc import host_compiler, require_toolkit
+from ingot.toolchain.provenance import portable_command, recorded_build
 
 
 def _differences(name: str, recorded: dict, rec_module: dict, local: dict) -> list[str]:
@@ -44,15 +52,6 @@ def _differences(name: str, recorded: dict, rec_module: dict, local: dict) -> li
 
 def rebuild_check(bundle: str | Path, *, on_module=None) -> dict:
     """Returns {"identical": bool, "modules": [...]}; on_module(name, n_done) before each module."""
-    from ingot.runtime.bundle.container import load_manifest, open_file, read_index, read_member
-    from ingot.runtime.bundle.manifest import PROVENANCE
-    from ingot.runtime.bundle.verify import check_members
-    from ingot.runtime.gpu.archs import parse_arch
-    from ingot.toolchain.archs import kernel_source_dir
-    from ingot.toolchain.build import build_module
-    from ingot.toolchain.nvcc import host_compiler, require_toolkit
-    from ingot.toolchain.provenance import portable_command, recorded_build
-
     bundle = Path(bundle)
     with open_file(bundle) as f:
         index = read_index(f, os.fstat(f.fileno()).st_size)

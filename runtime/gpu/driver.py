@@ -12,11 +12,14 @@ what it means for an Ingot user. The wrapper objects own what they wrap and free
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from ingot.runtime.errors import IncompatibleError, IngotError
+from ingot.runtime.gpu.compat import decide, driver_from_cuda_int
+from ingot.runtime.gpu.fatbin import parse_fatbin
 
 try:
     from cuda.bindings import driver as cu
@@ -102,8 +105,6 @@ def prewarm(index: int = 0) -> None:
     """Start cuInit and the primary context's creation (~0.3 s) on a background thread, so they overlap the
     work a command does before it needs the GPU (opening and verifying the model). Device() then finds them
     done. Failures are ignored here: Device() reports them."""
-    import threading
-
     global _prewarm_thread
     if cu is None or _prewarm_thread is not None:
         return
@@ -218,9 +219,6 @@ class Module:
 
 def _explain_incompatible(image: bytes, name: str, device: Device) -> str:
     """The doctor's explanation for a module the driver refused."""
-    from ingot.runtime.gpu.compat import decide, driver_from_cuda_int
-    from ingot.runtime.gpu.fatbin import parse_fatbin
-
     d = decide(parse_fatbin(image, name), device.info.cc, driver_from_cuda_int(None, device.info.driver_cuda), name)
     return f"{d.reason}; fix: {d.fix}" if d.fix else d.reason
 

@@ -230,11 +230,11 @@ def _parse_entries(data: bytes, pos: int, end: int, name: str, container: int, b
 def _decompress(payload: bytes, compression: str, size: int, name: str, pos: int) -> bytes:
     try:
         if compression == "zstd":
-            import zstandard
+            import zstandard  # deferred: only compressed fatbins need it
 
             raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=size)
         elif compression == "lz4":
-            import lz4.block
+            import lz4.block  # deferred: only compressed fatbins need it
 
             raw = lz4.block.decompress(payload, uncompressed_size=size)
         else:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ingot.runtime import settings
 from ingot.runtime.errors import IncompatibleError
+from ingot.runtime.gpu.archs import installed_kernel_dir
 from ingot.runtime.gpu.constants import (
     MATMUL_TILE,
     MATVEC_COLS,
@@ -27,6 +28,7 @@ from ingot.runtime.gpu.constants import (
     SAMPLE_THREADS,
 )
 from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch, Memset, Module
+from ingot.runtime.gpu.fatbin import parse_fatbin
 
 MODULES = ("activation", "attention", "embed", "matmul", "matvec", "norm", "repack", "rope", "sample")
 GPU_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "F16")
@@ -63,8 +65,6 @@ class GpuMatrix:
 def kernel_images(kernel_dir: Path | None = None) -> dict[str, bytes]:
     """Fatbins for running a bare GGUF without a bundle: kernel_dir, else $INGOT_KERNELS (a folder of
     fatbins, e.g. `ingot build --out DIR`), else the ones `pip install` built (ingot/runtime/fatbins)."""
-    from ingot.runtime.gpu.archs import installed_kernel_dir
-
     kdir = Path(kernel_dir or settings.KERNELS.get() or installed_kernel_dir())
     images = {p.stem: p.read_bytes() for p in sorted(kdir.glob("*.fatbin"))}
     missing = [m for m in MODULES if m not in images]
@@ -80,8 +80,6 @@ class Kernels:
     """All kernel modules loaded into the current context, and the launch geometry of each op."""
 
     def __init__(self, device, images: dict[str, bytes]):
-        from ingot.runtime.gpu.fatbin import parse_fatbin
-
         self.device = device
         self.modules = []
         self.k: dict[str, Kernel] = {}

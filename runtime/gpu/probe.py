@@ -43,7 +43,7 @@ def _text(v) -> str:
 
 def _nvml() -> Machine | None:
     try:
-        import pynvml
+        import pynvml  # deferred: NVML loads the driver library; only probing needs it
 
         pynvml.nvmlInit()
     except Exception:  # no libnvidia-ml.so, or no driver loaded: NVMLError_LibraryNotFound / DriverNotLoaded
@@ -69,7 +69,7 @@ def _nvml() -> Machine | None:
 
 def _cuda_driver() -> Machine:
     try:
-        from cuda.bindings import driver as cu
+        from cuda.bindings import driver as cu  # deferred: heavy, and absent on CPU-only installs
     except ImportError:
         return Machine(None, None, (), "cuda-bindings is not installed (pip install cuda-bindings)")
     try:

@@ -13,6 +13,8 @@ own type. Anything else is refused with a ModelError naming what and where.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
 import os
 import sys
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from ingot.runtime.errors import ModelError, UsageError
+from ingot.runtime.files import cache_root, write_atomic
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -182,7 +185,7 @@ class _Hostile(ValueError):
 def _window_reader_class():
     """gguf is imported only when a file is actually parsed: a model found in the index cache (below) never
     needs it, which keeps `ingot run`'s cold start short."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # deferred: see the docstring
 
     class _WindowReader(GGUFReader):
         """A GGUFReader over bytes [offset, offset + size) of a file, so a GGUF stored uncompressed inside a bundle
@@ -411,11 +414,6 @@ _INDEX_SCHEMA = "ingot-model-index-v2"  # v2: Config gained the architecture's n
 
 
 def _index_file(path: Path, offset: int, size: int | None, st: os.stat_result) -> Path:
-    import hashlib
-    import json
-
-    from ingot.runtime.files import cache_root
-
     key = json.dumps(
         [
             _INDEX_SCHEMA,
@@ -433,10 +431,6 @@ def _index_file(path: Path, offset: int, size: int | None, st: os.stat_result) -
 
 
 def _save_index(model: Model, starts: dict[str, int], index: Path) -> None:
-    import json
-
-    from ingot.runtime.files import write_atomic
-
     data = {
         "schema": _INDEX_SCHEMA,
         "name": model.name,
@@ -452,8 +446,6 @@ def _save_index(model: Model, starts: dict[str, int], index: Path) -> None:
 
 
 def _load_indexed(path: Path, offset: int, index: Path, file=None) -> Model | None:
-    import json
-
     try:
         data = json.loads(index.read_text())
         if data.get("schema") != _INDEX_SCHEMA:
@@ -538,7 +530,7 @@ class _Metadata:
         f = self.fields.get(key)
         if f is None:
             return None
-        from gguf import GGUFValueType
+        from gguf import GGUFValueType  # deferred with the reader
 
         if f.types[-1] == GGUFValueType.STRING:
             raise ModelError(f"{self.path}: metadata key {key} should hold numbers")

@@ -298,7 +298,7 @@ def synthesize(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{os.getpid()}.part"
     try:
-        from gguf import GGMLQuantizationType, GGUFWriter  # only when writing (keeps CLI start-up light)
+        from gguf import GGMLQuantizationType, GGUFWriter  # deferred: only when writing (keeps CLI start-up light)
 
         w = GGUFWriter(tmp, shape.arch)
         _write_metadata(w, shape_name, shape, c)
