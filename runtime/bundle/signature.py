@@ -90,6 +90,8 @@ def read_key_file(path, what: str) -> bytes:
         raise UsageError(f"{path}: no such {what} file", hint="create keys with `ingot keygen --out PREFIX`") from None
     except IsADirectoryError:
         raise UsageError(f"{path} is a directory, not a {what} file") from None
+    except OSError as e:  # unreadable (permissions, I/O): still the user's file to fix
+        raise UsageError(f"{path}: cannot read the {what} file ({e.strerror or e})") from None
 
 
 class PublicKey:
@@ -97,6 +99,7 @@ class PublicKey:
 
     def __init__(self, pem: bytes, where: str):
         # deferred: cryptography is only needed when a key is given, and open_bundle is on the cold-start path
+        from cryptography.exceptions import UnsupportedAlgorithm
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -107,6 +110,8 @@ class PublicKey:
             key = serialization.load_pem_public_key(pem)
         except ValueError:
             raise UsageError(f"{where}: damaged PEM public key", hint=_KEY_HINT) from None
+        except UnsupportedAlgorithm:  # e.g. an EC key on a curve cryptography does not implement
+            raise UsageError(f"{where} is not an ECDSA P-256/384/521 or Ed25519 public key", hint=_KEY_HINT) from None
         if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in _EC_HASHES:
             self.algorithm = f"ecdsa-{key.curve.name}"
         elif isinstance(key, Ed25519PublicKey):
@@ -208,7 +213,8 @@ def parse_signature_document(data: bytes) -> Envelope:
             f"{SIGNATURE} is a keyless (certificate) Sigstore signature, which Ingot does not verify",
             hint="check it with `sigstore verify` or `model_signing verify sigstore` on the extracted bundle",
         )
-    hint = _field(material, "publicKey", dict, "verificationMaterial.").get("hint") or ""
+    hint = _field(material, "publicKey", dict, "verificationMaterial.").get("hint")
+    hint = "" if hint is None else hint  # a signature may name no key; then --pubkey decides alone
     if not isinstance(hint, str):
         raise VerificationError(f"{SIGNATURE}: verificationMaterial.publicKey.hint is malformed", hint=_BAD_SIG)
     env = _field(doc, "dsseEnvelope", dict, "")
