@@ -16,6 +16,8 @@ import openai
 import pytest
 from server_fixtures import ServerProcess
 
+from ingot.runtime.server import INSTALL_HINT
+
 QUESTION = [{"role": "user", "content": "what is the capital of France"}]
 
 
@@ -106,7 +108,7 @@ def _ingot(*args, block=(), timeout=60):
 def test_serve_without_server_packages(model_path, missing):
     code, _, err = _ingot("serve", model_path, block=[missing])
     assert code == 2
-    assert err.strip() == f"error: ingot serve needs the {missing} package (pip install 'ingot-llm[serve]')"
+    assert err.strip() == f"error: ingot serve needs the {missing} package ({INSTALL_HINT})"
 
 
 def test_package_imports_without_server_packages():

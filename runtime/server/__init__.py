@@ -20,6 +20,7 @@ import importlib
 from ingot.runtime.errors import UsageError
 
 SERVER_PACKAGES = ("starlette", "uvicorn", "sse_starlette", "prometheus_client")
+INSTALL_HINT = "install the serve extra: pip install '.[serve]' in a checkout, or 'WHEEL.whl[serve]'"
 
 
 def require_server_libraries() -> None:
@@ -27,4 +28,4 @@ def require_server_libraries() -> None:
         try:
             importlib.import_module(name)
         except ImportError:
-            raise UsageError(f"ingot serve needs the {name} package", hint="pip install 'ingot-llm[serve]'") from None
+            raise UsageError(f"ingot serve needs the {name} package", hint=INSTALL_HINT) from None

@@ -10,7 +10,7 @@ The loop, on the engine thread:
 A request waits in the queue until it is admitted, so a burst of clients costs queueing, never a failure.
 
 KV admission reserves a request's worst case, pages for min(prompt + max_tokens, context) tokens, so a
-running sequence can always grow to its end. The GPU engine has a page pool (runtime/kvcache.py); the CPU
+running sequence can always grow to its end. The GPU engine has a page pool (runtime/engines/kvcache.py); the CPU
 engine keeps a whole-context cache per sequence, which is counted here in pages of the same size.
 
 The engine thread also loads the model (`load`), so the HTTP socket is up, answering /health with 503, while
