@@ -116,17 +116,15 @@ def _locate(f, m: Member, entry: dict) -> list[dict]:
 
 
 def check_signature_member(envelope: bytes | None, manifest: dict, trusted: PublicKey | None):
-    """check_signature, and with a trusted key also the key material the member carries: otherwise a flipped
-    byte in the embedded public key (unused when --pubkey decides) would pass, and every byte must count."""
+    """check_signature (the statement's binding to this bundle always, the signature bytes with a trusted key),
+    then the member's exact form, so every byte of it counts (see _check_exact_form)."""
     try:
         sig = check_signature(envelope, manifest, trusted)
         if envelope is not None:
-            if trusted is not None:
-                check_signature(envelope, manifest, None)
             _check_exact_form(envelope)
     except IngotError:
         raise
-    except Exception as e:  # e.g. cryptography's UnsupportedAlgorithm for a damaged embedded key: still exit 4
+    except Exception as e:  # a library error on a damaged member (cryptography, base64): still exit 4, one line
         raise VerificationError(
             f"{SIGNATURE} is unreadable ({type(e).__name__}: {str(e)[:100]})", hint=_DAMAGED
         ) from None
