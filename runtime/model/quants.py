@@ -103,7 +103,7 @@ def _bf16(b: np.ndarray) -> np.ndarray:
 
 
 def _q8_0(b: np.ndarray) -> np.ndarray:
-    d = b[:, 0:2].view(np.float16).astype(np.float32)  # [n, 1]
+    d = _f16(b[:, 0:2])  # [n, 1]
     q = b[:, 2:34].view(np.int8).astype(np.float32)  # [n, 32]
     return q * d
 
@@ -114,14 +114,14 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q4_0(b: np.ndarray) -> np.ndarray:
-    d = b[:, 0:2].view(np.float16).astype(np.float32)
+    d = _f16(b[:, 0:2])
     q = _nibbles(b[:, 2:18]).astype(np.float32) - 8.0
     return q * d
 
 
 def _q4_1(b: np.ndarray) -> np.ndarray:
-    d = b[:, 0:2].view(np.float16).astype(np.float32)
-    m = b[:, 2:4].view(np.float16).astype(np.float32)
+    d = _f16(b[:, 0:2])
+    m = _f16(b[:, 2:4])
     q = _nibbles(b[:, 4:20]).astype(np.float32)
     return q * d + m
 
@@ -133,14 +133,14 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(b: np.ndarray) -> np.ndarray:
-    d = b[:, 0:2].view(np.float16).astype(np.float32)
+    d = _f16(b[:, 0:2])
     q = (_nibbles(b[:, 6:22]) | _fifth_bits(b[:, 2:6])).astype(np.float32) - 16.0
     return q * d
 
 
 def _q5_1(b: np.ndarray) -> np.ndarray:
-    d = b[:, 0:2].view(np.float16).astype(np.float32)
-    m = b[:, 2:4].view(np.float16).astype(np.float32)
+    d = _f16(b[:, 0:2])
+    m = _f16(b[:, 2:4])
     q = (_nibbles(b[:, 8:24]) | _fifth_bits(b[:, 4:8])).astype(np.float32)
     return q * d + m
 
@@ -150,7 +150,7 @@ KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 
 
 def _iq4_nl(b: np.ndarray) -> np.ndarray:
-    d = b[:, 0:2].view(np.float16).astype(np.float32)
+    d = _f16(b[:, 0:2])
     return KVALUES_IQ4NL[_nibbles(b[:, 2:18])] * d
 
 
@@ -165,8 +165,8 @@ def _crumbs(qs: np.ndarray) -> np.ndarray:
 def _q2_k(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
     scales = b[:, 0:16]
-    d = b[:, 80:82].view(np.float16).astype(np.float32)
-    dmin = b[:, 82:84].view(np.float16).astype(np.float32)
+    d = _f16(b[:, 80:82])
+    dmin = _f16(b[:, 82:84])
     dl = (d * (scales & 0xF).astype(np.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).astype(np.float32)).reshape(n, 16, 1)
     q = _crumbs(b[:, 16:80]).reshape(n, 16, 16).astype(np.float32)
@@ -184,7 +184,7 @@ def _q3_k_scales(s: np.ndarray) -> np.ndarray:
 
 def _q3_k(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
-    d = b[:, 108:110].view(np.float16).astype(np.float32)
+    d = _f16(b[:, 108:110])
     dl = (d * _q3_k_scales(b[:, 96:108])).reshape(n, 16, 1)
     # The high bit of weight 128*h + 32*j + l is bit 4*h + j of hmask[l]; a clear bit subtracts 4.
     hbits = np.unpackbits(b[:, 0:32].reshape(n, 1, 32), axis=1, bitorder="little")  # [n, 8 bits, 32 l]
@@ -208,22 +208,23 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([q & 0xF, q >> 4], axis=2).reshape(n, 256)
 
 
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K block header -> per-sub-block scale and min, [n, 8, 1] each: d * sc and dmin * m."""
+    n = b.shape[0]
+    sc, m = _k_scale_min(b[:, 4:16])
+    return (_f16(b[:, 0:2]) * sc).reshape(n, 8, 1), (_f16(b[:, 2:4]) * m).reshape(n, 8, 1)
+
+
 def _q4_k(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
-    d = b[:, 0:2].view(np.float16).astype(np.float32)
-    dmin = b[:, 2:4].view(np.float16).astype(np.float32)
-    sc, m = _k_scale_min(b[:, 4:16])
-    dl, ml = (d * sc).reshape(n, 8, 1), (dmin * m).reshape(n, 8, 1)
+    dl, ml = _k_scales(b)
     q = _k_nibbles(b[:, 16:144]).reshape(n, 8, 32).astype(np.float32)
     return (dl * q - ml).reshape(n, 256)
 
 
 def _q5_k(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
-    d = b[:, 0:2].view(np.float16).astype(np.float32)
-    dmin = b[:, 2:4].view(np.float16).astype(np.float32)
-    sc, m = _k_scale_min(b[:, 4:16])
-    dl, ml = (d * sc).reshape(n, 8, 1), (dmin * m).reshape(n, 8, 1)
+    dl, ml = _k_scales(b)
     # The fifth bit of weight 32*s + l (sub-block s) is bit s of qh[l].
     high = np.unpackbits(b[:, 16:48].reshape(n, 1, 32), axis=1, bitorder="little").reshape(n, 256) << 4
     q = (_k_nibbles(b[:, 48:176]) | high).reshape(n, 8, 32).astype(np.float32)
@@ -240,14 +241,14 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
     high = (b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3
     q = (low | (high << 4)).astype(np.int8) - np.int8(32)
     scales = b[:, 192:208].view(np.int8).astype(np.float32)
-    d = b[:, 208:210].view(np.float16).astype(np.float32)
+    d = _f16(b[:, 208:210])
     dl = (d * scales).reshape(n, 16, 1)
     return (dl * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, 256)
 
 
 def _iq4_xs(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
-    d = b[:, 0:2].view(np.float16).astype(np.float32)
+    d = _f16(b[:, 0:2])
     scales_h = b[:, 2:4].view(np.uint16)  # [n, 1]
     scales_l = b[:, 4:8]
     low = np.stack([scales_l & 0xF, scales_l >> 4], axis=2).reshape(n, 8)  # sub-block s: nibble s % 2 of byte s // 2
