@@ -21,17 +21,18 @@ from ingot.runtime.model.synth import synthesize
 from ingot.runtime.model.tokenizer import Tokenizer
 
 
-def _real_model_candidates() -> list[Path]:
-    env = settings.TEST_MODEL.get()
-    return [model_path("smollm2"), *([Path(env)] if env else []), Path("/tmp/model/model.gguf")]
+def _real_file(name: str, setting: settings.Setting, what: str, *extra: Path) -> Path:
+    """A real model: where `ingot model fetch NAME` caches it, at $SETTING, or at the extra paths; else skip."""
+    env = setting.get()
+    for p in (model_path(name), *([Path(env)] if env else []), *extra):
+        if p.is_file():
+            return p
+    pytest.skip(f"the real {what} GGUF is absent: run `ingot model fetch {name}` (or set {setting.name})")
 
 
 @pytest.fixture(scope="session")
 def real_model_path() -> Path:
-    for p in _real_model_candidates():
-        if p.is_file():
-            return p
-    pytest.skip("the real SmolLM2 GGUF is absent: run `ingot model fetch smollm2` (or set INGOT_TEST_MODEL)")
+    return _real_file("smollm2", settings.TEST_MODEL, "SmolLM2", Path("/tmp/model/model.gguf"))
 
 
 @pytest.fixture(scope="session")
@@ -44,19 +45,11 @@ def real_tokenizer(real_model):
     return Tokenizer.from_model(real_model)
 
 
-def _gemma3_candidates() -> list[Path]:
-    env = settings.TEST_GEMMA3.get()
-    return [model_path("gemma3-270m"), *([Path(env)] if env else [])]
-
-
 @pytest.fixture(scope="session")
 def gemma3_model_path() -> Path:
     """The real Gemma 3 270M Q4_K_M (F32, Q5_0, Q8_0, Q4_K, Q6_K tensors), where `ingot model fetch gemma3-270m`
     caches it or at $INGOT_TEST_GEMMA3; tests that need it skip when it is absent."""
-    for p in _gemma3_candidates():
-        if p.is_file():
-            return p
-    pytest.skip("the real Gemma 3 270M GGUF is absent: run `ingot model fetch gemma3-270m` (or set INGOT_TEST_GEMMA3)")
+    return _real_file("gemma3-270m", settings.TEST_GEMMA3, "Gemma 3 270M")
 
 
 @pytest.fixture(scope="session")
