@@ -51,7 +51,7 @@ class Engine(Protocol):
 
     def memory_report(self) -> dict[str, Any]:
         """Where the engine's memory is: {"device", "weights_bytes", "engine_bytes", "kv_pages", ...}; the GPU
-        engine adds the device's "free" and "total" bytes."""
+        engine adds the device's "free" and "total" bytes and its "compute_capability" (90 for 9.0)."""
 
     def close(self) -> None:
         """Free everything the engine holds (device memory, contexts). Safe to call twice."""

@@ -561,6 +561,7 @@ class CudaEngine:
         free, total = self.dev.memory()
         return {
             "device": self.dev.info.name,
+            "compute_capability": self.dev.info.cc,
             "weights_bytes": self.w.nbytes,
             "engine_bytes": self.pool.allocated,
             "kv_pages": self.pages.n_pages,
