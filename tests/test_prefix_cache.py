@@ -1,0 +1,176 @@
+"""The prefix cache in the CPU engine and through the scheduler: a prompt whose leading pages were computed before
+adopts them and gives the same tokens and logits as computing them; pages are shared, counted once, released to
+0, and reclaimed when the engine needs them; INGOT_PREFIX_CACHE=0 turns it off; many concurrent requests with
+a shared system prompt and a disconnect leave no sequence and no page held.
+
+Exactness. A cached page's rows were computed by another prefill, whose chunk may have had a different number
+of rows than the one that would compute them now; numpy's BLAS may then sum in another order (a 1-row chunk
+takes gemv, not gemm). So the bitwise test splits the uncached run at the same place as the cached one (what
+is compared is then only "adopted rows" vs "computed rows"); the one-shot comparison allows a tolerance."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from test_server_scheduler import Spy, _serve
+
+from ingot.runtime.engines.cpu import KV_PAGE, CpuEngine
+from ingot.runtime.generate import GenerationRequest, generate
+from ingot.runtime.sampling import SamplingParams
+from ingot.runtime.server.request import ApiError
+
+SHAPES = ["tiny", "tiny-gemma3"]  # plain Llama; and Gemma 3's sliding-window local layers, q/k norms
+# sampling that reads every part of the state: the seeded rng, and the penalty's window over the prompt
+PARAMS = [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, repetition_penalty=1.3, seed=11)]
+DECODE = 12
+
+
+@pytest.fixture(scope="module", params=SHAPES)
+def model(request, synth_model):
+    from ingot.runtime.model.gguf import load_model
+
+    return load_model(synth_model(request.param, "Q8_0"))
+
+
+def _ids(model, n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(2, model.config.n_vocab, size=n)]
+
+
+def _continue(engine, seq: int, first: int) -> tuple[list[int], np.ndarray]:
+    """DECODE tokens after `first`, then the logits of one more position (fed the last token)."""
+    out = [first]
+    for _ in range(DECODE):
+        out += engine.decode([seq], [out[-1]])
+    return out, engine.logits(seq, [out[-1]])[-1]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "sampled"])
+@pytest.mark.parametrize("system_pages, user_tokens", [(2, 5), (3, 1), (1, 40)])
+def test_adopted_pages_give_exactly_the_computed_logits(model, params, system_pages, user_tokens):
+    system = _ids(model, system_pages * KV_PAGE, seed=1)
+    first_user, user = _ids(model, 9, seed=2), _ids(model, user_tokens, seed=3)
+
+    cached = CpuEngine(model, max_seqs=2, max_ctx=256, prefix_cache=True)
+    donor = cached.new_sequence(SamplingParams())
+    cached.prefill(donor, system)  # registers the system prompt's pages
+    cached.prefill(donor, first_user)
+    seq = cached.new_sequence(params)
+    got_first = cached.prefill(seq, system + user)
+    assert cached.prefix_stats()["hit_tokens"] == len(system)  # all of it: the user tokens are computed
+    assert cached.kv_pages_used() == system_pages + 1 + -(-user_tokens // KV_PAGE)  # shared pages count once
+    got = _continue(cached, seq, got_first)
+
+    plain = CpuEngine(model, max_seqs=1, max_ctx=256, prefix_cache=False)
+    ref_seq = plain.new_sequence(params)
+    plain.logits(ref_seq, system)  # the same chunks as the donor computed (and no sample drawn from the rng)
+    want = _continue(plain, ref_seq, plain.prefill(ref_seq, user))
+    assert plain.prefix_stats()["hit_tokens"] == 0
+
+    assert got[0] == want[0]
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_a_cached_prefix_gives_the_tokens_of_a_one_shot_prefill(model):
+    """Against prefilling the whole prompt at once (other chunk sizes: see the module docstring)."""
+    system = _ids(model, 3 * KV_PAGE + 7, seed=4)  # the partial page after 3 full ones is computed again
+    prompts = [system + _ids(model, n, seed=10 + n) for n in (1, 6, 33)]
+    prompts.append(system[: 3 * KV_PAGE] + [7])  # a 1-token chunk after the hit
+    cached = CpuEngine(model, max_seqs=4, max_ctx=256, prefix_cache=True)
+    plain = CpuEngine(model, max_seqs=1, max_ctx=256, prefix_cache=False)
+    for i, prompt in enumerate(prompts):
+        seq = cached.new_sequence(SamplingParams())
+        got = _continue(cached, seq, cached.prefill(seq, prompt))
+        ref = plain.new_sequence(SamplingParams())
+        want = _continue(plain, ref, plain.prefill(ref, prompt))
+        plain.release(ref)
+        assert got[0] == want[0], f"prompt {i}"
+        # float32 with a different summation order: measured max |diff| 0 for multi-row chunks and ~1e-6 of the
+        # logits' scale for a 1-row chunk; 1e-4 of the scale still catches any wrong row (those are O(1) off)
+        scale = float(np.max(np.abs(want[1])))
+        assert float(np.max(np.abs(got[1] - want[1]))) <= 1e-4 * scale, f"prompt {i}"
+    stats = cached.prefix_stats()
+    assert stats["hit_tokens"] == 3 * 3 * KV_PAGE and stats["queried_tokens"] == sum(map(len, prompts))
+
+
+def test_shared_pages_are_counted_once_released_and_reclaimed(tiny_model):
+    engine = CpuEngine(tiny_model, max_seqs=2, max_ctx=128, prefix_cache=True)  # 2 x 4 pages of 32
+    prompt = _ids(tiny_model, 2 * KV_PAGE + 3, seed=5)
+    a, b = engine.new_sequence(SamplingParams()), engine.new_sequence(SamplingParams())
+    engine.prefill(a, prompt)
+    engine.prefill(b, prompt)
+    assert engine.kv_pages_used() == 2 + 1 + 1  # 2 shared full pages, a private last page each
+    engine.release(a)
+    assert engine.kv_pages_used() == 3
+    engine.release(b)
+    stats = engine.prefix_stats()
+    assert engine.kv_pages_used() == 0 and stats["pages_evictable"] == 2 and stats["pages_cached"] == 2
+    assert engine.memory_report()["kv_pages_free"] == engine.kv_pages_total  # evictable pages are free
+    # two full-context sequences need every page: the cached ones are reclaimed and their rows dropped
+    seqs = [engine.new_sequence(SamplingParams()) for _ in range(2)]
+    for i, s in enumerate(seqs):
+        engine.prefill(s, _ids(tiny_model, 128, seed=20 + i))
+    stats = engine.prefix_stats()
+    assert stats["pages_evicted"] == 2 and engine.kv_pages_used() == engine.kv_pages_total
+    assert len(engine._page_rows) == stats["pages_cached"] <= engine.kv_pages_total
+    for s in seqs:
+        engine.release(s)
+    assert engine.kv_pages_used() == 0
+
+
+def test_the_setting_turns_it_off(tiny_model, monkeypatch):
+    prompt = _ids(tiny_model, 100, seed=6)
+    monkeypatch.setenv("INGOT_PREFIX_CACHE", "0")
+    engine = CpuEngine(tiny_model, max_seqs=2, max_ctx=128)
+    for _ in range(2):
+        s = engine.new_sequence(SamplingParams())
+        engine.prefill(s, prompt)
+        engine.release(s)
+    assert engine.prefix_stats() | {"pages_cached": 0} == {
+        "enabled": False,
+        "queried_tokens": 0,
+        "hit_tokens": 0,
+        "hit_rate": 0.0,
+        "pages_cached": 0,
+        "pages_evictable": 0,
+        "pages_evicted": 0,
+    }
+    monkeypatch.setenv("INGOT_PREFIX_CACHE", "1")
+    assert CpuEngine(tiny_model, max_seqs=1, max_ctx=64).prefix_stats()["enabled"]
+
+
+SYSTEM = "You are a careful assistant. Answer in one short sentence, and never make anything up. " * 2
+
+
+def test_concurrent_requests_with_a_shared_system_prompt_leave_nothing_held(tiny_model, tiny_tokenizer):
+    """12 requests through the scheduler (4 at a time), one of them cancelled mid-stream: the others get the text
+    of an engine without the cache, the shared pages were hit, and no sequence or page is left held."""
+    prompts = [
+        "the capital of France",
+        "hello world",
+        "one two three four",
+        "what is the name of the city",
+        "water",
+        "the people of the country",
+    ]
+    requests = [
+        GenerationRequest(tuple(tiny_tokenizer.encode(SYSTEM + prompts[i % len(prompts)])), SamplingParams(), 12)
+        for i in range(12)
+    ]
+    shared = requests[0].prompt_tokens[: 2 * KV_PAGE]
+    assert all(r.prompt_tokens[: 2 * KV_PAGE] == shared for r in requests)  # 2 full pages of system prompt
+    spy = Spy(CpuEngine(tiny_model, max_seqs=4, prefix_cache=True))
+    results, observer = asyncio.run(_serve(spy, tiny_tokenizer, requests, cancel_after=1))
+
+    plain = CpuEngine(tiny_model, max_seqs=1, prefix_cache=False)
+    alone = [
+        "".join(c.text for c in generate(plain, tiny_tokenizer, r.prompt_tokens, r.params, r.max_tokens))
+        for r in requests[1:]
+    ]
+    assert isinstance(results[0], ApiError) and results[0].status == 499
+    assert observer.reasons.count("cancelled") == 1
+    assert results[1:] == alone
+    stats = spy.engine.prefix_stats()
+    assert stats["hit_tokens"] >= 11 * 2 * KV_PAGE  # every request after the first adopted the system pages
+    assert spy.live == 0 and spy.engine.kv_pages_used() == 0
