@@ -11,15 +11,20 @@ is compared is then only "adopted rows" vs "computed rows"); the one-shot compar
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 from test_server_scheduler import Spy, _serve
 
 from ingot.runtime.engines.cpu import KV_PAGE, CpuEngine
 from ingot.runtime.generate import GenerationRequest, generate
+from ingot.runtime.model.gguf import load_model
 from ingot.runtime.sampling import SamplingParams
+from ingot.runtime.server.metrics import Metrics
 from ingot.runtime.server.request import ApiError
+from ingot.runtime.server.scheduler import Stats
 
 SHAPES = ["tiny", "tiny-gemma3"]  # plain Llama; and Gemma 3's sliding-window local layers, q/k norms
 # sampling that reads every part of the state: the seeded rng, and the penalty's window over the prompt
@@ -29,8 +34,6 @@ DECODE = 12
 
 @pytest.fixture(scope="module", params=SHAPES)
 def model(request, synth_model):
-    from ingot.runtime.model.gguf import load_model
-
     return load_model(synth_model(request.param, "Q8_0"))
 
 
@@ -174,3 +177,36 @@ def test_concurrent_requests_with_a_shared_system_prompt_leave_nothing_held(tiny
     stats = spy.engine.prefix_stats()
     assert stats["hit_tokens"] >= 11 * 2 * KV_PAGE  # every request after the first adopted the system pages
     assert spy.live == 0 and spy.engine.kv_pages_used() == 0
+
+
+def test_metrics_export_the_hit_rate_and_saved_tokens():
+    text = generate_latest(Metrics(lambda: Stats(prefix_queried_tokens=400, prefix_hit_tokens=300)).registry).decode()
+    assert "ingot_prefix_cache_queried_tokens 400.0" in text
+    assert "ingot_prefix_cache_saved_prefill_tokens 300.0" in text
+    assert "ingot_prefix_cache_hit_rate 0.75" in text
+    assert "ingot_prefix_cache_hit_rate 0.0" in generate_latest(Metrics(Stats).registry).decode()
+
+
+def test_bench_times_a_prompt_with_a_shared_prefix(ingot, tiny_model_path):
+    code, out, err = ingot(
+        "bench",
+        tiny_model_path,
+        "-p",
+        80,
+        "--prefix",
+        64,
+        "-n",
+        0,
+        "-r",
+        2,
+        "--no-cold-start",
+        "--device",
+        "cpu",
+        "--json",
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    assert [r["test"] for r in report["results"]] == ["pp80", "pp80@prefix64"]
+    assert report["prefix_cache"]["hit_tokens"] == 2 * 64  # each timed repetition; the warm-up computed it
+    code, _, err = ingot("bench", tiny_model_path, "-p", 64, "--prefix", 64, "--device", "cpu")
+    assert code == 2 and "--prefix 64 leaves no prompt tokens" in err

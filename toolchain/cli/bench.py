@@ -32,6 +32,14 @@ from ingot.toolchain.cli.output import emit_json, out
     help="Generated tokens for the tg tests (0 skips them).",
 )
 @click.option(
+    "--prefix",
+    "n_prefix",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Also run pp with its first N tokens shared by every repetition (the prefix cache's saving; 0 skips it).",
+)
+@click.option(
     "-r",
     "--reps",
     default=5,
@@ -58,7 +66,9 @@ from ingot.toolchain.cli.output import emit_json, out
 @click.option("--allow-unverified", is_flag=True, help="Benchmark a bundle that does not verify.")
 @pubkey_option
 @json_option("the results")
-def bench(model_spec, n_prompt, n_gen, reps, batches, device, with_cold_start, allow_unverified, pubkeys, as_json):
+def bench(
+    model_spec, n_prompt, n_gen, n_prefix, reps, batches, device, with_cold_start, allow_unverified, pubkeys, as_json
+):
     """Throughput like llama-bench: pp (prefill), tg (batch-1 and batched decode), cold start, GPU memory."""
     try:
         sizes = sorted({int(b) for b in batches.split(",") if b.strip()})
@@ -66,13 +76,17 @@ def bench(model_spec, n_prompt, n_gen, reps, batches, device, with_cold_start, a
         raise UsageError(f"--batch {batches!r} is not a list of integers", hint="e.g. --batch 1,4,16") from None
     if not sizes or min(sizes) < 1:
         raise UsageError("--batch sizes must be >= 1")
+    if n_prefix and n_prefix >= n_prompt:
+        raise UsageError(
+            f"--prefix {n_prefix} leaves no prompt tokens to compute", hint=f"use --prefix < -p {n_prompt}"
+        )
     opened = open_model(model_spec, allow_unverified=allow_unverified, pubkeys=pubkeys)
     model = opened.model
     engine = open_engine(
         model, device, kernels=opened.kernels, max_seqs=max(sizes), max_ctx=max(n_prompt, 8 * max(sizes)) + n_gen + 8
     )
     try:
-        report = run_benchmarks(engine, n_prompt=n_prompt, n_gen=n_gen, reps=reps, batches=sizes)
+        report = run_benchmarks(engine, n_prompt=n_prompt, n_gen=n_gen, reps=reps, batches=sizes, n_prefix=n_prefix)
         backend = engine.name
     finally:
         engine.close()
@@ -101,6 +115,12 @@ def bench(model_spec, n_prompt, n_gen, reps, batches, device, with_cold_start, a
         rate = f"{r['tok_s_mean']:,.1f} ± {r['tok_s_std']:,.1f}" if r["n_tokens"] > 1 else "-"
         table.add_row(r["test"], rate, f"{r['ms_mean']:,.2f}", str(r["reps"]))
     out.print(table)
+    p = report["prefix_cache"]
+    if n_prefix and p["queried_tokens"]:
+        click.echo(
+            f"prefix cache {'on' if p['enabled'] else 'off (INGOT_PREFIX_CACHE=0)'}: {p['hit_tokens']} of "
+            f"{p['queried_tokens']} prompt tokens read from cached pages ({p['hit_rate']:.0%})"
+        )
     if "gpu" in report:
         g = report["gpu"]
         click.echo(
