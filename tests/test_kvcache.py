@@ -216,6 +216,11 @@ class PoolMachine(RuleBasedStateMachine):
         self._write(s, len(s.tokens) - 1)
         self.pool.append(s.pages, s.chain, [tok])
 
+    @rule()
+    def switch(self):
+        """The setting may change between any two calls (benchmarks): nothing may be registered wrongly."""
+        self.pool.prefix_cache = not self.pool.prefix_cache
+
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100))
     def release(self, i):

@@ -97,6 +97,27 @@ def test_a_cached_prefix_gives_the_tokens_of_a_one_shot_prefill(model):
     assert stats["hit_tokens"] == 3 * 3 * KV_PAGE and stats["queried_tokens"] == sum(map(len, prompts))
 
 
+def test_a_next_chat_turn_hits_the_pages_of_the_last_answer(tiny_model):
+    """Decoded tokens fill pages too: a second turn (first prompt + the answer + more) adopts them."""
+    cached = CpuEngine(tiny_model, max_seqs=2, max_ctx=256, prefix_cache=True)
+    prompt = _ids(tiny_model, 20, seed=30)
+    s = cached.new_sequence(SamplingParams())
+    answer = [cached.prefill(s, prompt)]
+    for _ in range(50):
+        answer += cached.decode([s], [answer[-1]])
+    cached.release(s)  # its cache held prompt + answer[:-1]: 70 tokens, 2 full pages
+    second = prompt + answer + _ids(tiny_model, 9, seed=31)
+    s = cached.new_sequence(SamplingParams())
+    got = _continue(cached, s, cached.prefill(s, second))
+    assert cached.prefix_stats()["hit_tokens"] == 2 * KV_PAGE
+    plain = CpuEngine(tiny_model, max_seqs=1, max_ctx=256, prefix_cache=False)
+    ref = plain.new_sequence(SamplingParams())
+    want = _continue(plain, ref, plain.prefill(ref, second))
+    assert got[0] == want[0]
+    # decoded rows were computed one at a time (gemv), the reference's in one chunk: see the module docstring
+    assert float(np.max(np.abs(got[1] - want[1]))) <= 1e-4 * float(np.max(np.abs(want[1])))
+
+
 def test_shared_pages_are_counted_once_released_and_reclaimed(tiny_model):
     engine = CpuEngine(tiny_model, max_seqs=2, max_ctx=128, prefix_cache=True)  # 2 x 4 pages of 32
     prompt = _ids(tiny_model, 2 * KV_PAGE + 3, seed=5)

@@ -73,7 +73,9 @@ class PagePool:
         on_evict: Callable[[int], None] | None = None,
     ):
         """n_pages pages of page_size tokens. prefix_cache=False: no lookups, no registration, a released page
-        is free at once. on_evict(page): called when a cached page is reclaimed (the CPU engine drops its copy)."""
+        is free at once (an attribute that may be switched at any time: chains are kept either way, so a page is
+        never registered under a hash that is not its own). on_evict(page): called when a cached page is
+        reclaimed (the CPU engine drops its copy)."""
         self.n_pages, self.page_size = n_pages, page_size
         self.prefix_cache = prefix_cache
         self._on_evict = on_evict
@@ -197,8 +199,6 @@ class PagePool:
         """After `tokens` were written into the sequence's pages: extend its chain, and register each page
         they filled. Returns (index in `pages`, page) of the pages registered now (the CPU engine copies their
         contents); a page whose hash is cached already (two sequences computed it at once) stays private."""
-        if not self.prefix_cache:
-            return []
         P = self.page_size
         chain.tail.extend(int(t) for t in tokens)
         registered = []
@@ -206,7 +206,7 @@ class PagePool:
             h = page_hash(chain.parent, chain.tail[:P])
             i = len(chain.hashes)
             page = pages[i]
-            if h not in self._page_of and page not in self._hash_of:
+            if self.prefix_cache and h not in self._page_of and page not in self._hash_of:
                 self._page_of[h], self._hash_of[page] = page, h
                 registered.append((i, page))
             chain.hashes.append(h)
