@@ -2,6 +2,9 @@
 
 Tests (each repeated -r times after one untimed warm-up, reported as mean ± stddev of tokens/second):
   pp{P}        prompt processing: prefill P tokens into an empty sequence
+  pp{P}@prefix{S}  the same, but the first S tokens are one prompt shared by every repetition (a system
+               prompt): with the prefix cache on (INGOT_PREFIX_CACHE) only the rest is computed; against pp{P},
+               the prefill time the cache saves
   tg{N}        batch-1 decode: N tokens generated one at a time after a 1-token prompt (llama-bench's tg)
   tg{N}@b{B}   batched decode: B sequences of different prompt lengths, N steps, aggregate tokens/second
   ...@d{D}     the same after D tokens already in each sequence's cache (llama-bench's -d): the D tokens are
@@ -93,6 +96,21 @@ def bench_pp(engine, n_prompt: int, reps: int, depth: int = 0) -> Result:
         if r:
             times.append(dt)
     return _stats(f"pp{n_prompt}{_at(depth)}", n_prompt, times, depth)
+
+
+def bench_pp_prefix(engine, n_prompt: int, n_prefix: int, reps: int) -> Result:
+    shared = _tokens(engine, n_prefix, seed=10**6)  # a seed no other test uses: no other prompt starts so
+    times = []
+    for r in range(reps + 1):  # repetition 0 computes the shared prefix (and warms up)
+        s = engine.new_sequence(SamplingParams())
+        prompt = shared + _tokens(engine, n_prompt - n_prefix, seed=r)
+        t0 = time.perf_counter()
+        engine.prefill(s, prompt)
+        dt = time.perf_counter() - t0
+        engine.release(s)
+        if r:
+            times.append(dt)
+    return _stats(f"pp{n_prompt}@prefix{n_prefix}", n_prompt, times)
 
 
 def tg_prompt_len(i: int) -> int:
@@ -204,24 +222,35 @@ def cold_start(model_spec: str, device: str, reps: int = 3) -> Result:
 
 
 def run_benchmarks(
-    engine, *, n_prompt: int, n_gen: int, reps: int, batches: list[int], depths: tuple[int, ...] = (0,), model=None
+    engine,
+    *,
+    n_prompt: int,
+    n_gen: int,
+    reps: int,
+    batches: list[int],
+    depths: tuple[int, ...] = (0,),
+    n_prefix: int = 0,
+    model=None,
 ) -> dict:
-    """Every test at every depth; with the model (for its weight sizes) and a GPU the ceilings table knows, each
-    result also gets its share of that GPU's ceiling."""
+    """Every test at every depth (and pp with a cached prefix); with the model (for its weight sizes) and a GPU
+    the ceilings table knows, each result also gets its share of that GPU's ceiling."""
     results = []
     for depth in depths:
         if n_prompt:
             results.append(bench_pp(engine, n_prompt, reps, depth))
+        if n_prompt and n_prefix and not depth:
+            results.append(bench_pp_prefix(engine, n_prompt, n_prefix, reps))
         if n_gen:
             for b in batches:
                 results.append(bench_tg(engine, n_gen, reps, batch=b, depth=depth))
-    report: dict[str, Any] = {"results": []}
+    report: dict[str, Any] = {"results": [], "prefix_cache": engine.prefix_stats()}
     if engine.name == "cuda":
         mem = engine.memory_report()
         ceiling = ceiling_for(mem["device"], mem.get("compute_capability", 0))
         if ceiling is not None and model is not None:
             for r in results:
-                r.bound, r.ceiling_share = ceiling_share(model, r, ceiling, n_gen)
+                if "@prefix" not in r.test:  # most of its prompt is not computed: no FLOP count applies
+                    r.bound, r.ceiling_share = ceiling_share(model, r, ceiling, n_gen)
             report["ceiling"] = asdict(ceiling)
     report["results"] = [r.as_dict() for r in results]
     if engine.name == "cuda":

@@ -134,6 +134,8 @@ class Stats:
     running: int = 0
     kv_pages_used: int = 0
     kv_pages_total: int = 0
+    prefix_queried_tokens: int = 0  # prompt tokens the engine looked up in its prefix cache (engine.prefix_stats)
+    prefix_hit_tokens: int = 0  # of those, adopted from cached pages: prefill work saved
 
 
 class Scheduler:
@@ -343,7 +345,16 @@ class Scheduler:
         job.emit(e if isinstance(e, ApiError) else ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
 
     def _publish(self) -> None:
-        self.stats = Stats(len(self._waiting), len(self._running), self._live_engine().kv_pages_used(), self._kv_total)
+        engine = self._live_engine()
+        prefix = engine.prefix_stats()
+        self.stats = Stats(
+            len(self._waiting),
+            len(self._running),
+            engine.kv_pages_used(),
+            self._kv_total,
+            prefix["queried_tokens"],
+            prefix["hit_tokens"],
+        )
 
     def _end_all(self) -> None:
         """End every queued and running request with a 503 (shutdown)."""

@@ -42,6 +42,14 @@ def _int_list(option: str, text: str, low: int, example: str) -> list[int]:
     help="Generated tokens for the tg tests (0 skips them).",
 )
 @click.option(
+    "--prefix",
+    "n_prefix",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Also run pp with its first N tokens shared by every repetition (the prefix cache's saving; 0 skips it).",
+)
+@click.option(
     "-r",
     "--reps",
     default=5,
@@ -78,12 +86,28 @@ def _int_list(option: str, text: str, low: int, example: str) -> list[int]:
 @pubkey_option
 @json_option("the results")
 def bench(
-    model_spec, n_prompt, n_gen, reps, batches, depths, device, with_cold_start, allow_unverified, pubkeys, as_json
+    model_spec,
+    n_prompt,
+    n_gen,
+    n_prefix,
+    reps,
+    batches,
+    depths,
+    device,
+    with_cold_start,
+    allow_unverified,
+    pubkeys,
+    as_json,
 ):
     """Throughput like llama-bench: pp (prefill), tg (batch-1 and batched decode), each at the cache depths
-    asked for, cold start, GPU memory; on a known GPU each figure's share of the hardware's ceiling."""
+    asked for, pp with a cached prefix, cold start, GPU memory; on a known GPU each figure's share of the
+    hardware's ceiling."""
     sizes = _int_list("--batch", batches, 1, "1,4,16")
     depth_list = _int_list("--depth", depths, 0, "0,4096")
+    if n_prefix and n_prefix >= n_prompt:
+        raise UsageError(
+            f"--prefix {n_prefix} leaves no prompt tokens to compute", hint=f"use --prefix < -p {n_prompt}"
+        )
     opened = open_model_for_cli(model_spec, allow_unverified, quiet=as_json, pubkeys=pubkeys)
     model = opened.model
     # the longest sequence: the deepest cache, then the pp prompt or the longest tg prompt and its generation
@@ -91,7 +115,14 @@ def bench(
     engine = open_engine(model, device, kernels=opened.kernels, max_seqs=max(sizes), max_ctx=longest)
     try:
         report = run_benchmarks(
-            engine, n_prompt=n_prompt, n_gen=n_gen, reps=reps, batches=sizes, depths=tuple(depth_list), model=model
+            engine,
+            n_prompt=n_prompt,
+            n_gen=n_gen,
+            reps=reps,
+            batches=sizes,
+            depths=tuple(depth_list),
+            n_prefix=n_prefix,
+            model=model,
         )
         backend = engine.name
     finally:
@@ -130,6 +161,12 @@ def bench(
             f"ceiling ({ceiling['source']}, {ceiling['gpu']}): {ceiling['memory_bytes_s'] / 1e12:.2f} TB/s memory "
             f"(decode: weights + KV read per step), {ceiling['tensor_flop_s'] / 1e12:.0f} TFLOP/s dense fp16/bf16 "
             "(prefill)"
+        )
+    p = report["prefix_cache"]
+    if n_prefix and p["queried_tokens"]:
+        click.echo(
+            f"prefix cache {'on' if p['enabled'] else 'off (INGOT_PREFIX_CACHE=0)'}: {p['hit_tokens']} of "
+            f"{p['queried_tokens']} prompt tokens read from cached pages ({p['hit_rate']:.0%})"
         )
     if "gpu" in report:
         g = report["gpu"]
