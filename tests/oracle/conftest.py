@@ -25,7 +25,9 @@ def oracle_record(request):
 
 def _row(r: dict) -> str:
     def fmt(v):
-        return f"{v:.3e}" if isinstance(v, float) and abs(v) < 1e-2 and v else (f"{v:.4f}" if isinstance(v, float) else v)
+        if not isinstance(v, float):
+            return v
+        return f"{v:.3e}" if 0 < abs(v) < 1e-2 else f"{v:.4f}"
 
     return "  ".join(f"{k}={fmt(v)}" for k, v in r.items() if k != "test")
 

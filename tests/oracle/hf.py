@@ -160,6 +160,7 @@ def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
 
 def build(model: Model, device: str = "cpu") -> PreTrainedModel:
     """transformers' Gemma3ForCausalLM / Qwen3ForCausalLM with the GGUF's weights, float32, eval mode."""
+    torch.set_float32_matmul_precision("highest")  # float32 GEMMs on the GPU, not TF32
     cfg = hf_config(model.config, model)
     cls = Gemma3ForCausalLM if model.config.arch == "gemma3" else Qwen3ForCausalLM
     torch.manual_seed(0)  # the random init is overwritten below; seeded so a missed tensor is at least repeatable

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from model_fixtures import rewrite_gguf
 
 from ingot.runtime import settings
 from ingot.runtime.engines import open_engine
@@ -61,21 +62,43 @@ DEVICES = (
 )
 
 
+@pytest.fixture(scope="session")
+def oracle_synth(synth_model, tmp_path_factory):
+    """oracle_synth(shape) -> a synthetic Q4_K_M GGUF whose norm weights are spread over [0.25, 1.75] instead of
+    synth.py's 1 +- 0.02: with those, a misplaced norm (q_norm for k_norm, pre- for post-FFN) or Gemma's +1 not
+    undone moves the logits far past the bound, where near-1 norms would hide it."""
+    made: dict[str, Path] = {}
+
+    def make(shape: str) -> Path:
+        if shape not in made:
+            src = synth_model(shape, "Q4_K_M")
+            rng = np.random.default_rng(11)
+            norms = {n: t.shape for n, t in load_model(src).tensors.items() if n.endswith("norm.weight")}
+            spread = {n: ("F32", s, rng.uniform(0.25, 1.75, s).astype(np.float32).tobytes()) for n, s in norms.items()}
+            made[shape] = rewrite_gguf(src, tmp_path_factory.mktemp("oracle") / f"{shape}.gguf", replace=spread)
+        return made[shape]
+
+    return make
+
+
 @pytest.fixture(scope="module", params=CASES)
-def case(request, synth_model):
+def case(request, oracle_synth):
     """One model: its GGUF loaded by Ingot, its tokenizer, transformers' model of it, the text's tokens, and a
     memo of the oracle's answers (shared by the CPU and GPU engine tests)."""
     name = request.param
     if name == "gemma3-270m":
         path = request.getfixturevalue("gemma3_model_path")  # skips when the real GGUF is absent
     else:
-        path = synth_model(name, "Q4_K_M")
+        path = oracle_synth(name)
     model = load_model(path)
     tok = Tokenizer.from_model(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf = oracle.build(model, device)
-    text = tokenize_for_perplexity(tok, TEXT.read_text(encoding="utf-8"))
-    assert len(text) >= max(PREFILLS)
+    # The prefills read the text with its runs of spaces and newlines made single spaces: the file opens with a
+    # centred title, and a byte-level tokenizer would make the first prefills a row of identical space tokens
+    # (whose attention output is the same whatever the weights).
+    text = tok.encode(" ".join(TEXT.read_text(encoding="utf-8").split()))
+    assert len(text) >= max(PREFILLS) and len(set(text[:7])) == 7
     prompts = [tok.encode(p) for p in PROMPTS] + [chat_prompt(tok, CHAT)]
     engines: dict[str, object] = {}
     yield SimpleNamespace(name=name, model=model, tok=tok, hf=hf, text=text, prompts=prompts, memo={}, engines=engines)
@@ -153,6 +176,30 @@ def test_greedy_generation_matches_transformers(case, device, prompt, oracle_rec
         f"{case.name} on {device}, prompt {prompt}: first difference at token {same}: "
         f"{case.tok.decode(got)!r} vs transformers' {case.tok.decode(want)!r}"
     )
+
+
+@pytest.mark.parametrize(
+    "shape, wrong",
+    [("tiny-gemma3", "norm weights used as stored (the +1 not undone)"), ("tiny-qwen3", "q_norm and k_norm swapped")],
+)
+def test_the_comparison_catches_a_wrong_mapping(oracle_synth, monkeypatch, shape, wrong):
+    """The tests above can fail: transformers built with one of the converter's changes not undone (or two
+    names swapped) disagrees with the CPU engine far beyond the bound."""
+    if shape == "tiny-gemma3":
+        monkeypatch.setitem(oracle.NORM_SHIFT, "gemma3", 0.0)
+    else:
+        names = dict(oracle.BLOCK_NAMES["qwen3"])
+        names["attn_q_norm.weight"], names["attn_k_norm.weight"] = (
+            names["attn_k_norm.weight"],
+            names["attn_q_norm.weight"],
+        )
+        monkeypatch.setitem(oracle.BLOCK_NAMES, "qwen3", names)
+    model = load_model(oracle_synth(shape))
+    tokens = Tokenizer.from_model(model).encode("The quick brown fox jumps over the lazy dog.")
+    want = oracle.last_logits(oracle.build(model), tokens)
+    with open_engine(model, "cpu", max_seqs=1, max_ctx=64) as engine:
+        got = engine.logits(engine.new_sequence(SamplingParams()), tokens)[-1]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) > 10 * LOGITS_REL_L2, wrong
 
 
 # --- perplexity (long: INGOT_TEST_ORACLE_LONG=1) -----------------------------------------------------------
