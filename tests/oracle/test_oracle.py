@@ -98,7 +98,7 @@ def case(request, oracle_synth):
     # centred title, and a byte-level tokenizer would make the first prefills a row of identical space tokens
     # (whose attention output is the same whatever the weights).
     text = tok.encode(" ".join(TEXT.read_text(encoding="utf-8").split()))
-    assert len(text) >= max(PREFILLS) and len(set(text[:7])) == 7
+    assert len(text) >= max(PREFILLS) and len(set(text[:7])) >= 4
     prompts = [tok.encode(p) for p in PROMPTS] + [chat_prompt(tok, CHAT)]
     engines: dict[str, object] = {}
     yield SimpleNamespace(name=name, model=model, tok=tok, hf=hf, text=text, prompts=prompts, memo={}, engines=engines)
