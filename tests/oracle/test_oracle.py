@@ -17,7 +17,14 @@ measurement is computed once and shared by the two engines.
 
 Run: python3 -m pytest tests/oracle -q [INGOT_TEST_ORACLE_LONG=1]; the numbers are printed at the end (and
 written to $OUT/oracle.json). Skipped without torch + transformers (CI has neither), and the Gemma 3 270M cases
-without its GGUF (`ingot model fetch gemma3-270m`).
+without its GGUF (`ingot model fetch gemma3-270m`, or INGOT_TEST_GEMMA3=path). On the GPU machine:
+
+    . tests/gpu/device_env.sh
+    INGOT_TEST_GEMMA3=/path/to/gemma-3-270m-q4_k_m.gguf INGOT_TEST_ORACLE_LONG=1 python3 -m pytest tests/oracle -q
+
+Measured on a CPU (torch 2.13 CPU, transformers 5.17), CPU engine vs transformers: relative L2 of the last
+logits 5e-7 .. 4e-6 for Gemma 3 270M, at most 2e-5 for the synthetic models; all argmaxes and all 4 x 32 greedy
+tokens the same.
 """
 
 from __future__ import annotations
