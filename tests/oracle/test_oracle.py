@@ -24,7 +24,7 @@ without its GGUF (`ingot model fetch gemma3-270m`, or INGOT_TEST_GEMMA3=path). O
 
 Measured on a CPU (torch 2.13 CPU, transformers 5.17), CPU engine vs transformers: relative L2 of the last
 logits 5e-7 .. 4e-6 for Gemma 3 270M, at most 2e-5 for the synthetic models; all argmaxes and all 4 x 32 greedy
-tokens the same.
+tokens the same; Gemma 3 270M's perplexity over the 14 chunks 13.8291 from both (20 minutes on two busy cores).
 """
 
 from __future__ import annotations
