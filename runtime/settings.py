@@ -151,6 +151,13 @@ TEST_MODELS = Setting(
     "a list of GGUF or bundle paths separated by ':'",
     "Tests only: extra real models the GPU engine tests run against (tests/gpu).",
 )
+TEST_ORACLE_LONG = Setting(
+    "INGOT_TEST_ORACLE_LONG",
+    False,
+    _flag,
+    "1 or 0",
+    "Tests only: 1 runs the long transformers-oracle tests (tests/oracle: Gemma 3 270M perplexity, minutes on CPU).",
+)
 
 ALL: tuple[Setting, ...] = (
     CACHE_DIR,
@@ -165,6 +172,7 @@ ALL: tuple[Setting, ...] = (
     TEST_GEMMA3,
     TRUSTED_KEYS,
     TEST_MODELS,
+    TEST_ORACLE_LONG,
 )
 
 

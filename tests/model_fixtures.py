@@ -120,7 +120,7 @@ def rewrite_gguf(
         if replace and t.name in replace:
             qtype, shape, raw = replace[t.name]
             block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-            data = np.frombuffer(raw, dtype=np.uint8).reshape(shape[0], shape[1] // block * size)
+            data = np.frombuffer(raw, dtype=np.uint8).reshape(*shape[:-1], shape[-1] // block * size)
             w.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType[qtype])
         else:
             w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
