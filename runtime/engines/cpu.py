@@ -95,13 +95,15 @@ class CpuEngine:
         )
         return seq
 
-    def prefill(self, seq: int, tokens: Sequence[int]) -> int:
+    def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
         s = self._admit(seq, tokens)  # refuses an empty prompt, so the loop runs at least once
         for i in range(0, len(tokens), PREFILL_CHUNK):
             hidden = self._forward(s, tokens[i : i + PREFILL_CHUNK])
-        return self._sample(s, logits(self.config, self.weights, hidden[-1:])[0])
+        return self._sample(s, logits(self.config, self.weights, hidden[-1:])[0], mask)
 
-    def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    def decode(
+        self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None
+    ) -> list[int]:
         if len(seqs) != len(tokens):
             raise UsageError(f"decode got {len(seqs)} sequences but {len(tokens)} tokens")
         batch = [self._admit(seq, [tok]) for seq, tok in zip(seqs, tokens, strict=False)]
@@ -109,7 +111,8 @@ class CpuEngine:
         for s, tok in zip(batch, tokens, strict=False):
             s.tokens.append(int(tok))
         rows = logits(self.config, self.weights, hidden)  # [B, V]
-        return [self._sample(s, row) for s, row in zip(batch, rows, strict=False)]
+        masks = masks if masks is not None else [None] * len(batch)
+        return [self._sample(s, row, m) for s, row, m in zip(batch, rows, masks, strict=True)]
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         s = self._admit(seq, tokens)
@@ -174,5 +177,5 @@ class CpuEngine:
         s.tokens.extend(int(t) for t in tokens)
         return hidden
 
-    def _sample(self, s: _Sequence, row: np.ndarray) -> int:
-        return sample(row, s.params, s.rng, s.tokens)
+    def _sample(self, s: _Sequence, row: np.ndarray, mask: np.ndarray | None = None) -> int:
+        return sample(row, s.params, s.rng, s.tokens, mask)
