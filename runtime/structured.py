@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import llguidance
 import numpy as np
@@ -42,7 +43,7 @@ SPECIAL_MARK = b"\xff"  # llguidance's prefix for a token that is never text
 
 # llguidance's JSON compiler defaults: "whitespace_flexible": False keeps the output compact JSON (no runs of
 # spaces a random-weight model could loop in until max_tokens); key order as the schema lists them.
-JSON_OPTIONS = {"whitespace_flexible": False, "coerce_one_of": True}
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "coerce_one_of": True}  # llguidance's JsonCompileOptions
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,8 @@ def end_token(tokenizer: Tokenizer) -> int:
 
 class Grammars:
     """The model's llguidance tokenizer (built once: 0.4 s for SmolLM2's 49,152 tokens, 3 s for Gemma's
-    262,144, on a loaded 2-core machine) and the matchers made with it. n_vocab is the logits width (the model's, which may exceed the
-    vocabulary's: padded embedding rows are never allowed)."""
+    262,144, on a loaded 2-core machine) and the matchers made with it. n_vocab is the logits width (the
+    model's, which may exceed the vocabulary's: padded embedding rows are never allowed)."""
 
     def __init__(self, tokenizer: Tokenizer, n_vocab: int):
         vocab = tokenizer.vocab

@@ -69,13 +69,14 @@ def chat_template(vocab: Vocab) -> str | None:
 HERMES_TEMPLATE = """\
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
-{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
-{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function \
-signatures within <tools></tools> XML tags:\\n<tools>" }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}\
+{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\
+You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
 {%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
-{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call>\
-</tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>\
-<|im_end|>\\n" }}
+{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments \
+within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": \
+<args-json-object>}\\n</tool_call><|im_end|>\\n" }}
 {%- elif messages[0]['role'] == 'system' %}
 {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
 {%- endif %}

@@ -72,7 +72,7 @@ def call_grammar(fmt: str, tools: list[dict], special: set[str] = frozenset()) -
     schema = json.dumps(call_schema(fmt, tools), separators=(",", ":"))
     if fmt == "hermes":
         return (
-            f"start: {_literal('<tool_call>', special)} \"\\n\" call \"\\n\" {_literal('</tool_call>', special)}\n"
+            f'start: {_literal("<tool_call>", special)} "\\n" call "\\n" {_literal("</tool_call>", special)}\n'
             f"call: %json {schema}\n"
         )
     return f"start: call\ncall: %json {schema}\n"

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ingot.runtime.model.gguf import Vocab
+from ingot.runtime.model.toolcalls import ToolCall, parse_calls
 from ingot.runtime.sampling import SamplingParams
 from ingot.runtime.server.request import (
     ApiError,
@@ -34,9 +35,9 @@ from ingot.runtime.server.request import (
     validate,
     with_tools,
 )
-from ingot.runtime.structured import Constraint, json_schema
 from ingot.runtime.server.scheduler import Job
 from ingot.runtime.server.server import Server
+from ingot.runtime.structured import Constraint, json_schema
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -211,7 +212,7 @@ def parse_chat(body: Any, vocab: Vocab | None = None) -> TextRequest:
 def parse_completion(body: Any) -> TextRequest:
     b = validate(CompletionBody, body)
     prompt = b.prompt[0] if isinstance(b.prompt, list) and isinstance(b.prompt[0], str) else b.prompt
-    return TextRequest(prompt=prompt, max_tokens=b.max_tokens, **b.fields())  # type: ignore[arg-type]
+    return TextRequest(prompt=prompt, max_tokens=b.max_tokens, **b.fields())
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -239,16 +240,40 @@ def _text_choice(text: str | None, finish: str | None) -> dict:
     return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
 
-async def _stream(job: Job, head: dict, chat: bool, include_usage: bool) -> AsyncIterator[ServerSentEvent]:
+def _tool_calls(calls: list[ToolCall]) -> list[dict]:
+    return [
+        {
+            "id": f"call_{secrets.token_hex(12)}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for c in calls
+    ]
+
+
+async def _stream(job: Job, head: dict, chat: bool, include_usage: bool, tools: str | None) -> AsyncIterator:
+    """Chunks as they come; with tools on (a chat with a tool-call format), the text is held back and parsed
+    at the end, then sent as one content delta or as tool_calls deltas (one per call, each whole)."""
     choice = _chat_choice if chat else _text_choice
     usage = {"usage": None} if include_usage else {}
     if chat:
         yield _event(head | {"choices": [choice(None, None)]} | usage)
+    held = []
     async for chunk in job.chunks():
-        if chunk.text:
+        if chunk.text and tools is None:
             yield _event(head | {"choices": [choice(chunk.text, None)]} | usage)
+        held.append(chunk.text)
         if chunk.finish_reason:
-            yield _event(head | {"choices": [choice("", FINISH[chunk.finish_reason])]} | usage)
+            finish = FINISH[chunk.finish_reason]
+            if tools is not None:
+                text, calls = parse_calls("".join(held), tools)
+                if text:
+                    yield _event(head | {"choices": [choice(text, None)]} | usage)
+                for i, call in enumerate(_tool_calls(calls)):
+                    delta = {"tool_calls": [{"index": i} | call]}
+                    yield _event(head | {"choices": [{"index": 0, "delta": delta, "logprobs": None}]} | usage)
+                finish = "tool_calls" if calls else finish
+            yield _event(head | {"choices": [choice("", finish)]} | usage)
     if include_usage:
         yield _event(head | {"choices": [], "usage": _usage(job)})
     yield ServerSentEvent(data="[DONE]")
@@ -258,7 +283,7 @@ def _stream_error(e: ApiError) -> ServerSentEvent:
     return _event(error_body(e))
 
 
-async def _respond(server: Server, request: Request, req: TextRequest, body: Fields, chat: bool) -> Response:
+async def _respond(server: Server, request: Request, req: TextRequest, include_usage: bool, chat: bool) -> Response:
     job = await server.start(req)
     head = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
@@ -267,37 +292,41 @@ async def _respond(server: Server, request: Request, req: TextRequest, body: Fie
         "model": server.model_id,
     }
     if req.stream:
-        options = body.fields("stream_options")
-        include_usage = bool(options and options.get("include_usage", bool, default=False))
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
-        return server.stream(job, _stream(job, head, chat, include_usage), _stream_error)
+        return server.stream(job, _stream(job, head, chat, include_usage, req.tool_format), _stream_error)
     text = await server.collect(request, job)
     finish = FINISH[job.generation.ended_by]
     if chat:
         head["object"] = "chat.completion"
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if req.tool_format is not None:
+            text, calls = parse_calls(text, req.tool_format)
+            if calls:
+                message |= {"content": text or None, "tool_calls": _tool_calls(calls)}
+                finish = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     return JSONResponse(head | {"choices": [choice], "usage": _usage(job)})
 
 
 async def chat_completions(server: Server, request: Request) -> Response:
-    body = Fields(await server.read_json(request))
-    req = parse_chat(body)
+    body = await server.read_json(request)
+    req = parse_chat(body, server.model.vocab)
     server.check_model(req.model)
-    return await _respond(server, request, req, body, chat=True)
+    return await _respond(server, request, req, _include_usage(body), chat=True)
 
 
 async def completions(server: Server, request: Request) -> Response:
-    body = Fields(await server.read_json(request))
+    body = await server.read_json(request)
     req = parse_completion(body)
     server.check_model(req.model)
-    return await _respond(server, request, req, body, chat=False)
+    return await _respond(server, request, req, _include_usage(body), chat=False)
+
+
+def _include_usage(body: dict) -> bool:
+    """stream_options.include_usage (validated by parse_*)."""
+    return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
 def _model_card(server: Server) -> dict:

@@ -50,7 +50,6 @@ class TextRequest:
     constraint: Constraint | None = None  # what the output must be (structured output, a forced tool call)
 
 
-
 # --- validation ------------------------------------------------------------------------------------------
 
 # JSON types without coercion: "5" is not a number, true is not an integer (JSON true is a bool), 1.5 is
@@ -143,7 +142,9 @@ def with_tools(req: TextRequest, vocab: Vocab, tools: list[dict], choice: str, n
         if not chosen:
             raise ApiError(400, f"tool_choice: no tool is named {name!r}", param="tool_choice")
         if constraint is not None:
-            raise ApiError(400, "tool_choice: a forced tool call cannot also have a response format", param="tool_choice")
+            raise ApiError(
+                400, "tool_choice: a forced tool call cannot also have a response format", param="tool_choice"
+            )
         special = {t for t, kind in zip(vocab.tokens, vocab.types, strict=False) if kind in (3, 4)}
         constraint = checked(Constraint("lark", call_grammar(fmt, chosen, special)), "tools")
     return replace(req, tools=tools, tool_format=fmt, constraint=constraint)

@@ -82,6 +82,7 @@ class Server:
         self.model_id = Path(spec).stem  # `smollm2`, or the file name without .gguf/.ingot
         self.created = int(time.time())
         self._loaded: tuple[Model, Tokenizer, Engine] | None = None  # set by load(), on the engine thread
+        self.scheduler: Scheduler
         self.metrics = Metrics(lambda: self.scheduler.stats)
         self.scheduler = Scheduler(self.metrics)
         self.on_failure: Callable[[BaseException], None] = lambda e: None

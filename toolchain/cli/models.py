@@ -18,8 +18,7 @@ from ingot.runtime.model.chat import chat_prompt
 from ingot.runtime.model.fetch import MODELS
 from ingot.runtime.model.fetch import fetch as fetch_model
 from ingot.runtime.model.synth import QUANTS, SHAPES, synthesize
-from ingot.runtime.model.templates import TOOL_TEMPLATES
-from ingot.runtime.model.templates import builtin_template
+from ingot.runtime.model.templates import TOOL_TEMPLATES, builtin_template
 from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.perplexity import perplexity, tokenize_for_perplexity
 from ingot.runtime.resolve import Opened, open_model
