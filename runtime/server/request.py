@@ -87,13 +87,15 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal", 
 
 
 def validate(model: type[M], body: Any) -> M:
-    """The body as `model`, or a 400 naming the first offending field."""
+    """The body as `model`, or a 400 naming the offending field (`param` and the message's start)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
+        # A union's members each add an error; the one that got deepest into the value says most.
+        errors = e.errors(include_url=False)
+        err = max(errors, key=lambda x: len(_param(tuple(x["loc"]))))
         param = _param(tuple(err["loc"]))
         message = err["msg"][0].lower() + err["msg"][1:]
         raise ApiError(400, f"{param or 'the request body'}: {message}", param=param or None) from None
