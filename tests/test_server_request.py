@@ -15,23 +15,23 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 def _chat(**kw):
-    return openai.parse_chat(({"model": "m", "messages": MSGS} | kw))
+    return openai.parse_chat({"model": "m", "messages": MSGS} | kw)
 
 
 def _completion(**kw):
-    return openai.parse_completion(({"model": "m", "prompt": "hi"} | kw))
+    return openai.parse_completion({"model": "m", "prompt": "hi"} | kw)
 
 
 def _messages(**kw):
-    return anthropic.parse_messages(({"model": "m", "messages": MSGS, "max_tokens": 5} | kw))
+    return anthropic.parse_messages({"model": "m", "messages": MSGS, "max_tokens": 5} | kw)
 
 
 def _ollama_chat(body=None, **options):
-    return ollama.parse_chat(({"model": "m", "messages": MSGS, "options": options} | (body or {})))
+    return ollama.parse_chat({"model": "m", "messages": MSGS, "options": options} | (body or {}))
 
 
 def _ollama_generate(body=None, **options):
-    return ollama.parse_generate(({"model": "m", "prompt": "hi", "options": options} | (body or {})))
+    return ollama.parse_generate({"model": "m", "prompt": "hi", "options": options} | (body or {}))
 
 
 # --- sampling parameters reach SamplingParams ------------------------------------------------------

@@ -63,6 +63,8 @@ class Shape:
 
 SHAPES = {
     "tiny": Shape("llama", 64, 2, 4, 2, 192, 512, 256, 10000.0, tied=True),
+    # tiny with a 4,096-token context: a tool list rendered by a tool-calling template fits its prompt
+    "tiny-4k": Shape("llama", 64, 2, 4, 2, 192, 512, 4096, 10000.0, tied=True),
     "tiny-qwen2": Shape("qwen2", 64, 2, 4, 2, 192, 512, 256, 1000000.0, tied=False, qkv_bias=True),
     "tiny-llama3": Shape("llama", 64, 2, 4, 1, 192, 512, 256, 500000.0, tied=False, llama3_rope_scaling=True),
     # K-quant-sized tiny shapes (rows of 256 or 512 weights); head_dim != dim / n_heads as in the real ones.
