@@ -308,7 +308,8 @@ class Scheduler:
             self._running.append(job)
             if job.constraint is not None:
                 job.matcher = self._grammars_of(job).matcher(job.constraint)
-            token = engine.prefill(seq, job.request.prompt_tokens, job.matcher.mask() if job.matcher else None)
+            prompt = job.request.prompt_tokens
+            token = engine.prefill(seq, prompt, job.matcher.mask()) if job.matcher else engine.prefill(seq, prompt)
         except Exception as e:
             self._fail(job, e)
             return
@@ -322,9 +323,9 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         try:
-            tokens = self._live_engine().decode(
-                [j.live_seq for j in batch], [j.last_token for j in batch], self._masks(batch)
-            )
+            seqs, last, masks = [j.live_seq for j in batch], [j.last_token for j in batch], self._masks(batch)
+            engine = self._live_engine()
+            tokens = engine.decode(seqs, last, masks) if masks else engine.decode(seqs, last)
         except Exception as e:
             for job in batch:
                 self._fail(job, e)
