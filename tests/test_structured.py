@@ -151,3 +151,35 @@ def test_templates_render_tools_calls_and_results(tiny):
     text = tok.decode(chat_prompt(tok, conversation, [TOOL]))
     assert '"name": "f"' in text and "<tools>" in text and "<tool_response>\ndone\n</tool_response>" in text
     assert '<tool_call>\n{"name": "f", "arguments": {"x": true}}\n</tool_call>' in text
+
+
+def test_synth_writes_the_chosen_template(tmp_path):
+    import subprocess
+    import sys
+
+    from ingot.runtime.model.synth import synthesize
+
+    out = tmp_path / "l.gguf"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ingot",
+            "model",
+            "synth",
+            "--shape",
+            "tiny",
+            "--quant",
+            "Q8_0",
+            "--template",
+            "llama3.1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert load_model(out).vocab.chat_template == LLAMA31_TEMPLATE
+    with pytest.raises(UsageError, match="unknown chat template"):
+        synthesize("tiny", "Q8_0", tmp_path / "x.gguf", template="mistral")
