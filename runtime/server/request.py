@@ -70,20 +70,23 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def _param(loc: tuple) -> str:
-    """pydantic's error location as a field path: ("messages", 0, "role") -> "messages[0].role". Union and
-    tagged-union members add their type's name to the location ("str", "list[str]", "text"); they are dropped."""
+    """pydantic's error location as a field path: ("messages", 0, "role") -> "messages[0].role". Union members
+    add their type to the location ("str", "list[str]", "NamedToolChoice"), and a tagged union its tag before
+    the member's field ("text", "tool_use"); those are dropped."""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif "[" in part or part in _TYPE_TAGS:
             continue
-        else:
-            out += f".{part}" if out else part
+        tag_before_field = part in _TAGS and i + 1 < len(loc) and isinstance(loc[i + 1], str)
+        if "[" in part or part in _PRIMITIVES or part[:1].isupper() or tag_before_field:
+            continue
+        out += f".{part}" if out else part
     return out
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal", "function-after", "text", "image"}
+_PRIMITIVES = {"str", "int", "float", "bool", "dict", "list", "none"}
+_TAGS = {"text", "tool_use", "tool_result"}  # the discriminator values of Anthropic's content blocks
 
 
 def validate(model: type[M], body: Any) -> M:
