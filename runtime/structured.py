@@ -142,13 +142,14 @@ def end_token(tokenizer: Tokenizer) -> int:
     vocab = tokenizer.vocab
     if vocab.eot_id is not None:
         return vocab.eot_id
+    ends = {vocab.tokens[i]: i for i in tokenizer.eog_ids if i is not None}
     for text in END_OF_GENERATION_TEXTS:
-        for i in tokenizer.eog_ids:
-            if vocab.tokens[i] == text:
-                return i
-    if tokenizer.eos_id is None:
+        if text in ends:
+            return ends[text]
+    eos = tokenizer.eos_id
+    if eos is None:
         raise UsageError("the model names no end-of-generation token, so its output cannot be constrained")
-    return tokenizer.eos_id
+    return eos
 
 
 class Grammars:
