@@ -91,7 +91,7 @@ def test_openai_json_schema_output_validates(plain_server, seed):
 
 def test_openai_json_object_and_streamed_schema(plain_server):
     client = _oai(plain_server)
-    r = client.chat.completions.create(
+    r = client.chat.completions.create(  # any object: unbounded, so seeded (this draw closes within MAX_TOKENS)
         model=_model(plain_server), messages=ASK, max_tokens=MAX_TOKENS, seed=4, response_format={"type": "json_object"}
     )
     assert isinstance(json.loads(r.choices[0].message.content), dict)
@@ -109,9 +109,13 @@ def test_openai_json_object_and_streamed_schema(plain_server):
 
 def test_ollama_format_schema_and_json(plain_server):
     client = ollama.Client(host=plain_server.url)
-    r = client.chat(model=_model(plain_server), messages=ASK, format=PERSON, options={"num_predict": MAX_TOKENS})
+    r = client.chat(
+        model=_model(plain_server), messages=ASK, format=PERSON, options={"num_predict": MAX_TOKENS, "seed": 2}
+    )
     jsonschema.validate(json.loads(r.message.content), PERSON)
-    r = client.generate(model=_model(plain_server), prompt="hello", format="json", options={"num_predict": MAX_TOKENS})
+    # "json" is any object, unbounded: the seed fixes the draw (this one closes its object within MAX_TOKENS)
+    options = {"num_predict": MAX_TOKENS, "seed": 6}
+    r = client.generate(model=_model(plain_server), prompt="hello", format="json", options=options)
     assert isinstance(json.loads(r.response), dict)
 
 
