@@ -64,14 +64,15 @@ def gemma3_tokenizer(gemma3_model):
 
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory):
-    """synth_model(shape, qtype) -> path of a synthetic GGUF, written once per session."""
-    made: dict[tuple[str, str], Path] = {}
+    """synth_model(shape, qtype, template) -> path of a synthetic GGUF, written once per session."""
+    made: dict[tuple[str, str, str], Path] = {}
     folder = tmp_path_factory.mktemp("synth")
 
-    def make(shape: str = "tiny", qtype: str = "Q4_1") -> Path:
-        if (shape, qtype) not in made:
-            made[shape, qtype] = synthesize(shape, qtype, folder / f"{shape}-{qtype}.gguf", seed=7)
-        return made[shape, qtype]
+    def make(shape: str = "tiny", qtype: str = "Q4_1", template: str = "chatml") -> Path:
+        if (shape, qtype, template) not in made:
+            name = f"{shape}-{qtype}.gguf" if template == "chatml" else f"{shape}-{qtype}-{template}.gguf"
+            made[shape, qtype, template] = synthesize(shape, qtype, folder / name, seed=7, template=template)
+        return made[shape, qtype, template]
 
     return make
 

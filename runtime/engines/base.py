@@ -8,6 +8,11 @@ KV capacity is counted in pages of `kv_page_size` tokens by every engine (the GP
 the CPU engine keeps a whole-context cache per sequence and counts it in pages of the same size), so the
 server's admission control treats both alike. Both keep a prefix cache over those pages (kvcache.py): a
 prefill whose leading full pages were computed before adopts them instead of computing them again.
+
+Constrained decoding (runtime/structured.py) reaches an engine as token masks: a bitmask row, np.uint32
+[ceil(V/32)] with bit t % 32 of word t // 32 set when token t may be sampled, for the token prefill samples
+and for each sequence of a decode step (None: unconstrained). Masked tokens are out before every sampling
+rule (the repetition penalty, top-k/top-p/min-p, the argmax), as llama.cpp applies its grammar sampler first.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ class Engine(Protocol):
     def new_sequence(self, params: SamplingParams) -> int:
         """Allocate KV state; returns the sequence id."""
 
-    def prefill(self, seq: int, tokens: Sequence[int]) -> int:
-        """Append tokens; return the next sampled token."""
+    def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
+        """Append tokens; return the next sampled token (one `mask` allows, when given)."""
 
-    def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> list[int]:
-        """One step: feed tokens[i] to seqs[i]; return the next sampled token of each."""
+    def decode(
+        self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None
+    ) -> list[int]:
+        """One step: feed tokens[i] to seqs[i]; return the next sampled token of each (masks[i] allows it)."""
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         """Append tokens; return float32 logits [len(tokens), n_vocab], one row per position."""

@@ -112,14 +112,16 @@ class CpuEngine:
         )
         return seq
 
-    def prefill(self, seq: int, tokens: Sequence[int]) -> int:
+    def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
         s = self._admit(seq, tokens)  # refuses an empty prompt, so the loop runs at least once
         rest = tokens[self._adopt(s, tokens) :]  # never empty: the last token is always computed
         for i in range(0, len(rest), PREFILL_CHUNK):
             hidden = self._forward(s, rest[i : i + PREFILL_CHUNK])
-        return self._sample(s, logits(self.config, self.weights, hidden[-1:])[0])
+        return self._sample(s, logits(self.config, self.weights, hidden[-1:])[0], mask)
 
-    def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    def decode(
+        self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None
+    ) -> list[int]:
         if len(seqs) != len(tokens):
             raise UsageError(f"decode got {len(seqs)} sequences but {len(tokens)} tokens")
         batch = [self._admit(seq, [tok]) for seq, tok in zip(seqs, tokens, strict=False)]
@@ -130,7 +132,8 @@ class CpuEngine:
             s.tokens.append(int(tok))
             self._register(s, [tok])
         rows = logits(self.config, self.weights, hidden)  # [B, V]
-        return [self._sample(s, row) for s, row in zip(batch, rows, strict=False)]
+        masks = masks if masks is not None else [None] * len(batch)
+        return [self._sample(s, row, m) for s, row, m in zip(batch, rows, masks, strict=True)]
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         s = self._admit(seq, tokens)
@@ -229,5 +232,5 @@ class CpuEngine:
     def _drop_page(self, page: int) -> None:
         del self._page_rows[page]
 
-    def _sample(self, s: _Sequence, row: np.ndarray) -> int:
-        return sample(row, s.params, s.rng, s.tokens)
+    def _sample(self, s: _Sequence, row: np.ndarray, mask: np.ndarray | None = None) -> int:
+        return sample(row, s.params, s.rng, s.tokens, mask)

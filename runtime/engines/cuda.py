@@ -174,6 +174,7 @@ class CudaEngine:
     def _alloc_buffers(self) -> None:
         c, B, T = self.config, self.max_seqs, PREFILL_CHUNK
         D, F, V = c.dim, c.ffn_dim, c.n_vocab
+        self.mask_words = (V + 31) // 32  # an allowed-token bitmask row
         Dq, Dqkv = c.n_heads * c.head_dim, self.qkv_dim
         widest = max(D, Dq, F)
         a = self.pool.alloc
@@ -187,6 +188,7 @@ class CudaEngine:
                 ("top_k", np.int32, B),
                 ("hist_len", np.int32, B),
                 ("counter", np.int32, B),
+                ("masked", np.int32, B),  # constrained decoding: row b's mask applies (runtime/structured.py)
                 ("temperature", np.float32, B),
                 ("top_p", np.float32, B),
                 ("min_p", np.float32, B),
@@ -194,6 +196,7 @@ class CudaEngine:
                 ("seed", np.uint64, B),
                 ("hist", np.int32, B * HIST_CAP),
                 ("block_table", np.int32, B * self.max_pages),
+                ("mask", np.uint32, B * self.mask_words),  # uploaded only in steps with a masked row
             ],
         )
         self.step.host["slots"][:] = np.arange(B)
@@ -224,12 +227,14 @@ class CudaEngine:
                 ("top_k", np.int32, 1),
                 ("hist_len", np.int32, 1),
                 ("counter", np.int32, 1),
+                ("masked", np.int32, 1),
                 ("temperature", np.float32, 1),
                 ("top_p", np.float32, 1),
                 ("min_p", np.float32, 1),
                 ("penalty", np.float32, 1),
                 ("seed", np.uint64, 1),
                 ("hist", np.int32, HIST_CAP),
+                ("mask", np.uint32, self.mask_words),
             ],
         )
         self.pre.host["slots"][:] = 0
@@ -344,8 +349,10 @@ class CudaEngine:
 
     @staticmethod
     def _sample_args(io: _HostDevice) -> dict:
-        names = ("temperature", "top_k", "top_p", "min_p", "penalty", "hist", "hist_len", "seed", "counter")
-        return {n: io.ptr[n] for n in names} | {"hist_cap": HIST_CAP}
+        names: tuple[str, ...] = ("temperature", "top_k", "top_p", "min_p", "penalty", "hist", "hist_len", "seed")
+        names += ("counter", "masked", "mask")  # masked, mask: constrained decoding
+        mask_words = io.host["mask"].size // io.host["masked"].size  # the same width for every row
+        return {n: io.ptr[n] for n in names} | {"hist_cap": HIST_CAP, "mask_words": mask_words}
 
     def _prefill_launches(self, T: int, all_logits: bool) -> list[Launch]:
         """The layers over T tokens of one sequence at positions pre.pos[0..T). Ends with logits of every row
@@ -461,7 +468,10 @@ class CudaEngine:
 
     # --- the Engine interface ----------------------------------------------------------------------
 
-    def prefill(self, seq: int, tokens: Sequence[int]) -> int:
+    def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
+        self.pre.host["masked"][0] = mask is not None
+        if mask is not None:
+            self.pre.host["mask"][:] = mask
         self._run_prefill(seq, tokens, all_logits=False)
         self.stream.download(self.out_host.view(np.int32, 0, 1), self.out_tokens.ptr)
         self.stream.synchronize()
@@ -517,7 +527,9 @@ class CudaEngine:
             plan = self._prefill_plans[key] = self._prefill_launches(T, all_logits)
         return plan
 
-    def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    def decode(
+        self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None
+    ) -> list[int]:
         B = len(seqs)
         if B == 0:
             return []
@@ -543,6 +555,13 @@ class CudaEngine:
                 s.host["block_table"][b * self.max_pages : b * self.max_pages + len(st.pages)] = st.pages
             last = "block_table"
             self._bt_signature = signature
+        s.host["masked"][:B] = [m is not None for m in masks] if masks is not None else 0
+        if masks is not None and any(m is not None for m in masks):
+            W = self.mask_words
+            for b, m in enumerate(masks):
+                if m is not None:
+                    s.host["mask"][b * W : (b + 1) * W] = m
+            last = "mask"  # the block tables ride along (their host copy is current)
         s.upload(self.stream, "tokens", last)
         graph = self._graphs.get(B)
         if graph is None:
