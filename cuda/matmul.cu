@@ -95,24 +95,14 @@ struct TileF16 {
     }
 };
 
-// The weights.cuh types: each thread dequantizes weights [h*16, h*16+16) of its row's block (exact fp32 values,
-// rounded once to fp16 as the other tiles do).
+// The weights.cuh types: each thread dequantizes weights [h*16, h*16+16) of its row's block (deq_half_row).
 template <typename W>
 struct TileW {
     W w;
-    template <int H>
-    __device__ __forceinline__ static void half_row(const typename W::Block& b, const int4& lo, const int4& hi,
-                                                    __half (&v)[16]) {
-#pragma unroll
-        for (int i = 0; i < 16; i++) v[i] = __float2half(W::deq(b, lo, hi, H * 16 + i));
-    }
     __device__ void load(__half (*sB)[LDS], long long n, int N, int nb, int kb, int row, int h) const {
         __half v[16];
         if (n < N) {
-            const typename W::Block b = w.load(n, kb);
-            int4 lo, hi;
-            W::words(b, lo, hi);
-            if (h == 0) half_row<0>(b, lo, hi, v); else half_row<1>(b, lo, hi, v);
+            deq_half_row(w, n, kb, h, v);
         } else {
 #pragma unroll
             for (int i = 0; i < 16; i++) v[i] = __float2half(0.0f);

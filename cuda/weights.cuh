@@ -259,6 +259,22 @@ struct Q2_KW {
     }
 };
 
+// Weights [h*16, h*16+16) of block kb of row r as fp16 (the GEMM's tile, matmul.cu): gguf's exact fp32 value,
+// rounded once. h is 0 or 1; each branch unrolls with constant indices, so the codes stay in registers.
+template <typename W>
+__device__ __forceinline__ void deq_half_row(const W& w, long long r, int kb, int h, __half (&v)[16]) {
+    const typename W::Block b = w.load(r, kb);
+    int4 lo, hi;
+    W::words(b, lo, hi);
+    if (h == 0) {
+#pragma unroll
+        for (int i = 0; i < 16; i++) v[i] = __float2half(W::deq(b, lo, hi, i));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; i++) v[i] = __float2half(W::deq(b, lo, hi, 16 + i));
+    }
+}
+
 // Every soa-v2 type with a generic struct: X(name, struct, kernel parameters, struct initializers).
 #define FOR_EACH_GENERIC_TYPE(X)                         \
     X(q5_0, Q5_0W, Q5_0_PARAMS, Q5_0_ARGS)               \

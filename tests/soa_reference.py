@@ -4,6 +4,7 @@ pack(): GGUF blocks -> the arrays cuda/repack.cu writes, byte for byte (what the
 arrays with). dequantize(): those arrays -> fp32 weights by the formulas of cuda/weights.cuh, in the same fp32
 order (the CPU test checks them against gguf's dequantization, bit for bit). random_blocks(): GGUF bytes of any
 type with random quants and chosen scales (gguf-py quantizes only some types; random bytes reach every bit).
+q8x2(): the GPU's quantized activations (common.cuh warp_quantize_q8x2), emulated exactly.
 """
 
 from __future__ import annotations
@@ -111,7 +112,11 @@ def _codes(qtype: str, b: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]
     shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     codes = ((b[:, off : off + 64].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
     if qtype == "Q2_K":
-        return codes.reshape(-1, 32), {"sc": b[:, 0:16].reshape(-1).copy(), "d": _f16(b[:, 80:82]), "m": _f16(b[:, 82:84])}
+        return codes.reshape(-1, 32), {
+            "sc": b[:, 0:16].reshape(-1).copy(),
+            "d": _f16(b[:, 80:82]),
+            "m": _f16(b[:, 82:84]),
+        }
     hbits = np.unpackbits(b[:, 0:32].reshape(n, 1, 32), axis=1, bitorder="little")  # [n, 8 = 4h + j, 32]
     codes = codes | (hbits << 2)
     k6 = b[:, 96:108]
@@ -197,3 +202,35 @@ def dequantize(qtype: str, arrays: dict[str, np.ndarray], rows: int, cols: int) 
     sc = a["sc"].view(np.int8).reshape(nb, 2)[:, half].astype(f32)
     offset = f32(32) if qtype == "Q6_K" else f32(4)
     return ((d * sc) * (q - offset)).reshape(rows, cols)
+
+
+def q8x2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy emulation of the GPU's q8x2 (warp_quantize_q8x2 in cuda/common.cuh), operation for operation so the
+    int8 codes match exactly: per 32 values d1 = amax/127, d2 = d1/254, q1 = rint(x * rcp(d1)),
+    q2 = rint(fma(-q1, d1, x) * rcp(d2)) clipped to +-127, where rcp is the correctly rounded float32
+    reciprocal (__frcp_rn) and fma rounds once: -q1*d1 + x is exact in float64 (a 7-bit integer times a 24-bit
+    significand, then a difference smaller than d1), so one rounding to float32 is fmaf's.
+    Returns (xq int8 [blocks, 64], xd float32 [blocks, 4] = (d1, d2, sum, sum of values 0..15))."""
+    b = x.reshape(-1, 32).astype(np.float32)
+    d1 = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
+    d2 = (d1 / np.float32(254)).astype(np.float32)
+    safe1, safe2 = np.where(d1 > 0, d1, 1)[:, None], np.where(d2 > 0, d2, 1)[:, None]
+    r1, r2 = np.float32(1) / safe1, np.float32(1) / safe2  # float32 division: the correctly rounded reciprocal
+    q1 = np.where(d1[:, None] > 0, np.rint(b * r1), 0).astype(np.float32)
+    resid = (b.astype(np.float64) - q1.astype(np.float64) * d1[:, None].astype(np.float64)).astype(np.float32)
+    q2 = np.where(d1[:, None] > 0, np.clip(np.rint(resid * r2), -127, 127), 0).astype(np.float32)
+    s = d1 * q1.sum(axis=1) + d2 * q2.sum(axis=1)
+    s_lo = d1 * q1[:, :16].sum(axis=1) + d2 * q2[:, :16].sum(axis=1)  # values 0..15: the K-quants' half sums
+    xq = np.concatenate([q1, q2], axis=1).astype(np.int8)
+    return xq, np.stack([d1, d2, s, s_lo], axis=1).astype(np.float32)
+
+
+def dequant_q8x2(xq: np.ndarray, xd: np.ndarray) -> np.ndarray:
+    xq, xd = xq.reshape(-1, 64).astype(np.float64), xd.reshape(-1, 4).astype(np.float64)
+    return xq[:, :32] * xd[:, :1] + xq[:, 32:] * xd[:, 1:2]
+
+
+def bits_equal(out: np.ndarray, ref: np.ndarray) -> bool:
+    """fp32 arrays equal bit for bit (the same values and signs of zero)."""
+    out, ref = np.ascontiguousarray(out, np.float32), np.ascontiguousarray(ref, np.float32)
+    return bool(np.array_equal(out.view(np.uint32), ref.view(np.uint32)))

@@ -91,7 +91,9 @@ def test_stack_plan_refuses_float_mixed_with_quantized():
 
 
 def _matrix(qtype, rows, cols):
-    return GpuMatrix(qtype, rows, cols, **{f: DeviceBuffer(1 << 20, n, f) for f, n in layout_bytes(qtype, rows, cols).items()})
+    return GpuMatrix(
+        qtype, rows, cols, **{f: DeviceBuffer(1 << 20, n, f) for f, n in layout_bytes(qtype, rows, cols).items()}
+    )
 
 
 def test_gpu_stack_properties():
