@@ -9,8 +9,9 @@
 // convert_bf16_f16 / convert_f32_f16 turn unquantized matrices into the F16 layout the GEMMs read.
 #include "common.cuh"
 
-extern "C" __global__ void repack_q4_0(const uint8_t* __restrict__ src, uint8_t* __restrict__ qs,
-                                       __half* __restrict__ d, long long nblocks) {
+// Q4_0 and IQ4_NL: 18-byte blocks (f16 d, u8 qs[16]).
+__device__ __forceinline__ void split_18(const uint8_t* __restrict__ src, uint8_t* __restrict__ qs,
+                                         __half* __restrict__ d, long long nblocks) {
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
     const uint8_t* blk = src + b * 18;                       // f16 d, u8 qs[16]
@@ -18,6 +19,11 @@ extern "C" __global__ void repack_q4_0(const uint8_t* __restrict__ src, uint8_t*
     uint8_t* out = qs + b * 16;
 #pragma unroll
     for (int i = 0; i < 16; i++) out[i] = blk[2 + i];
+}
+
+extern "C" __global__ void repack_q4_0(const uint8_t* __restrict__ src, uint8_t* __restrict__ qs,
+                                       __half* __restrict__ d, long long nblocks) {
+    split_18(src, qs, d, nblocks);
 }
 
 extern "C" __global__ void repack_q4_1(const uint8_t* __restrict__ src, uint8_t* __restrict__ qs,
@@ -223,4 +229,27 @@ extern "C" __global__ void repack_q3_k(const uint8_t* __restrict__ src, uint2* _
     }
     sc[b] = make_char2(v[0], v[1]);
     if (s == 0) d[b / 8] = ld_half(blk + 108);
+}
+
+// IQ4_NL (18 bytes: d, qs[16]) is Q4_0's block with other values: the same split.
+extern "C" __global__ void repack_iq4_nl(const uint8_t* __restrict__ src, uint8_t* __restrict__ qs,
+                                         __half* __restrict__ d, long long nblocks) {
+    split_18(src, qs, d, nblocks);
+}
+
+// IQ4_XS (136 bytes: d, u16 scales_h, u8 scales_l[4], qs[128]): sub-block s is qs[16s .. 16s+16] in nibble order;
+// its 6-bit scale is nibble s % 2 of scales_l[s / 2] plus bits 2s..2s+1 of scales_h at bit 4, minus 32.
+extern "C" __global__ void repack_iq4_xs(const uint8_t* __restrict__ src, uint4* __restrict__ qs,
+                                         int8_t* __restrict__ sc, __half* __restrict__ d, long long nblocks) {
+    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= nblocks) return;
+    const int s = b % 8;
+    const uint8_t* blk = src + (b / 8) * 136;
+    uint8_t u[32];
+    get_nibbles(blk + 8 + 16 * s, u);
+    put_nibbles(u, reinterpret_cast<uint8_t*>(qs + b));
+    const int scales_h = blk[2] | blk[3] << 8;
+    const int ls = ((blk[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((scales_h >> (2 * s)) & 3) << 4;
+    sc[b] = (int8_t)(ls - 32);
+    if (s == 0) d[b / 8] = ld_half(blk);
 }

@@ -259,6 +259,78 @@ struct Q2_KW {
     }
 };
 
+// --- IQ4_NL / IQ4_XS: 4-bit indices into a 16-entry int8 codebook (ggml's kvalues_iq4nl), nibble order.
+// IQ4_NL: per 32 weights qs u8[16], d f16; w = d * kv[q]. IQ4_XS: per 32 weights qs u8[16], sc i8 (the 6-bit
+// scale minus 32); per 256 d f16; w = (d*sc) * kv[q]. words() gives the codebook values (signed bytes), which
+// dp4a multiplies directly.
+// The codebook as 4 little-endian words of 4 int8 (kvalues_iq4nl in ggml-common.h, quants.py KVALUES_IQ4NL).
+#define IQ4_PACK(a, b, c, d) \
+    ((uint32_t)(uint8_t)(a) | (uint32_t)(uint8_t)(b) << 8 | (uint32_t)(uint8_t)(c) << 16 | (uint32_t)(uint8_t)(d) << 24)
+#define IQ4_T0 IQ4_PACK(-127, -104, -83, -65)
+#define IQ4_T1 IQ4_PACK(-49, -35, -22, -10)
+#define IQ4_T2 IQ4_PACK(1, 13, 25, 38)
+#define IQ4_T3 IQ4_PACK(53, 69, 89, 113)
+
+// 4 indices (one per byte, 0..15) -> their 4 codebook bytes: a byte permute within each half of the table, then
+// one between the halves by each index's bit 3 (ggml's get_int_from_table_16, per word).
+__device__ __forceinline__ int iq4_lookup(int idx) {
+    const uint32_t sel = (idx & 0x7) | ((idx >> 4) & 0x70) | ((idx >> 8) & 0x700) | ((idx >> 12) & 0x7000);
+    const uint32_t hb = (idx & 0x8) | ((idx >> 4) & 0x80) | ((idx >> 8) & 0x800) | ((idx >> 12) & 0x8000);
+    const uint32_t lo = __byte_perm(IQ4_T0, IQ4_T1, sel), hi = __byte_perm(IQ4_T2, IQ4_T3, sel);
+    return (int)__byte_perm(lo, hi, 0x3210 | (hb >> 1));
+}
+
+__device__ __forceinline__ void iq4_words(const uint4& q, int4& lo, int4& hi) {
+    nibble_words(q, lo, hi);
+    lo = make_int4(iq4_lookup(lo.x), iq4_lookup(lo.y), iq4_lookup(lo.z), iq4_lookup(lo.w));
+    hi = make_int4(iq4_lookup(hi.x), iq4_lookup(hi.y), iq4_lookup(hi.z), iq4_lookup(hi.w));
+}
+
+// Codebook value i (0..31) of the words: the signed byte.
+__device__ __forceinline__ float kv_at(const int4& lo, const int4& hi, int i) {
+    return (float)(int8_t)code_at(lo, hi, i);
+}
+
+#define IQ4_NL_PARAMS const uint4* qs, const __half* d
+#define IQ4_NL_ARGS qs, d
+struct IQ4_NLW {
+    static constexpr int UNROLL = MV_UNROLL_Q4;
+    const uint4* qs; const __half* d; int nb;
+    struct Block { uint4 q; float d; };
+    __device__ __forceinline__ Block load(long long r, int kb) const {
+        const long long b = r * nb + kb;
+        return {qs[b], __half2float(d[b])};
+    }
+    __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { iq4_words(w.q, lo, hi); }
+    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
+        int4 lo, hi; words(w, lo, hi);
+        return w.d * full_dot(lo, hi, x);
+    }
+    __device__ __forceinline__ static float deq(const Block& w, const int4& lo, const int4& hi, int i) {
+        return __fmul_rn(kv_at(lo, hi, i), w.d);
+    }
+};
+
+#define IQ4_XS_PARAMS const uint4* qs, const int8_t* sc, const __half* d
+#define IQ4_XS_ARGS qs, sc, d
+struct IQ4_XSW {
+    static constexpr int UNROLL = MV_UNROLL_Q4;
+    const uint4* qs; const int8_t* sc; const __half* d; int nb;
+    struct Block { uint4 q; float dl; };
+    __device__ __forceinline__ Block load(long long r, int kb) const {
+        const long long b = r * nb + kb;
+        return {qs[b], __fmul_rn(__half2float(d[b / 8]), (float)sc[b])};
+    }
+    __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { iq4_words(w.q, lo, hi); }
+    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
+        int4 lo, hi; words(w, lo, hi);
+        return w.dl * full_dot(lo, hi, x);
+    }
+    __device__ __forceinline__ static float deq(const Block& w, const int4& lo, const int4& hi, int i) {
+        return __fmul_rn(w.dl, kv_at(lo, hi, i));
+    }
+};
+
 // Weights [h*16, h*16+16) of block kb of row r as fp16 (the GEMM's tile, matmul.cu): gguf's exact fp32 value,
 // rounded once. h is 0 or 1; each branch unrolls with constant indices, so the codes stay in registers.
 template <typename W>
@@ -283,4 +355,6 @@ __device__ __forceinline__ void deq_half_row(const W& w, long long r, int kb, in
     X(q5_k, Q5_KW, Q5_K_PARAMS, Q5_K_ARGS)               \
     X(q6_k, Q6_KW, Q6_K_PARAMS, Q6_K_ARGS)               \
     X(q3_k, Q3_KW, Q3_K_PARAMS, Q3_K_ARGS)               \
-    X(q2_k, Q2_KW, Q2_K_PARAMS, Q2_K_ARGS)
+    X(q2_k, Q2_KW, Q2_K_PARAMS, Q2_K_ARGS)               \
+    X(iq4_nl, IQ4_NLW, IQ4_NL_PARAMS, IQ4_NL_ARGS)       \
+    X(iq4_xs, IQ4_XSW, IQ4_XS_PARAMS, IQ4_XS_ARGS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ingot.runtime.model.quants import QUANT_TYPES
+from ingot.runtime.model.quants import KVALUES_IQ4NL, QUANT_TYPES
 
 # f16 fields of each GGUF block: (byte offset of d, byte offset of dmin/m or None)
 SCALE_FIELDS = {
@@ -25,6 +25,8 @@ SCALE_FIELDS = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208, None),
+    "IQ4_NL": (0, None),
+    "IQ4_XS": (0, None),
 }
 
 
@@ -131,7 +133,17 @@ def pack(qtype: str, raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndar
     """GGUF bytes of a [rows, cols] matrix -> its soa-v2 arrays as raw bytes (uint8), keyed by GpuMatrix field."""
     t = QUANT_TYPES[qtype]
     b = np.ascontiguousarray(raw).reshape(-1, t.block_bytes)
-    if qtype in ("Q4_0", "Q4_1", "Q8_0"):
+    if qtype == "IQ4_XS":
+        n = b.shape[0]
+        high = (b[:, 2:4].view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, 8]
+        low = np.stack([b[:, 4:8] & 15, b[:, 4:8] >> 4], axis=2).reshape(n, 8)
+        sc = ((low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32).astype(np.int8)
+        return {
+            "qs": b[:, 8:136].reshape(-1).copy(),
+            "sc": sc.view(np.uint8).reshape(-1),
+            "d": _f16(b[:, 0:2]).view(np.uint8),
+        }
+    if qtype in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"):
         s = {"d": _f16(b[:, 0:2])} | ({"m": _f16(b[:, 2:4])} if qtype == "Q4_1" else {})
         qs = b[:, 4:] if qtype == "Q4_1" else b[:, 2:]
         return {"qs": qs.reshape(-1).copy()} | {k: v.view(np.uint8) for k, v in s.items()}
@@ -157,6 +169,13 @@ def dequantize(qtype: str, arrays: dict[str, np.ndarray], rows: int, cols: int) 
     nb = rows * cols // 32
     a = arrays
     f32 = np.float32
+    if qtype in ("IQ4_NL", "IQ4_XS"):
+        qs = a["qs"].reshape(nb, 16)
+        kv = KVALUES_IQ4NL[np.concatenate([qs & 15, qs >> 4], axis=1)]
+        if qtype == "IQ4_NL":
+            return (kv * a["d"].view(np.float16).astype(f32)[:, None]).reshape(rows, cols)
+        d = np.repeat(a["d"].view(np.float16).astype(f32), 8)[:, None]
+        return ((d * a["sc"].view(np.int8).astype(f32)[:, None]) * kv).reshape(rows, cols)
     if qtype in ("Q4_0", "Q4_1", "Q8_0"):
         d = a["d"].view(np.float16).astype(f32)[:, None]
         if qtype == "Q8_0":

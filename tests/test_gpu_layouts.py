@@ -20,14 +20,14 @@ from ingot.runtime.engines.cuda_weights import stack_plan
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu import constants
 from ingot.runtime.gpu.driver import DeviceBuffer
-from ingot.runtime.gpu.kernels import GPU_QTYPES, K_QUANTS, LAYOUTS, GpuMatrix, GpuStack, Kernels, layout_bytes
+from ingot.runtime.gpu.kernels import GPU_QTYPES, LAYOUTS, SUPERBLOCK_TYPES, GpuMatrix, GpuStack, Kernels, layout_bytes
 from ingot.runtime.model.quants import QUANT_TYPES
 
 QUANTIZED = [q for q in GPU_QTYPES if q != "F16"]
 
 
 def _cols(qtype: str) -> int:
-    return 768 if qtype in K_QUANTS else 96
+    return 768 if qtype in SUPERBLOCK_TYPES else 96
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED)
@@ -66,8 +66,8 @@ def test_layout_refuses_widths_the_blocks_do_not_divide(qtype, cols):
 
 def test_unsupported_type_is_refused_with_a_hint():
     with pytest.raises(IncompatibleError) as e:
-        stack_plan(["blk.0.ffn_down.weight"], ["IQ4_XS"])
-    assert "IQ4_XS" in str(e.value) and e.value.hint
+        stack_plan(["blk.0.ffn_down.weight"], ["IQ3_S"])
+    assert "IQ3_S" in str(e.value) and e.value.hint
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,20 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from kernel_sources import require_nvcc
 
-from ingot.runtime.gpu.kernels import K_QUANTS, LAYOUTS, layout_bytes
+from ingot.runtime.gpu.kernels import LAYOUTS, SUPERBLOCK_TYPES, layout_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERIC = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]  # the types with a weights.cuh struct
+GENERIC = [
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q3_K",
+    "Q2_K",
+    "IQ4_NL",
+    "IQ4_XS",
+]  # the types with a weights.cuh struct
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +58,7 @@ def _ptr(a: np.ndarray) -> ctypes.c_void_p:
 @pytest.mark.parametrize("odd", [False, True])
 def test_kernel_code_repacks_embeds_tiles_and_dots_exactly(harness, qtype, odd):
     rng = np.random.default_rng(GENERIC.index(qtype) * 2 + odd)
-    rows, cols, ncols = 9, (512 if qtype in K_QUANTS else 96), 2
+    rows, cols, ncols = 9, (512 if qtype in SUPERBLOCK_TYPES else 96), 2
     raw = soa.random_blocks(rng, qtype, rows, cols, odd=odd)
     with np.errstate(over="ignore"):
         ref = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)

@@ -48,9 +48,12 @@ LAYOUTS: dict[str, tuple[tuple[str, int], ...]] = {
     "Q6_K": (("qs", 128), ("qh", 64), ("sc", 16), ("d", 2)),
     "Q3_K": (("qs", 64), ("qh", 32), ("sc", 16), ("d", 2)),
     "Q2_K": (("qs", 64), ("sc", 16), ("d", 2), ("m", 2)),
+    "IQ4_NL": (("qs", 128), ("d", 16)),
+    "IQ4_XS": (("qs", 128), ("sc", 8), ("d", 2)),
 }
 GPU_QTYPES = tuple(LAYOUTS)
-K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks: cols % 256 == 0
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPERBLOCK_TYPES = (*K_QUANTS, "IQ4_XS")  # 256-weight super-blocks: cols % 256 == 0
 
 i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
 
@@ -64,7 +67,7 @@ class GpuMatrix:
     cols: int
     qs: DeviceBuffer | None = None  # low bits of the codes
     qh: DeviceBuffer | None = None  # high bits (Q5_*, Q6_K, Q3_K)
-    sc: DeviceBuffer | None = None  # K-quant sub-block scales (and mins)
+    sc: DeviceBuffer | None = None  # sub-block scales (and mins) of the K-quants and IQ4_XS
     d: DeviceBuffer | None = None  # f16 scales [rows, cols/32], or [rows, cols/256] for the K-quants
     m: DeviceBuffer | None = None  # f16 mins (Q4_1, Q5_1) or K-quant dmin
     w: DeviceBuffer | None = None  # f16 weights [rows, cols] (F16)
@@ -127,7 +130,7 @@ def layout_bytes(qtype: str, rows: int, cols: int) -> dict[str, int]:
     """Bytes of each device array of a [rows, cols] matrix in qtype's soa-v2 layout."""
     if qtype not in LAYOUTS:
         raise IncompatibleError(f"quant type {qtype} is not supported on the GPU", hint=f"GPU types: {GPU_QTYPES}")
-    block = 256 if qtype in K_QUANTS else QK
+    block = 256 if qtype in SUPERBLOCK_TYPES else QK
     if cols % block:
         raise IncompatibleError(f"a {qtype} matrix needs a multiple of {block} columns, got {cols}")
     return {field: rows * cols * per_256 // 256 for field, per_256 in LAYOUTS[qtype]}

@@ -18,15 +18,15 @@ from soa_reference import bits_equal, dequant_q8x2, q8x2
 
 from ingot.runtime.engines.cuda_weights import _alloc_matrix
 from ingot.runtime.gpu import constants as K
-from ingot.runtime.gpu.kernels import K_QUANTS, GpuMatrix, GpuStack
+from ingot.runtime.gpu.kernels import SUPERBLOCK_TYPES, GpuMatrix, GpuStack
 
-QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F16", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
+QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F16", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
 QUANTIZED = [q for q in QTYPES if q != "F16"]
 
 
 def width(qtype: str, cols: int) -> int:
     """cols rounded up to the type's block: 256 for the K-quants (GGUF's super-block), else 32."""
-    block = 256 if qtype in K_QUANTS else 32
+    block = 256 if qtype in SUPERBLOCK_TYPES else 32
     return -(-cols // block) * block
 
 

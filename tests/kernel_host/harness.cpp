@@ -56,5 +56,9 @@ extern "C" int host_run(const char* q, const uint8_t* src, void** p, int rows, i
         (const uint2*)p[0], (const uint32_t*)p[1], (const char2*)p[2], (const __half*)p[3])
     RUN(q2_k, Q2_KW, repack_q2_k(src, (uint2*)p[0], (uchar2*)p[1], (__half*)p[2], (__half*)p[3], nblocks),
         (const uint2*)p[0], (const uchar2*)p[1], (const __half*)p[2], (const __half*)p[3])
+    RUN(iq4_nl, IQ4_NLW, repack_iq4_nl(src, (uint8_t*)p[0], (__half*)p[1], nblocks), (const uint4*)p[0],
+        (const __half*)p[1])
+    RUN(iq4_xs, IQ4_XSW, repack_iq4_xs(src, (uint4*)p[0], (int8_t*)p[1], (__half*)p[2], nblocks),
+        (const uint4*)p[0], (const int8_t*)p[1], (const __half*)p[2])
     return 1;
 }

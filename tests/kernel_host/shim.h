@@ -21,6 +21,12 @@ static inline float __fsub_rn(float a, float b) { volatile float r = a - b; retu
 static inline float __frcp_rn(float a) { return 1.0f / a; }
 static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
 static inline void __syncthreads() {}
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // byte n = byte (s >> 4n) & 7 of (y:x)
+    const uint64_t v = (uint64_t)y << 32 | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; n++) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n);
+    return r;
+}
 static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 #undef __global__
 #define __global__
