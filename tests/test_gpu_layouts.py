@@ -16,7 +16,7 @@ import soa_reference as soa
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from ingot.runtime.engines.cuda_weights import stack_plan
+from ingot.runtime.engines.cuda_weights import stack_plan, upload_weights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu import constants
 from ingot.runtime.gpu.driver import DeviceBuffer
@@ -171,3 +171,70 @@ def test_weight_layout_and_abi_name_the_new_layout():
     # bundles packed with soa-v1 kernels must be refused by this runtime (runtime/bundle/manifest.check_runtime)
     assert constants.WEIGHT_LAYOUT.startswith("soa-v2:") and constants.KERNEL_ABI == 2
     assert constants.MODE_GEGLU not in (constants.MODE_STORE, constants.MODE_ADD, constants.MODE_SWIGLU)
+
+
+class _FakePool:
+    """Device memory as numbers only: enough for the upload plan (sizes, which arrays exist)."""
+
+    def __init__(self):
+        self.allocated = 0
+        self.by_name: dict[str, int] = {}
+
+    def alloc(self, nbytes, name=""):
+        buf = DeviceBuffer(1 << 40 | self.allocated, nbytes, name)
+        self.allocated += nbytes
+        self.by_name[name] = self.by_name.get(name, 0) + nbytes
+        return buf
+
+
+class _FakeStream:
+    def upload(self, ptr, array):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _FakeKernels:
+    def __init__(self):
+        self.repacked: list[str] = []
+
+    def repack(self, qtype, src, W):
+        self.repacked.append(qtype)
+        return lambda stream: None
+
+
+def test_gemma3_q4_k_m_uploads_as_mixed_stacks_with_its_norms(gemma3_model):
+    """The real Gemma 3 270M Q4_K_M, planned for the GPU without one: v in Q8_0 on half the layers makes q,k,v a
+    stack there; Q4_K/Q6_K attn_output and ffn_down are single matrices; the block's extra norms are uploaded."""
+    c = gemma3_model.config
+    pool, k = _FakePool(), _FakeKernels()
+    w = upload_weights(gemma3_model, pool, _FakeStream(), k)
+    kinds = set()
+    for i, lw in enumerate(w.layers):
+        p = f"blk.{i}."
+        types = [gemma3_model.tensors[p + f"attn_{n}.weight"].qtype for n in "qkv"]
+        assert isinstance(lw.wqkv, GpuStack) == (len(set(types)) > 1)
+        assert [m.qtype for m in lw.wqkv.parts] == (types if len(set(types)) > 1 else types[:1])
+        assert lw.wqkv.rows == (c.n_heads + 2 * c.n_kv_heads) * c.head_dim and lw.wqkv.cols == c.dim
+        assert lw.wgu.uniform and lw.wgu.rows == 2 * c.ffn_dim
+        assert lw.wdown.qtype == gemma3_model.tensors[p + "ffn_down.weight"].qtype
+        kinds.add((type(lw.wqkv).__name__, lw.wdown.qtype))
+        for norm, n in ((lw.q_norm, c.head_dim), (lw.k_norm, c.head_dim), (lw.post_attn_norm, c.dim)):
+            assert norm is not None and norm.nbytes == 4 * n
+        assert lw.post_ffn_norm is not None and lw.post_ffn_norm.nbytes == 4 * c.dim
+    # both halves of the mix occur (the file's point), and the embedding is Q8_0 and tied
+    assert {"GpuStack", "GpuMatrix"} <= {kind for kind, _ in kinds} and {"Q4_K", "Q6_K"} <= {q for _, q in kinds}
+    assert w.embed.qtype == "Q8_0" and w.head is w.embed
+    # the bits stay packed: the matrices take at most 4% more than in the GGUF
+    gguf = sum(t.raw.nbytes for t in gemma3_model.tensors.values() if t.qtype != "F32")
+    norms = sum(t.raw.nbytes for t in gemma3_model.tensors.values() if t.qtype == "F32")
+    matrices = w.nbytes - pool.by_name["staging"] - norms
+    assert gguf <= matrices < 1.04 * gguf
+
+
+def test_llama_layers_have_no_extra_norms(real_model):
+    w = upload_weights(real_model, _FakePool(), _FakeStream(), _FakeKernels())
+    lw = w.layers[0]
+    assert (lw.q_norm, lw.k_norm, lw.post_attn_norm, lw.post_ffn_norm) == (None, None, None, None)
+    assert isinstance(lw.wqkv, GpuMatrix) and isinstance(lw.wgu, GpuMatrix)
