@@ -4,7 +4,7 @@
 // whose 18-, 22-, 144- or 210-byte sizes defeat 16-byte loads. At load time every quantized matrix [rows, cols]
 // is repacked (repack.cu) into separate arrays, each row contiguous, every array indexed by the 32-weight block
 // b = row * cols/32 + kb (or its super-block b/8 for the K-quants' 256-weight d/dmin). The bits stay packed
-// (bytes per weight as in the GGUF, within 3%); the kernels unpack them in registers (weights.cuh).
+// (bytes per weight as in the GGUF, within 4%); the kernels unpack them in registers (weights.cuh).
 //   F16:  w   f16 [rows, cols]
 //   Q8_0: qs  i8  [rows, cols], d f16 [rows, cols/32]
 //   Q4_0: qs  u8  [rows, cols/2]   ("nibble order": byte j of a block = w[j] | w[j+16] << 4, as GGUF's Q4_0)
@@ -13,9 +13,9 @@
 //   Q5_0: qs as Q4_0 (low 4 bits), qh u32 [rows, cols/32] (the fifth bits, "bit order" below), d f16 [.., cols/32]
 //                                                                                       w = d*(q-16)
 //   Q5_1: as Q5_0 plus m f16 [rows, cols/32]                                            w = d*q + m
-//   Q4_K: qs as Q4_0 (each 32-weight sub-block on its own), sc u8 [rows, cols/32, 2] = (6-bit scale, 6-bit min)
-//         unpacked from GGUF's 12-byte get_scale_min_k4 form, d f16 [rows, cols/256], m f16 [rows, cols/256]
-//         (dmin)                                                                        w = (d*sc)*q - (dmin*m)
+//   Q4_K: qs as Q4_0 (each 32-weight sub-block on its own), sc u8 [rows, cols/256, 16] = GGUF's super-block
+//         header as it is: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins (get_scale_min_k4)
+//                                                                                       w = (d*sc)*q - (dmin*m)
 //   Q5_K: as Q4_K plus qh u32 [rows, cols/32] (bit order)
 //   Q6_K: qs as Q4_0 (low 4 bits), qh u32 [rows, cols/32, 2] (two high bits, "crumb order": word 0 for weights
 //         0..15, word 1 for 16..31), sc i8 [rows, cols/16] (one per 16 weights), d f16 [rows, cols/256]
@@ -25,13 +25,16 @@
 //                                                                                       w = (d*sc)*(q-4)
 //   Q2_K: qs u32 [rows, cols/32, 2] (crumb order), sc u8 [rows, cols/16] (scale | min << 4, as GGUF),
 //         d f16 [rows, cols/256], m f16 [rows, cols/256] (dmin)                         w = (d*sc)*q - (dmin*m)
+//   IQ4_NL: qs as Q4_0 (4-bit codebook indices), d f16 [rows, cols/32]                w = d*kv[q]
+//   IQ4_XS: qs as Q4_0, sc i8 [rows, cols/32] (the 6-bit scale minus 32), d f16 [rows, cols/256]
+//                                                                                       w = (d*sc)*kv[q]
 // Bit order (one bit per weight, u32 H per 32 weights): bit k of byte b of H belongs to weight 4k+b, so the
 // bits of weights 4k..4k+3 are (H >> k) & 0x01010101, one per byte. Crumb order (two bits per weight, u32 P
 // per 16 weights): bits 2k..2k+1 of byte b belong to weight 4k+b. Both put a 4-weight word's bits one shift
 // and mask away, next to the nibble word they extend.
 // The K-quants keep d/dmin in f16 and the sub-block scales as small integers: every product is formed in fp32
 // as gguf forms it ((d*sc) rounded to fp32, then *q), so each weight's fp32 value equals gguf's dequantization.
-// K-quant matrices need cols % 256 == 0 (GGUF's super-block), the others cols % 32 == 0.
+// K-quant and IQ4_XS matrices need cols % 256 == 0 (GGUF's super-block), the others cols % 32 == 0.
 // Activations that feed quantized matrices are quantized per 32 values to "q8x2" (see warp_quantize_q8x2):
 //   xq i8 [n, 2*cols] (per block: 32 coarse then 32 fine int8), xd float4 [n, cols/32] = (d1, d2, s, s_lo)
 #pragma once

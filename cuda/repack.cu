@@ -130,11 +130,10 @@ extern "C" __global__ void repack_q5_1(const uint8_t* __restrict__ src, uint4* _
 }
 
 // Q4_K (144 bytes: d, dmin, scales[12], qs[128]) and Q5_K (176: d, dmin, scales[12], qh[32], qs[128]).
-// Sub-block s, weight l: nibble (s odd: high) of qs[32*(s/2) + l]; fifth bit = bit s of qh[l]; scale and min
-// from get_scale_min_k4.
+// Sub-block s, weight l: nibble (s odd: high) of qs[32*(s/2) + l]; fifth bit = bit s of qh[l]. The 16-byte
+// header (d, dmin, scales) is copied as it is, by the thread of sub-block 0.
 template <bool FIVE>
-__device__ __forceinline__ void repack_k45(const uint8_t* src, uint4* qs, uint32_t* qh, uchar2* sc, __half* d,
-                                           __half* m, long long nblocks) {
+__device__ __forceinline__ void repack_k45(const uint8_t* src, uint4* qs, uint32_t* qh, uint4* sc, long long nblocks) {
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
     const int s = b % 8;
@@ -148,23 +147,22 @@ __device__ __forceinline__ void repack_k45(const uint8_t* src, uint4* qs, uint32
     }
     put_nibbles(u, reinterpret_cast<uint8_t*>(qs + b));
     if (FIVE) qh[b] = bit_plane(u, 4);
-    const uint8_t* k = blk + 4;   // scales[12]
-    const uint8_t scale = s < 4 ? k[s] & 63 : (k[s + 4] & 0xF) | ((k[s - 4] >> 6) << 4);
-    const uint8_t min = s < 4 ? k[s + 4] & 63 : (k[s + 4] >> 4) | ((k[s] >> 6) << 4);
-    sc[b] = make_uchar2(scale, min);
-    if (s == 0) { d[b / 8] = ld_half(blk); m[b / 8] = ld_half(blk + 2); }
+    if (s == 0) {
+        uint32_t h[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) h[i] = blk[4 * i] | blk[4 * i + 1] << 8 | blk[4 * i + 2] << 16 | (uint32_t)blk[4 * i + 3] << 24;
+        sc[b / 8] = make_uint4(h[0], h[1], h[2], h[3]);
+    }
 }
 
 extern "C" __global__ void repack_q4_k(const uint8_t* __restrict__ src, uint4* __restrict__ qs,
-                                       uchar2* __restrict__ sc, __half* __restrict__ d, __half* __restrict__ m,
-                                       long long nblocks) {
-    repack_k45<false>(src, qs, nullptr, sc, d, m, nblocks);
+                                       uint4* __restrict__ sc, long long nblocks) {
+    repack_k45<false>(src, qs, nullptr, sc, nblocks);
 }
 
 extern "C" __global__ void repack_q5_k(const uint8_t* __restrict__ src, uint4* __restrict__ qs,
-                                       uint32_t* __restrict__ qh, uchar2* __restrict__ sc, __half* __restrict__ d,
-                                       __half* __restrict__ m, long long nblocks) {
-    repack_k45<true>(src, qs, qh, sc, d, m, nblocks);
+                                       uint32_t* __restrict__ qh, uint4* __restrict__ sc, long long nblocks) {
+    repack_k45<true>(src, qs, qh, sc, nblocks);
 }
 
 // Q6_K (210 bytes: ql[128], qh[64], i8 scales[16], d). Weight 128h + 32j + l of the super-block (sub-block

@@ -127,18 +127,31 @@ struct Q5_1W {
     }
 };
 
-// --- Q4_K / Q5_K: per 32 weights qs u8[16] (, qh u32), sc u8[2] = (scale, min); per 256 d, dmin f16.
-// w = (d*sc)*q - (dmin*m): the two products are rounded to fp32 first, as gguf does.
-#define Q4_K_PARAMS const uint4* qs, const uchar2* sc, const __half* d, const __half* m
-#define Q4_K_ARGS qs, sc, d, m
+// --- Q4_K / Q5_K: per 32 weights qs u8[16] (, qh u32); per 256 a 16-byte header kept as GGUF has it: f16 d,
+// f16 dmin, 12 bytes of 6-bit scales and mins (get_scale_min_k4). One 16-byte load gives a lane its sub-block's
+// scale and min; the 8 lanes of a super-block read the same header (one L1 line). w = (d*sc)*q - (dmin*m): the
+// two products are rounded to fp32 first, as gguf does.
+struct KHeader { float dl, ml; };
+__device__ __forceinline__ KHeader k_header(const uint4& h, int s) {
+    const int t = 8 * (s & 3);
+    const uint32_t by = (h.y >> t) & 0xFF, bz = (h.z >> t) & 0xFF, bw = (h.w >> t) & 0xFF;   // scales[t], [t+4], [t+8]
+    const uint32_t sc = s < 4 ? by & 63 : (bw & 0xF) | (by >> 6) << 4;
+    const uint32_t m = s < 4 ? bz & 63 : (bw >> 4) | (bz >> 6) << 4;
+    const float d = __half2float(__ushort_as_half((unsigned short)(h.x & 0xFFFF)));
+    const float dmin = __half2float(__ushort_as_half((unsigned short)(h.x >> 16)));
+    return {__fmul_rn(d, (float)sc), __fmul_rn(dmin, (float)m)};
+}
+
+#define Q4_K_PARAMS const uint4* qs, const uint4* sc
+#define Q4_K_ARGS qs, sc
 struct Q4_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    const uint4* qs; const uchar2* sc; const __half* d; const __half* m; int nb;
+    const uint4* qs; const uint4* sc; int nb;
     struct Block { uint4 q; float dl, ml; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
-        const uchar2 s = sc[b];
-        return {qs[b], __fmul_rn(__half2float(d[b / 8]), (float)s.x), __fmul_rn(__half2float(m[b / 8]), (float)s.y)};
+        const KHeader k = k_header(sc[b / 8], kb % 8);   // nb % 8 == 0: sub-block kb % 8 of super-block b / 8
+        return {qs[b], k.dl, k.ml};
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
@@ -150,17 +163,16 @@ struct Q4_KW {
     }
 };
 
-#define Q5_K_PARAMS const uint4* qs, const uint32_t* qh, const uchar2* sc, const __half* d, const __half* m
-#define Q5_K_ARGS qs, qh, sc, d, m
+#define Q5_K_PARAMS const uint4* qs, const uint32_t* qh, const uint4* sc
+#define Q5_K_ARGS qs, qh, sc
 struct Q5_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    const uint4* qs; const uint32_t* qh; const uchar2* sc; const __half* d; const __half* m; int nb;
+    const uint4* qs; const uint32_t* qh; const uint4* sc; int nb;
     struct Block { uint4 q; uint32_t h; float dl, ml; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
-        const uchar2 s = sc[b];
-        return {qs[b], qh[b], __fmul_rn(__half2float(d[b / 8]), (float)s.x),
-                __fmul_rn(__half2float(m[b / 8]), (float)s.y)};
+        const KHeader k = k_header(sc[b / 8], kb % 8);
+        return {qs[b], qh[b], k.dl, k.ml};
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
         nibble_words(w.q, lo, hi); add_bit_words(lo, hi, w.h, 4);

@@ -94,14 +94,7 @@ def _codes(qtype: str, b: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]
         codes = np.concatenate([q & 15, q >> 4], axis=2).reshape(n, 8, 32)
         if qtype == "Q5_K":
             codes = codes | (np.unpackbits(b[:, 16:48].reshape(n, 1, 32), axis=1, bitorder="little") << 4)
-        k = b[:, 4:16]
-        sc = np.concatenate([k[:, 0:4] & 63, (k[:, 8:12] & 15) | ((k[:, 0:4] >> 6) << 4)], axis=1)
-        mn = np.concatenate([k[:, 4:8] & 63, (k[:, 8:12] >> 4) | ((k[:, 4:8] >> 6) << 4)], axis=1)
-        return codes.reshape(-1, 32), {
-            "sc": np.stack([sc, mn], axis=2).astype(np.uint8).reshape(-1),
-            "d": _f16(b[:, 0:2]),
-            "m": _f16(b[:, 2:4]),
-        }
+        return codes.reshape(-1, 32), {"sc": b[:, 0:16].reshape(-1).copy()}  # the header as it is
     if qtype == "Q6_K":
         ql = b[:, 0:128].reshape(n, 2, 1, 2, 32)
         low = np.concatenate([ql & 15, ql >> 4], axis=2).reshape(n, 2, 4, 32)
@@ -209,11 +202,15 @@ def dequantize(qtype: str, arrays: dict[str, np.ndarray], rows: int, cols: int) 
         if qtype == "Q5_0":
             return ((q - f32(16)) * d).reshape(rows, cols)
         return (q * d + a["m"].view(np.float16).astype(f32)[:, None]).reshape(rows, cols)
+    if qtype in ("Q4_K", "Q5_K"):  # header per super-block: d, dmin, 12 bytes of 6-bit scales and mins
+        h = a["sc"].reshape(-1, 16)
+        k = h[:, 4:16]
+        sc = np.concatenate([k[:, 0:4] & 63, (k[:, 8:12] & 15) | ((k[:, 0:4] >> 6) << 4)], axis=1).reshape(nb, 1)
+        mn = np.concatenate([k[:, 4:8] & 63, (k[:, 8:12] >> 4) | ((k[:, 4:8] >> 6) << 4)], axis=1).reshape(nb, 1)
+        d = np.repeat(_f16(h[:, 0:2]).astype(f32), 8)[:, None]
+        dmin = np.repeat(_f16(h[:, 2:4]).astype(f32), 8)[:, None]
+        return (d * sc.astype(f32) * q - dmin * mn.astype(f32)).reshape(rows, cols)
     d = np.repeat(a["d"].view(np.float16).astype(f32), 8)[:, None]  # per super-block -> per 32-block
-    if qtype in ("Q4_K", "Q5_K"):
-        sc = a["sc"].reshape(nb, 2).astype(f32)
-        dmin = np.repeat(a["m"].view(np.float16).astype(f32), 8)[:, None]
-        return (d * sc[:, :1] * q - dmin * sc[:, 1:]).reshape(rows, cols)
     if qtype == "Q2_K":
         sc = a["sc"].reshape(nb, 2)[:, half]
         dmin = np.repeat(a["m"].view(np.float16).astype(f32), 8)[:, None]

@@ -43,8 +43,8 @@ LAYOUTS: dict[str, tuple[tuple[str, int], ...]] = {
     "Q4_1": (("qs", 128), ("d", 16), ("m", 16)),
     "Q5_0": (("qs", 128), ("qh", 32), ("d", 16)),
     "Q5_1": (("qs", 128), ("qh", 32), ("d", 16), ("m", 16)),
-    "Q4_K": (("qs", 128), ("sc", 16), ("d", 2), ("m", 2)),
-    "Q5_K": (("qs", 128), ("qh", 32), ("sc", 16), ("d", 2), ("m", 2)),
+    "Q4_K": (("qs", 128), ("sc", 16)),
+    "Q5_K": (("qs", 128), ("qh", 32), ("sc", 16)),
     "Q6_K": (("qs", 128), ("qh", 64), ("sc", 16), ("d", 2)),
     "Q3_K": (("qs", 64), ("qh", 32), ("sc", 16), ("d", 2)),
     "Q2_K": (("qs", 64), ("sc", 16), ("d", 2), ("m", 2)),
@@ -67,7 +67,7 @@ class GpuMatrix:
     cols: int
     qs: DeviceBuffer | None = None  # low bits of the codes
     qh: DeviceBuffer | None = None  # high bits (Q5_*, Q6_K, Q3_K)
-    sc: DeviceBuffer | None = None  # sub-block scales (and mins) of the K-quants and IQ4_XS
+    sc: DeviceBuffer | None = None  # sub-block scales (and mins) of the K-quants and IQ4_XS (Q4_K/Q5_K: with d)
     d: DeviceBuffer | None = None  # f16 scales [rows, cols/32], or [rows, cols/256] for the K-quants
     m: DeviceBuffer | None = None  # f16 mins (Q4_1, Q5_1) or K-quant dmin
     w: DeviceBuffer | None = None  # f16 weights [rows, cols] (F16)

@@ -45,11 +45,9 @@ extern "C" int host_run(const char* q, const uint8_t* src, void** p, int rows, i
         (const uint4*)p[0], (const uint32_t*)p[1], (const __half*)p[2])
     RUN(q5_1, Q5_1W, repack_q5_1(src, (uint4*)p[0], (uint32_t*)p[1], (__half*)p[2], (__half*)p[3], nblocks),
         (const uint4*)p[0], (const uint32_t*)p[1], (const __half*)p[2], (const __half*)p[3])
-    RUN(q4_k, Q4_KW, repack_q4_k(src, (uint4*)p[0], (uchar2*)p[1], (__half*)p[2], (__half*)p[3], nblocks),
-        (const uint4*)p[0], (const uchar2*)p[1], (const __half*)p[2], (const __half*)p[3])
-    RUN(q5_k, Q5_KW,
-        repack_q5_k(src, (uint4*)p[0], (uint32_t*)p[1], (uchar2*)p[2], (__half*)p[3], (__half*)p[4], nblocks),
-        (const uint4*)p[0], (const uint32_t*)p[1], (const uchar2*)p[2], (const __half*)p[3], (const __half*)p[4])
+    RUN(q4_k, Q4_KW, repack_q4_k(src, (uint4*)p[0], (uint4*)p[1], nblocks), (const uint4*)p[0], (const uint4*)p[1])
+    RUN(q5_k, Q5_KW, repack_q5_k(src, (uint4*)p[0], (uint32_t*)p[1], (uint4*)p[2], nblocks), (const uint4*)p[0],
+        (const uint32_t*)p[1], (const uint4*)p[2])
     RUN(q6_k, Q6_KW, repack_q6_k(src, (uint4*)p[0], (uint2*)p[1], (char2*)p[2], (__half*)p[3], nblocks),
         (const uint4*)p[0], (const uint2*)p[1], (const char2*)p[2], (const __half*)p[3])
     RUN(q3_k, Q3_KW, repack_q3_k(src, (uint2*)p[0], (uint32_t*)p[1], (char2*)p[2], (__half*)p[3], nblocks),
