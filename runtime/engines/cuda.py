@@ -303,20 +303,18 @@ class CudaEngine:
         L: list[Launch] = [k.embed(self.w.embed, s.ptr["tokens"], self.x, B)]
         for i, lw in enumerate(self.w.layers):
             xin = self._norm_input(lw.wqkv, self.x.ptr, lw.attn_norm, B, L)
-            L.append(k.matvec(lw.wqkv, xin, self.qkv.ptr, B, ldy=Dqkv, bias=lw.bqkv))
+            L += k.matvec(lw.wqkv, xin, self.qkv.ptr, B, ldy=Dqkv, bias=lw.bqkv)
             q8 = lw.wo.quantized
             L.append(self._attention(i, B, splits, outq=self.xq.ptr if q8 else None, outd=self.xd.ptr if q8 else None))
-            L.append(
-                k.matvec(
-                    lw.wo, (self.xq.ptr, self.xd.ptr) if q8 else self.att.ptr, self.x.ptr, B, ldy=c.dim, mode=MODE_ADD
-                )
+            L += k.matvec(
+                lw.wo, (self.xq.ptr, self.xd.ptr) if q8 else self.att.ptr, self.x.ptr, B, ldy=c.dim, mode=MODE_ADD
             )
             xin = self._norm_input(lw.wgu, self.x.ptr, lw.ffn_norm, B, L)
-            L.append(k.matvec(lw.wgu, xin, self.h.ptr, B, ldy=F, mode=MODE_SWIGLU))
+            L += k.matvec(lw.wgu, xin, self.h.ptr, B, ldy=F, mode=MODE_SWIGLU)
             hin = self._quant_input(lw.wdown, self.h.ptr, B * F, L)
-            L.append(k.matvec(lw.wdown, hin, self.x.ptr, B, ldy=c.dim, mode=MODE_ADD))
+            L += k.matvec(lw.wdown, hin, self.x.ptr, B, ldy=c.dim, mode=MODE_ADD)
         xin = self._norm_input(self.w.head, self.x.ptr, self.w.out_norm, B, L)
-        L.append(k.matvec(self.w.head, xin, self.logits_buf.ptr, B, ldy=c.n_vocab))
+        L += k.matvec(self.w.head, xin, self.logits_buf.ptr, B, ldy=c.n_vocab)
         L.append(k.sample(self.logits_buf.ptr, c.n_vocab, c.n_vocab, B, self._sample_args(s), self.out_tokens.ptr))
         return L
 
@@ -391,7 +389,7 @@ class CudaEngine:
             return L
         last = self.px.ptr + 4 * (T - 1) * c.dim
         xin = self._norm_input(self.w.head, last, self.w.out_norm, 1, L)
-        L.append(k.matvec(self.w.head, xin, self.plogits.ptr, 1, ldy=c.n_vocab))
+        L += k.matvec(self.w.head, xin, self.plogits.ptr, 1, ldy=c.n_vocab)
         L.append(k.sample(self.plogits.ptr, c.n_vocab, c.n_vocab, 1, self._sample_args(p), self.out_tokens.ptr))
         return L
 
