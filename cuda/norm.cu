@@ -1,4 +1,5 @@
-// RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, one block per row of x [n, dim] (fp32).
+// RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, one block per row of x [n, dim] (fp32); and the post-norm
+// residual add (add_rmsnorm_f32, below).
 //
 // The normalized row is written in whichever forms the next matrix product reads (any pointer may be
 // null): fp32 y [n, dim] (F16 weights), q8x2 yq [n, 2*dim] / yd [n, dim/32] (quantized weights, decode;
@@ -23,4 +24,17 @@ extern "C" __global__ void rmsnorm_f32(const float* __restrict__ x, const float*
         if (yh) yh[o] = __float2half(v);
         if (yq) warp_quantize_q8x2(v, yq + 2 * ((size_t)blockIdx.x * dim + b * QK), yd + (size_t)blockIdx.x * (dim / QK) + b);
     }
+}
+
+// Post-norm residual (Gemma's post_attention_norm / post_ffw_norm): x[r] += o[r] / sqrt(mean(o[r]^2) + eps) * w,
+// one block per row of x, o [n, dim] fp32. The projection before it stores o instead of adding into x.
+extern "C" __global__ void add_rmsnorm_f32(float* __restrict__ x, const float* __restrict__ o,
+                                           const float* __restrict__ w, int dim, float eps) {
+    __shared__ float scratch[32];
+    const float* orow = o + (size_t)blockIdx.x * dim;
+    float* xr = x + (size_t)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += orow[i] * orow[i];
+    const float scale = rsqrtf(block_sum(ss, scratch) / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) xr[i] += orow[i] * scale * w[i];
 }

@@ -29,6 +29,12 @@ class LayerWeights:
     ffn_norm: DeviceBuffer
     wgu: GpuMatrix
     wdown: GpuMatrix
+    # what the architecture's block adds (Config.block): fp32 [head_dim] q/k head norms (qk_norm), fp32 [dim]
+    # norms of the attention and FFN outputs before their residual adds (post_norms); None where it has none
+    q_norm: DeviceBuffer | None = None
+    k_norm: DeviceBuffer | None = None
+    post_attn_norm: DeviceBuffer | None = None
+    post_ffn_norm: DeviceBuffer | None = None
 
 
 @dataclass
@@ -129,7 +135,7 @@ class WeightUploader:
 
 
 def upload_weights(model: Model, pool: DevicePool, stream: Stream, kernels: Kernels) -> GpuWeights:
-    c = model.config
+    c, a = model.config, model.config.block
     up = WeightUploader(model, pool, stream, kernels)
     before = pool.allocated
     embed = up.matrix(["token_embd.weight"])
@@ -147,6 +153,10 @@ def upload_weights(model: Model, pool: DevicePool, stream: Stream, kernels: Kern
                 ffn_norm=up.vector(p + "ffn_norm.weight"),
                 wgu=up.matrix([p + "ffn_gate.weight", p + "ffn_up.weight"]),
                 wdown=up.matrix([p + "ffn_down.weight"]),
+                q_norm=up.vector(p + "attn_q_norm.weight") if a.qk_norm else None,
+                k_norm=up.vector(p + "attn_k_norm.weight") if a.qk_norm else None,
+                post_attn_norm=up.vector(p + "post_attention_norm.weight") if a.post_norms else None,
+                post_ffn_norm=up.vector(p + "post_ffw_norm.weight") if a.post_norms else None,
             )
         )
     out_norm = up.vector("output_norm.weight")

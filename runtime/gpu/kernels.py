@@ -16,10 +16,13 @@ from ingot.runtime import settings
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.archs import installed_kernel_dir
 from ingot.runtime.gpu.constants import (
+    ATT_WARPS,
+    GATED_MODES,
     MATMUL_TILE,
     MATVEC_COLS,
     MATVEC_ROWS_PER_BLOCK,
     MAX_SPLITS,
+    MODE_GEGLU,
     MODE_STORE,
     MODE_SWIGLU,
     PAGE,
@@ -32,9 +35,15 @@ from ingot.runtime.gpu.fatbin import parse_fatbin
 
 MODULES = ("activation", "attention", "embed", "matmul", "matvec", "norm", "repack", "rope", "sample")
 GPU_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "F16")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # the attention kernels' template instances (cuda/attention.cu)
+GQA_MAX = 8  # query heads per kv head one decode attention block serves (GMAX in cuda/attention.cu)
 
 i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
+
+# The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu)
+# and its matvec epilogue (the decode path fuses it into the gate/up product).
+ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
+ACTIVATION_MODES = {"silu": MODE_SWIGLU, "gelu_tanh": MODE_GEGLU}
 
 
 @dataclass
@@ -60,6 +69,10 @@ class GpuMatrix:
     @property
     def quantized(self) -> bool:
         return self.qtype != "F16"
+
+    @property
+    def uniform(self) -> bool:
+        return True
 
 
 def kernel_images(kernel_dir: Path | None = None) -> dict[str, bytes]:
@@ -89,7 +102,8 @@ class Kernels:
             mod = Module(images[name], f"{name}.fatbin", list(parse_fatbin(images[name], name).kernels), device)
             self.modules.append(mod)
             self.k.update(mod.kernels)
-        self.k["attn_prefill_f16"].allow_dynamic_smem(self._prefill_smem(128))
+        # one opt-in for the largest head size (80 KiB at hd 256); smaller ones launch with less
+        self.k["attn_prefill_f16"].allow_dynamic_smem(self._prefill_smem(max(HEAD_DIMS)))
         # the staged logits share the block's shared memory with the kernel's own static arrays
         self.sample_smem_limit = device.info.max_smem_optin - self.k["sample_f32"].static_smem
 
@@ -109,9 +123,9 @@ class Kernels:
 
     # --- per-token ops ---------------------------------------------------------------------------
 
-    def embed(self, E: GpuMatrix, tokens: int, x: DeviceBuffer, n: int) -> Launch:
-        """x[n, dim] fp32 = E[tokens[i]]."""
-        return Launch(self.k[f"embed_{E.qtype.lower()}"], (n,), 128, [tokens, *E.args(), x, i32(E.cols)])
+    def embed(self, E: GpuMatrix, tokens: int, x: DeviceBuffer, n: int, scale: float = 1.0) -> Launch:
+        """x[n, dim] fp32 = E[tokens[i]] * scale (Gemma scales embeddings by sqrt(dim))."""
+        return Launch(self.k[f"embed_{E.qtype.lower()}"], (n,), 128, [tokens, *E.args(), x, i32(E.cols), f32(scale)])
 
     def rmsnorm(
         self, x: int, w: DeviceBuffer, n: int, dim: int, eps: float, *, y=None, yq=None, yd=None, yh=None
@@ -121,21 +135,29 @@ class Kernels:
         threads = min(1024, dim)
         return Launch(self.k["rmsnorm_f32"], (n,), threads, [x, w, y, yq, yd, yh, i32(dim), f32(eps)])
 
+    def add_rmsnorm(self, x: int, o: int, w: DeviceBuffer, n: int, dim: int, eps: float) -> Launch:
+        """x[n, dim] += rmsnorm(o[n, dim]) * w: the post-norm residual (architectures with post_norms)."""
+        return Launch(self.k["add_rmsnorm_f32"], (n,), min(1024, dim), [x, o, w, i32(dim), f32(eps)])
+
     def matvec(
         self, W: GpuMatrix, x, y: int, ncols: int, *, ldy: int, mode: int = MODE_STORE, bias: DeviceBuffer | None = None
-    ) -> Launch:
+    ) -> list[Launch]:
         """y[c, :] (op)= W · x[c, :] for c < ncols. x is (xq, xd) q8x2 for quantized W, fp32 for F16 W.
-        MODE_SWIGLU: W stacks [gate; up] and y gets silu(gate·x) * (up·x), rows/2 outputs per column."""
-        rows = W.rows // 2 if mode == MODE_SWIGLU else W.rows
-        per_block = MATVEC_ROWS_PER_BLOCK // 2 if mode == MODE_SWIGLU else MATVEC_ROWS_PER_BLOCK
+        MODE_SWIGLU / MODE_GEGLU: W stacks [gate; up] and y gets act(gate·x) * (up·x), rows/2 outputs per column.
+        Returns the steps to run."""
+        gated = mode in GATED_MODES
+        rows = W.rows // 2 if gated else W.rows
+        per_block = MATVEC_ROWS_PER_BLOCK // 2 if gated else MATVEC_ROWS_PER_BLOCK
         grid = ((rows + per_block - 1) // per_block, (ncols + MATVEC_COLS - 1) // MATVEC_COLS)
         xs = list(x) if W.quantized else [x]
-        return Launch(
-            self.k[f"matvec_{W.qtype.lower()}"],
-            grid,
-            128,
-            [*W.args(), *xs, bias, y, i32(rows), i32(W.cols), i32(ncols), i32(ldy), i32(mode)],
-        )
+        return [
+            Launch(
+                self.k[f"matvec_{W.qtype.lower()}"],
+                grid,
+                128,
+                [*W.args(), *xs, bias, y, i32(rows), i32(W.cols), i32(ncols), i32(ldy), i32(mode)],
+            )
+        ]
 
     def quantize(self, x: int, xq: int, xd: int, n_values: int) -> Launch:
         """x fp32 [n_values] -> q8x2: xq int8 [2 * n_values], xd float4 [n_values / 32] (cuda/common.cuh)."""
@@ -188,8 +210,14 @@ class Kernels:
         v_cache: int,
         n: int,
         cfg,
+        *,
+        q_norm: DeviceBuffer | None = None,
+        k_norm: DeviceBuffer | None = None,
+        eps: float = 0.0,
     ) -> Launch:
-        """Rotate q,k of qkv[n, (H+2Hkv)*hd] in place; write k,v of token i to the cache at tok_pos[i]."""
+        """RMSNorm each q and k head of qkv[n, (H+2Hkv)*hd] (when q_norm, k_norm [hd] are given), rotate them in
+        place with the `rope` table [positions, rope_dim/2] (cos, sin); write k,v of token i to the cache at
+        tok_pos[i]. One block per token, one warp per head."""
         return Launch(
             self.k["rope_kv_f32"],
             (n,),
@@ -208,6 +236,9 @@ class Kernels:
                 i32(cfg.head_dim),
                 i32(cfg.rope_dim),
                 i32(1 if cfg.rope_neox else 0),
+                q_norm,
+                k_norm,
+                f32(eps),
             ],
         )
 
@@ -231,11 +262,19 @@ class Kernels:
         outq=None,
         outd=None,
         outh=None,
+        scale: float = 0.0,
+        window: int = 0,
+        softcap: float = 0.0,
+        q_norm: DeviceBuffer | None = None,
+        k_norm: DeviceBuffer | None = None,
+        eps: float = 0.0,
     ) -> Launch:
-        """One new token per sequence (at pos[b]): rope, KV write, split-KV attention and the merge, in one launch.
-        out [B, H*hd] fp32, also as q8x2 (outq, outd) and/or fp16 (outh) when given; partials [B, H, splits, hd];
-        counters [B*Hkv] zeroed. splits <= MAX_SPLITS."""
-        assert 1 <= splits <= MAX_SPLITS
+        """One new token per sequence (at pos[b]): [q/k head norms,] rope, KV write, split-KV attention and the
+        merge, in one launch. out [B, H*hd] fp32, also as q8x2 (outq, outd) and/or fp16 (outh) when given;
+        partials [B, H, splits, hd]; counters [B*Hkv] zeroed. splits <= MAX_SPLITS. scale on q.k (0:
+        1/sqrt(hd)); window > 0: the token sees the last `window` positions, itself included; softcap > 0:
+        scores -> softcap * tanh(scores / softcap); q_norm, k_norm [hd] fp32 (qk_norm architectures)."""
+        assert 1 <= splits <= MAX_SPLITS and cfg.n_heads // cfg.n_kv_heads <= GQA_MAX
         return Launch(
             self.k["attn_decode_f16"],
             (splits, cfg.n_kv_heads, B),
@@ -261,18 +300,43 @@ class Kernels:
                 i32(cfg.n_kv_heads),
                 i32(cfg.head_dim),
                 i32(splits),
-                f32(cfg.head_dim**-0.5),
+                f32(scale or cfg.head_dim**-0.5),
+                q_norm,
+                k_norm,
+                f32(eps),
+                i32(window),
+                f32(softcap),
             ],
+            smem=self._decode_smem(cfg.head_dim),
         )
+
+    @staticmethod
+    def _decode_smem(hd: int) -> int:
+        """sq [GMAX][hd], sk [hd], sm_m and sm_l [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
+        return (GQA_MAX * hd + hd + 2 * ATT_WARPS * GQA_MAX + ATT_WARPS * GQA_MAX * hd) * 4
 
     @staticmethod
     def _prefill_smem(hd: int) -> int:
         return (PREFILL_QUERIES * hd + PAGE * (hd + 1) + PAGE * hd) * 4
 
     def attn_prefill(
-        self, qkv: int, ldqkv: int, k_cache: int, v_cache: int, block_row: int, tok_pos: int, T: int, out: int, cfg
+        self,
+        qkv: int,
+        ldqkv: int,
+        k_cache: int,
+        v_cache: int,
+        block_row: int,
+        tok_pos: int,
+        T: int,
+        out: int,
+        cfg,
+        *,
+        scale: float = 0.0,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Launch:
-        """out[T, H*hd] fp16 for tokens at positions tok_pos[0]..tok_pos[0]+T-1 of one sequence (causal)."""
+        """out[T, H*hd] fp16 for tokens at positions tok_pos[0]..tok_pos[0]+T-1 of one sequence (causal; scale,
+        window and softcap as in attn_decode)."""
         return Launch(
             self.k["attn_prefill_f16"],
             ((T + PREFILL_QUERIES - 1) // PREFILL_QUERIES, cfg.n_heads),
@@ -289,15 +353,28 @@ class Kernels:
                 i32(cfg.n_heads),
                 i32(cfg.n_kv_heads),
                 i32(cfg.head_dim),
-                f32(cfg.head_dim**-0.5),
+                f32(scale or cfg.head_dim**-0.5),
+                i32(window),
+                f32(softcap),
             ],
             smem=self._prefill_smem(cfg.head_dim),
         )
 
+    def gated_act(self, activation: str, gu: int, F: int, n: int, *, hh: int | None = None, hf: int | None = None):
+        """h[n, F] = act(gu[:, :F]) * gu[:, F:] as fp16 (hh) and/or fp32 (hf); activation: "silu" (SwiGLU) or
+        "gelu_tanh" (GEGLU), the names of architectures.ACTIVATIONS."""
+        total = n * F
+        return Launch(
+            self.k[ACTIVATION_KERNELS[activation]], ((total + 255) // 256,), 256, [gu, hh, hf, i32(F), i64(n)]
+        )
+
     def swiglu(self, gu: int, h: int, F: int, n: int) -> Launch:
         """h[n, F] fp16 = silu(gu[:, :F]) * gu[:, F:]."""
-        total = n * F
-        return Launch(self.k["swiglu_f16"], ((total + 255) // 256,), 256, [gu, h, i32(F), i64(n)])
+        return self.gated_act("silu", gu, F, n, hh=h)
+
+    def geglu(self, gu: int, h: int, F: int, n: int) -> Launch:
+        """h[n, F] fp16 = gelu_tanh(gu[:, :F]) * gu[:, F:]."""
+        return self.gated_act("gelu_tanh", gu, F, n, hh=h)
 
     def sample(self, logits: int, V: int, ld: int, B: int, p: dict, out_tokens: int) -> Launch:
         """One token per sequence from logits[B, ld] (first V used); p holds the per-sequence parameter arrays."""
