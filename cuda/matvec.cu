@@ -14,6 +14,7 @@
 //   MODE_STORE   y[c*ldy + r]  = dot (+ bias[r])
 //   MODE_ADD     y[c*ldy + r] += dot (+ bias[r])         (residual connections)
 //   MODE_SWIGLU  y[c*ldy + r]  = silu(W[r]·x) * (W[r + rows]·x), r < rows: W is [gate; up] stacked
+//   MODE_GEGLU   the same with gelu_tanh (Gemma)
 #include "common.cuh"
 
 #ifndef MV_UNROLL_Q4
@@ -88,11 +89,14 @@ struct Q8_0W {
 };
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+__device__ __forceinline__ float gelu_tanh(float g) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
 
 // Rows this warp owns: two adjacent rows, or for SWIGLU the pair (gate r, up r + rows).
 __device__ __forceinline__ void warp_rows(int mode, int rows, long long r[2], bool ok[2], long long* out_row) {
     const int warp = threadIdx.x / WARP;
-    if (mode == MODE_SWIGLU) {
+    if (mode == MODE_SWIGLU || mode == MODE_GEGLU) {
         const long long o = (long long)blockIdx.x * MV_WARPS + warp;
         r[0] = o; r[1] = o + rows; ok[0] = ok[1] = o < rows; *out_row = o;
     } else {
@@ -109,8 +113,8 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
         const float v0 = warp_sum(acc[0][c]), v1 = warp_sum(acc[1][c]);
         if (threadIdx.x % WARP != 0) continue;
         float* yc = y + (size_t)(c0 + c) * ldy;
-        if (mode == MODE_SWIGLU) {
-            if (ok[0]) yc[out_row] = silu(v0) * v1;
+        if (mode == MODE_SWIGLU || mode == MODE_GEGLU) {
+            if (ok[0]) yc[out_row] = (mode == MODE_SWIGLU ? silu(v0) : gelu_tanh(v0)) * v1;
         } else {
             const float v[2] = {v0, v1};
 #pragma unroll
