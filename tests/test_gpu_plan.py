@@ -20,7 +20,7 @@ from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
 from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch
 from ingot.runtime.gpu.kernels import GpuMatrix, Kernels
-from ingot.runtime.model.architectures import ARCHITECTURES
+from ingot.runtime.model.architectures import ARCHITECTURES, Architecture
 from ingot.runtime.model.synth import SHAPES, config_of
 
 GEMM_MIN_BATCH = 8
@@ -146,9 +146,34 @@ def kernel_names(steps) -> list[str]:
 SHAPE_OF = {"llama": "tiny-k", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3", "gemma3": "tiny-gemma3"}
 
 
-def test_every_architecture_has_a_gpu_block_or_a_refusal():
-    # mistral is llama's block; every described architecture is now covered by the GPU primitives
+def test_every_described_architecture_runs_on_the_gpu():
     assert set(GPU_ARCHITECTURES) == set(ARCHITECTURES)
+
+
+def test_a_new_architecture_is_an_entry_in_architectures_py(monkeypatch):
+    """A Llama-like architecture that mixes the features differently (NEOX rope, q/k norms, post-norms, GELU,
+    windows of 3 local layers per global one) is planned from its description alone."""
+    new = Architecture(
+        "newarch",
+        "test",
+        rope_neox=True,
+        qk_norm=True,
+        post_norms=True,
+        activation="gelu_tanh",
+        swa_pattern=4,
+        local_rope_theta=5000.0,
+    )
+    monkeypatch.setitem(ARCHITECTURES, "newarch", new)
+    c = dataclasses.replace(
+        config_of(SHAPES["tiny-qwen3"]), arch="newarch", n_layers=8, sliding_window=64, rope_theta_local=5000.0
+    )
+    e = plan_engine(c)
+    names = kernel_names(e._decode_launches(1))
+    assert names.count("add_rmsnorm_f32") == 2 * c.n_layers
+    attn = e.k.of("attn_decode")
+    assert [kw["window"] for _, kw in attn] == [0 if i % 4 == 3 else 64 for i in range(8)]
+    assert all(kw["q_norm"] is not None for _, kw in attn) and len(e.rope_tables) == 2
+    assert [kw["mode"] for _, kw in e.k.of("matvec") if kw.get("mode") == MODE_GEGLU] == [MODE_GEGLU] * 8
 
 
 def test_llama_launch_counts_are_unchanged():
@@ -259,6 +284,14 @@ def test_refusals_name_what_is_missing():
     assert "final logit softcapping" in str(_refused(dataclasses.replace(gemma, final_softcap=30.0)))
     assert "groups of up to 8" in str(_refused(dataclasses.replace(gemma, n_heads=16, n_kv_heads=1)))
     assert "head_dim 96" in str(_refused(dataclasses.replace(gemma, head_dim=96, rope_dim=96)))
+
+
+def test_an_activation_without_a_kernel_is_refused(monkeypatch):
+    monkeypatch.setitem(
+        ARCHITECTURES, "relu2arch", Architecture("relu2arch", "test", rope_neox=False, activation="relu2")
+    )
+    e = _refused(dataclasses.replace(config_of(SHAPES["tiny-k"]), arch="relu2arch"))
+    assert "relu2 FFN activation of relu2arch has no GPU kernel" in str(e)
 
 
 def test_rope_tables_follow_the_reference():

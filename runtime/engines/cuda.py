@@ -40,7 +40,8 @@ from ingot.runtime.engines.kvcache import PagePool
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
 from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, PAGE, WEIGHT_LAYOUT
 from ingot.runtime.gpu.driver import Device, DeviceBuffer, DevicePool, Graph, Launch, PinnedBuffer, Stream
-from ingot.runtime.gpu.kernels import ACTIVATION_MODES, GQA_MAX, HEAD_DIMS, Kernels, kernel_images
+from ingot.runtime.gpu.kernels import ACTIVATION_KERNELS, ACTIVATION_MODES, GQA_MAX, HEAD_DIMS, Kernels, kernel_images
+from ingot.runtime.model.architectures import ARCHITECTURES
 from ingot.runtime.model.gguf import Model
 from ingot.runtime.model.reference import rope_inv_freq
 from ingot.runtime.sampling import SamplingParams
@@ -299,9 +300,11 @@ class _PrefillOps(_GemmOps):
         return self.xh
 
 
-# The architectures whose block the GPU engine runs: every feature they use (architectures.Architecture) has its
-# primitive in _Ops. An architecture added to architectures.py is listed here once its features are covered.
-GPU_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# The architectures whose block the GPU engine runs: all that architectures.py describes, since every feature an
+# Architecture can have is a primitive of _Ops (driven by Config.block) — a new Llama-like architecture is an
+# entry there, nothing here. What the kernels lack is refused by name in CudaEngine.__init__ (an activation
+# without a kernel, final-logit softcapping).
+GPU_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 class CudaEngine:
@@ -320,10 +323,14 @@ class CudaEngine:
     ):
         c = self.config = model.config
         self.model = model
-        if c.arch not in GPU_ARCHITECTURES:
+        if c.arch not in ARCHITECTURES:
             raise IncompatibleError(
                 f"architecture {c.arch} is not supported by the GPU engine yet",
                 hint=f"it runs {', '.join(GPU_ARCHITECTURES)}; use --device cpu",
+            )
+        if c.block.activation not in ACTIVATION_KERNELS:
+            raise IncompatibleError(
+                f"the {c.block.activation} FFN activation of {c.arch} has no GPU kernel yet", hint="use --device cpu"
             )
         if c.final_softcap:
             raise IncompatibleError(
