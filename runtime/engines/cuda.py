@@ -97,12 +97,14 @@ class _Ops:
 
     qkv: int  # where the q, k, v product goes: [n, (H + 2 Hkv) hd] fp32
 
-    def __init__(self, e: CudaEngine, n: int, x: int, tokens: int):
-        self.e, self.k, self.c, self.n, self.x, self.tokens = e, e.k, e.config, n, x, tokens
+    def __init__(self, e: CudaEngine, n: int, xbuf: DeviceBuffer, tokens: int, x: int | None = None):
+        """xbuf: the residual stream [n, D] fp32 (x: where its rows start, if not at the buffer's start)."""
+        self.e, self.k, self.c, self.n, self.tokens = e, e.k, e.config, n, tokens
+        self.xbuf, self.x = xbuf, xbuf.ptr if x is None else x
         self.L: list[Launch] = []
 
     def embed(self, scale: float) -> None:
-        self.L.append(self.k.embed(self.e.w.embed, self.tokens, self.x, self.n, scale=scale))
+        self.L.append(self.k.embed(self.e.w.embed, self.tokens, self.xbuf, self.n, scale=scale))
 
     def norm(self, x: int, w: DeviceBuffer, W) -> Act:
         raise NotImplementedError
@@ -156,7 +158,7 @@ class _MatvecOps(_Ops):
     a CUDA graph. Llama: 8 launches per layer."""
 
     def __init__(self, e: CudaEngine, n: int, *, splits: int = 1, x: int | None = None):
-        super().__init__(e, n, e.x.ptr if x is None else x, e.step.ptr["tokens"])
+        super().__init__(e, n, e.x, e.step.ptr["tokens"], x)
         self.splits, self.qkv = splits, e.qkv.ptr
 
     def _q8(self) -> tuple[int, int]:
@@ -206,7 +208,7 @@ class _GemmOps(_Ops):
     """Tensor-core GEMMs on fp16 activations (xh), fp32 outputs; the FFN activation is its own kernel."""
 
     def __init__(
-        self, e: CudaEngine, n: int, x: int, tokens: int, *, xh: int, qkv: int, gu: int, o: int, split_k: bool
+        self, e: CudaEngine, n: int, x: DeviceBuffer, tokens: int, *, xh: int, qkv: int, gu: int, o: int, split_k: bool
     ):
         super().__init__(e, n, x, tokens)
         self.xh, self.qkv, self.gu, self.o, self.split_k = xh, qkv, gu, o, split_k
@@ -242,7 +244,7 @@ class _GemmDecodeOps(_GemmOps):
 
     def __init__(self, e: CudaEngine, n: int, *, splits: int):
         super().__init__(
-            e, n, e.x.ptr, e.step.ptr["tokens"], xh=e.xh.ptr, qkv=e.qkv.ptr, gu=e.gu.ptr, o=e.o.ptr, split_k=True
+            e, n, e.x, e.step.ptr["tokens"], xh=e.xh.ptr, qkv=e.qkv.ptr, gu=e.gu.ptr, o=e.o.ptr, split_k=True
         )
         self.splits = splits
 
@@ -257,7 +259,7 @@ class _PrefillOps(_GemmOps):
 
     def __init__(self, e: CudaEngine, T: int):
         super().__init__(
-            e, T, e.px.ptr, e.pre.ptr["tokens"], xh=e.pxh.ptr, qkv=e.pqkv.ptr, gu=e.pgu.ptr, o=e.po.ptr, split_k=False
+            e, T, e.px, e.pre.ptr["tokens"], xh=e.pxh.ptr, qkv=e.pqkv.ptr, gu=e.pgu.ptr, o=e.po.ptr, split_k=False
         )
 
     def attention(self, layer: int, lw: LayerWeights) -> Act:
