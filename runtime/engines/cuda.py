@@ -38,14 +38,16 @@ from ingot.runtime import settings
 from ingot.runtime.engines.cuda_weights import LayerWeights, upload_weights
 from ingot.runtime.engines.kvcache import PagePool
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
-from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, PAGE, WEIGHT_LAYOUT
+from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_GEGLU, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
 from ingot.runtime.gpu.driver import Device, DeviceBuffer, DevicePool, Graph, Launch, PinnedBuffer, Stream
-from ingot.runtime.gpu.kernels import ACTIVATION_KERNELS, ACTIVATION_MODES, GQA_MAX, HEAD_DIMS, Kernels, kernel_images
+from ingot.runtime.gpu.kernels import ACTIVATION_KERNELS, GQA_MAX, HEAD_DIMS, Kernels, kernel_images
 from ingot.runtime.model.architectures import ARCHITECTURES
 from ingot.runtime.model.gguf import Model
 from ingot.runtime.model.reference import rope_inv_freq
 from ingot.runtime.sampling import SamplingParams
 
+# The matvec epilogue that fuses each FFN activation (architectures.ACTIVATIONS) into the gate/up product.
+ACTIVATION_MODES = {"silu": MODE_SWIGLU, "gelu_tanh": MODE_GEGLU}
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the prefill buffers (a 1000-token prompt = 2 passes)
 DEFAULT_MAX_CTX = 8192
 HIST_CAP = 256  # repetition-penalty window kept on the device (repeat_last_n is clamped to it)

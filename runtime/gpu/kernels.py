@@ -22,9 +22,7 @@ from ingot.runtime.gpu.constants import (
     MATVEC_COLS,
     MATVEC_ROWS_PER_BLOCK,
     MAX_SPLITS,
-    MODE_GEGLU,
     MODE_STORE,
-    MODE_SWIGLU,
     PAGE,
     PREFILL_QUERIES,
     QK,
@@ -40,10 +38,8 @@ GQA_MAX = 8  # query heads per kv head one decode attention block serves (GMAX i
 
 i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
 
-# The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu)
-# and its matvec epilogue (the decode path fuses it into the gate/up product).
+# The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).
 ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
-ACTIVATION_MODES = {"silu": MODE_SWIGLU, "gelu_tanh": MODE_GEGLU}
 
 
 @dataclass

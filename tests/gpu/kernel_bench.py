@@ -65,7 +65,8 @@ def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=C.MODE_STORE):
         )
     else:
         x = gpu.put(rng.standard_normal(B * cols).astype(np.float32)).ptr
-    us = timed(gpu, gpu.k.matvec(W, x, y.ptr, B, ldy=out_rows, mode=mode))
+    launches = gpu.k.matvec(W, x, y.ptr, B, ldy=out_rows, mode=mode)
+    us = timed(gpu, lambda stream: [launch(stream) for launch in launches])
     gb = rows * cols * BYTES_PER_WEIGHT[qtype] / 1e9
     print(f"{name:<34} {qtype:<5} B={B:<3} {us:9.1f} us  {gb / (us * 1e-6):7.0f} GB/s")
     return us
