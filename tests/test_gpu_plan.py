@@ -238,8 +238,15 @@ def test_block_follows_the_architecture(arch, path):
         assert gated == [MODE_GEGLU if a.activation == "gelu_tanh" else MODE_SWIGLU] * c.n_layers
     else:
         assert [args[0] for args, _ in k.of("gated_act")] == [a.activation] * c.n_layers
-    per_layer = (8 if path != "prefill" else 9) + (2 if a.post_norms else 0)
-    assert len(names) == 1 + per_layer * c.n_layers + 3
+    # Llama's counts for every architecture: a post-norm add carries the norm after it, except the last one
+    # before prefill's last-row head (which norms that row alone)
+    per_layer = 8 if path != "prefill" else 9
+    assert len(names) == 1 + per_layer * c.n_layers + 3 + (a.post_norms and path == "prefill")
+    if a.post_norms:
+        L = e.w.layers
+        head = None if path == "prefill" else e.w.out_norm
+        following = [(lw.ffn_norm, L[i + 1].attn_norm if i + 1 < len(L) else head) for i, lw in enumerate(L)]
+        assert [kw["w_next"] for _, kw in post] == [w for pair in following for w in pair]
 
 
 def test_gemma3_layers_get_their_window_and_rope_base():

@@ -31,6 +31,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ from ingot.runtime import settings
 from ingot.runtime.engines.cuda_weights import LayerWeights, upload_weights
 from ingot.runtime.engines.kvcache import PagePool
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
-from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_GEGLU, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
+from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
 from ingot.runtime.gpu.driver import Device, DeviceBuffer, DevicePool, Graph, Launch, PinnedBuffer, Stream
 from ingot.runtime.gpu.kernels import ACTIVATION_KERNELS, GQA_MAX, HEAD_DIMS, Kernels, kernel_images
 from ingot.runtime.model.architectures import ARCHITECTURES
@@ -98,6 +99,7 @@ class _Ops:
     pointer, or the (xq, xd) pair of q8x2 activations)."""
 
     qkv: int  # where the q, k, v product goes: [n, (H + 2 Hkv) hd] fp32
+    o: int  # where a projection goes before its post-norm add: [n, D] fp32
 
     def __init__(self, e: CudaEngine, n: int, xbuf: DeviceBuffer, tokens: int, x: int | None = None):
         """xbuf: the residual stream [n, D] fp32 (x: where its rows start, if not at the buffer's start)."""
@@ -108,8 +110,17 @@ class _Ops:
     def embed(self, scale: float) -> None:
         self.L.append(self.k.embed(self.e.w.embed, self.tokens, self.xbuf, self.n, scale=scale))
 
-    def norm(self, x: int, w: DeviceBuffer, W) -> Act:
+    def norm_outs(self, W) -> tuple[dict, Act]:
+        """Where a normalized activation goes for a product with W: rmsnorm's output arguments, and the
+        activation as W's product reads it."""
         raise NotImplementedError
+
+    def norm(self, x: int, w: DeviceBuffer, W) -> Act:
+        """rmsnorm(x[n, D]) * w, for a product with W."""
+        c = self.c
+        outs, act = self.norm_outs(W)
+        self.L.append(self.k.rmsnorm(x, w, self.n, c.dim, c.norm_eps, **outs))
+        return act
 
     def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
         raise NotImplementedError
@@ -117,8 +128,23 @@ class _Ops:
     def attention(self, layer: int, lw: LayerWeights) -> Act:
         raise NotImplementedError
 
-    def residual(self, W, xin: Act, post_norm: DeviceBuffer | None) -> None:
+    def project(self, W, xin: Act, mode: int) -> None:
+        """x (MODE_ADD) or o (MODE_STORE) [n, D] = W · xin."""
         raise NotImplementedError
+
+    def residual(self, W, xin: Act, post_norm: DeviceBuffer | None, then: Norm | None) -> Act | None:
+        """x += W · xin, or x += rmsnorm(W · xin) * post_norm (post-norm architectures); then the norm `then`
+        (weights, and the matrix the result feeds) of the new x, fused into the post-norm add when there is one.
+        Returns that normalized activation (None without `then`)."""
+        c = self.c
+        if post_norm is None:
+            self.project(W, xin, MODE_ADD)
+            return self.norm(self.x, *then) if then else None
+        self.project(W, xin, MODE_STORE)
+        outs, act = self.norm_outs(then[1]) if then else ({}, None)
+        w_next = then[0] if then else None
+        self.L.append(self.k.add_rmsnorm(self.x, self.o, post_norm, self.n, c.dim, c.norm_eps, w_next=w_next, **outs))
+        return act
 
     def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
         raise NotImplementedError
@@ -152,6 +178,7 @@ class _Ops:
 
 
 Act = int | tuple[int, int]  # an activation as a matrix product reads it: fp32/fp16 pointer, or q8x2 (xq, xd)
+Norm = tuple[DeviceBuffer, Any]  # an RMSNorm's weights, and the matrix its output feeds
 
 
 class _MatvecOps(_Ops):
@@ -161,18 +188,14 @@ class _MatvecOps(_Ops):
 
     def __init__(self, e: CudaEngine, n: int, *, splits: int = 1, x: int | None = None):
         super().__init__(e, n, e.x, e.step.ptr["tokens"], x)
-        self.splits, self.qkv = splits, e.qkv.ptr
+        self.splits, self.qkv, self.o = splits, e.qkv.ptr, e.o.ptr
 
     def _q8(self) -> tuple[int, int]:
         return (self.e.xq.ptr, self.e.xd.ptr)
 
-    def norm(self, x: int, w: DeviceBuffer, W) -> Act:
-        e, c = self.e, self.c
-        if W.quantized:
-            self.L.append(self.k.rmsnorm(x, w, self.n, c.dim, c.norm_eps, yq=e.xq, yd=e.xd))
-            return self._q8()
-        self.L.append(self.k.rmsnorm(x, w, self.n, c.dim, c.norm_eps, y=e.xf))
-        return e.xf.ptr
+    def norm_outs(self, W) -> tuple[dict, Act]:
+        e = self.e
+        return ({"yq": e.xq, "yd": e.xd}, self._q8()) if W.quantized else ({"y": e.xf}, e.xf.ptr)
 
     def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
         self.L += self.k.matvec(W, xin, out, self.n, ldy=ld, bias=bias)
@@ -185,13 +208,8 @@ class _MatvecOps(_Ops):
         )
         return self._q8() if q8 else e.att.ptr
 
-    def residual(self, W, xin: Act, post_norm: DeviceBuffer | None) -> None:
-        c = self.c
-        if post_norm is None:
-            self.L += self.k.matvec(W, xin, self.x, self.n, ldy=c.dim, mode=MODE_ADD)
-            return
-        self.L += self.k.matvec(W, xin, self.e.o.ptr, self.n, ldy=c.dim)
-        self.L.append(self.k.add_rmsnorm(self.x, self.e.o.ptr, post_norm, self.n, c.dim, c.norm_eps))
+    def project(self, W, xin: Act, mode: int) -> None:
+        self.L += self.k.matvec(W, xin, self.x if mode == MODE_ADD else self.o, self.n, ldy=self.c.dim, mode=mode)
 
     def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
         e, F = self.e, self.c.ffn_dim
@@ -215,23 +233,17 @@ class _GemmOps(_Ops):
         super().__init__(e, n, x, tokens)
         self.xh, self.qkv, self.gu, self.o, self.split_k = xh, qkv, gu, o, split_k
 
-    def norm(self, x: int, w: DeviceBuffer, W) -> Act:
-        c = self.c
-        self.L.append(self.k.rmsnorm(x, w, self.n, c.dim, c.norm_eps, yh=self.xh))
-        return self.xh
+    def norm_outs(self, W) -> tuple[dict, Act]:
+        return {"yh": self.xh}, self.xh
 
     def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
         assert isinstance(xin, int)
         self.L += self.k.matmul(W, xin, out, self.n, ldc=ld, bias=bias, split_k=self.split_k)
 
-    def residual(self, W, xin: Act, post_norm: DeviceBuffer | None) -> None:
+    def project(self, W, xin: Act, mode: int) -> None:
         assert isinstance(xin, int)
-        c, k = self.c, self.k
-        if post_norm is None:
-            self.L += k.matmul(W, xin, self.x, self.n, ldc=c.dim, mode=MODE_ADD, split_k=self.split_k)
-            return
-        self.L += k.matmul(W, xin, self.o, self.n, ldc=c.dim, split_k=self.split_k)
-        self.L.append(k.add_rmsnorm(self.x, self.o, post_norm, self.n, c.dim, c.norm_eps))
+        out = self.x if mode == MODE_ADD else self.o
+        self.L += self.k.matmul(W, xin, out, self.n, ldc=self.c.dim, mode=mode, split_k=self.split_k)
 
     def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
         F = self.c.ffn_dim
@@ -505,22 +517,27 @@ class CudaEngine:
 
     # --- the forward pass as launch lists --------------------------------------------------------
 
-    def _forward(self, ops: _Ops) -> None:
+    def _forward(self, ops: _Ops, head: Norm | None) -> Act | None:
         """The model's blocks, written once: `ops` launches each primitive for one path (matrix-vector decode,
         GEMM decode, GEMM prefill). What a block adds to Llama's is read from the architecture's description
         (Config.block, architectures.py) and the weights it brings (LayerWeights): q/k head norms and the
         layer's sliding window and RoPE table inside ops.attention, post-norms in ops.residual, the FFN
-        activation in ops.ffn, the embedding scale here."""
-        c, a = self.config, self.config.block
+        activation in ops.ffn, the embedding scale here. Each residual add is followed by the norm that reads
+        its result (one launch with a post-norm); the last one by `head` (the output norm and the matrix it
+        feeds), whose output is returned (None: the caller norms what it needs)."""
+        c, a, layers = self.config, self.config.block, self.w.layers
         ops.embed(math.sqrt(c.dim) if a.embed_scale_sqrt_dim else 1.0)
-        for i, lw in enumerate(self.w.layers):
-            h = ops.norm(ops.x, lw.attn_norm, lw.wqkv)
+        h: Act | None = ops.norm(ops.x, layers[0].attn_norm, layers[0].wqkv)
+        for i, lw in enumerate(layers):
+            assert h is not None  # every residual but the last is followed by a norm
             ops.linear(lw.wqkv, h, ops.qkv, self.qkv_dim, bias=lw.bqkv)
             att = ops.attention(i, lw)  # [q, k = rmsnorm per head;] rope; cache write; attention
-            ops.residual(lw.wo, att, lw.post_attn_norm)  # x += [rmsnorm](Wo att)
-            h = ops.norm(ops.x, lw.ffn_norm, lw.wgu)
+            h = ops.residual(lw.wo, att, lw.post_attn_norm, then=(lw.ffn_norm, lw.wgu))  # x += [rmsnorm](Wo att)
+            assert h is not None
             f = ops.ffn(lw.wgu, h, a.activation, lw.wdown)  # act(gate h) * (up h)
-            ops.residual(lw.wdown, f, lw.post_ffn_norm)  # x += [rmsnorm](Wdown f)
+            nxt = (layers[i + 1].attn_norm, layers[i + 1].wqkv) if i + 1 < len(layers) else head
+            h = ops.residual(lw.wdown, f, lw.post_ffn_norm, then=nxt)  # x += [rmsnorm](Wdown f)
+        return h
 
     def _decode_launches(self, B: int) -> list[Launch]:
         c, s = self.config, self.step
@@ -528,8 +545,8 @@ class CudaEngine:
         ops: _Ops = (
             _GemmDecodeOps(self, B, splits=splits) if B >= self.gemm_min_batch else _MatvecOps(self, B, splits=splits)
         )
-        self._forward(ops)
-        h = ops.norm(ops.x, self.w.out_norm, self.w.head)
+        h = self._forward(ops, head=(self.w.out_norm, self.w.head))
+        assert h is not None
         ops.linear(self.w.head, h, self.logits_buf.ptr, c.n_vocab)
         ops.L.append(
             self.k.sample(self.logits_buf.ptr, c.n_vocab, c.n_vocab, B, self._sample_args(s), self.out_tokens.ptr)
@@ -546,9 +563,8 @@ class CudaEngine:
         (all_logits) or with the last row's logits and a sampled token."""
         c, p = self.config, self.pre
         ops = _PrefillOps(self, T)
-        self._forward(ops)
-        if all_logits:
-            h = ops.norm(ops.x, self.w.out_norm, self.w.head)
+        h = self._forward(ops, head=(self.w.out_norm, self.w.head) if all_logits else None)
+        if h is not None:
             ops.linear(self.w.head, h, self.all_logits.ptr, c.n_vocab)
             return ops.L
         # the last row alone through the decode path's matrix-vector product (one row: no GEMM tiles wasted)

@@ -131,9 +131,29 @@ class Kernels:
         threads = min(1024, dim)
         return Launch(self.k["rmsnorm_f32"], (n,), threads, [x, w, y, yq, yd, yh, i32(dim), f32(eps)])
 
-    def add_rmsnorm(self, x: int, o: int, w: DeviceBuffer, n: int, dim: int, eps: float) -> Launch:
-        """x[n, dim] += rmsnorm(o[n, dim]) * w: the post-norm residual (architectures with post_norms)."""
-        return Launch(self.k["add_rmsnorm_f32"], (n,), min(1024, dim), [x, o, w, i32(dim), f32(eps)])
+    def add_rmsnorm(
+        self,
+        x: int,
+        o: int,
+        w: DeviceBuffer,
+        n: int,
+        dim: int,
+        eps: float,
+        *,
+        w_next: DeviceBuffer | None = None,
+        y=None,
+        yq=None,
+        yd=None,
+        yh=None,
+    ) -> Launch:
+        """x[n, dim] += rmsnorm(o[n, dim]) * w: the post-norm residual (architectures with post_norms); then, with
+        w_next, the rows rmsnorm(x) * w_next in the forms given (as rmsnorm's y, yq/yd, yh)."""
+        return Launch(
+            self.k["add_rmsnorm_f32"],
+            (n,),
+            min(1024, dim),
+            [x, o, w, w_next, y, yq, yd, yh, i32(dim), f32(eps)],
+        )
 
     def matvec(
         self, W: GpuMatrix, x, y: int, ncols: int, *, ldy: int, mode: int = MODE_STORE, bias: DeviceBuffer | None = None

@@ -91,13 +91,29 @@ def test_rope_kv_with_head_norms(gpu, rng, hd, qk_norm):
 
 
 @pytest.mark.parametrize("n,dim", [(1, 640), (7, 96), (13, 1152)])
-def test_add_rmsnorm(gpu, rng, n, dim):
+@pytest.mark.parametrize("then_norm", [False, True])
+def test_add_rmsnorm(gpu, rng, n, dim, then_norm):
+    """x += rmsnorm(o) * w; with then_norm also rmsnorm(new x) * w_next in all three forms (fp32, q8x2, fp16)."""
     x = rng.standard_normal((n, dim)).astype(np.float32)
     o = (rng.standard_normal((n, dim)) * 7).astype(np.float32)
     w = (1 + 0.2 * rng.standard_normal(dim)).astype(np.float32)
+    w_next = (1 + 0.2 * rng.standard_normal(dim)).astype(np.float32)
     dx = gpu.put(x)
-    gpu.run(gpu.k.add_rmsnorm(dx.ptr, gpu.put(o).ptr, gpu.put(w), n, dim, EPS))
-    assert rel_err(gpu.get(dx, np.float32, x.shape), x + rms_norm(o, w, EPS)) < 1e-5
+    y, yh = gpu.empty(4 * n * dim), gpu.empty(2 * n * dim)
+    yq, yd = gpu.empty(2 * n * dim), gpu.empty(16 * n * dim // 32)
+    outs = {"w_next": gpu.put(w_next), "y": y, "yq": yq, "yd": yd, "yh": yh} if then_norm else {}
+    gpu.run(gpu.k.add_rmsnorm(dx.ptr, gpu.put(o).ptr, gpu.put(w), n, dim, EPS, **outs))
+    new_x = x + rms_norm(o, w, EPS)
+    assert rel_err(gpu.get(dx, np.float32, x.shape), new_x) < 1e-5
+    if not then_norm:
+        return
+    ref = rms_norm(new_x, w_next, EPS)
+    assert rel_err(gpu.get(y, np.float32, x.shape), ref) < 1e-5
+    assert rel_err(gpu.get(yh, np.float16, x.shape), ref) < 1e-3
+    q = gpu.get(yq, np.int8, (n * dim // 32, 64)).astype(np.float64)
+    d = gpu.get(yd, np.float32, (n * dim // 32, 4)).astype(np.float64)
+    deq = q[:, :32] * d[:, :1] + q[:, 32:] * d[:, 1:2]  # q8x2: coarse and fine int8 levels (common.cuh)
+    assert rel_err(deq.reshape(n, dim), ref) < 1e-4
 
 
 @pytest.mark.parametrize("activation,act", [("gelu_tanh", gelu_tanh), ("silu", silu)])
