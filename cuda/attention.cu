@@ -70,7 +70,7 @@ __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restr
                             const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
                             int window, float softcap) {
     constexpr int LPK = HD / 8, KPW = WARP / LPK, KPB = ATT_WARPS * KPW;
-    // Shared memory is the launch's dynamic allocation (decode_smem_floats(HD) floats: static arrays of all
+    // Shared memory is the launch's dynamic allocation (Kernels.decode_smem(hd) bytes: static arrays of all
     // three head sizes would add up past 48 KiB), carved as sq [GMAX][HD], sk [HD], sm_m, sm_l
     // [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][HD].
     extern __shared__ float smem[];
@@ -213,8 +213,8 @@ __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restr
 }
 
 // grid (S <= 32, Hkv, B), 128 threads, (GMAX*hd + hd + 2*ATT_WARPS*GMAX + ATT_WARPS*GMAX*hd) * 4 bytes of
-// dynamic shared memory (Kernels._decode_smem; 42 KiB at hd 256, under the 48 KiB default). qkv [B, (H + 2 Hkv) hd] as the qkv product wrote it (q, k not yet
-// normed or rotated); rope: the layer's table (local or global base); pos[b] = the new token's position;
+// dynamic shared memory (Kernels.decode_smem; 42 KiB at hd 256, under the 48 KiB default). qkv [B, (H + 2 Hkv)
+// hd] as the qkv product wrote it (q, k not yet normed or rotated); rope: the layer's table (local or global base); pos[b] = the new token's position;
 // counters [B * Hkv] zero-initialized once, left zeroed after each launch. q_norm, k_norm [hd] or null (no
 // qk-norm). Outputs: out fp32 [B, H*hd], and when non-null its q8x2 (outq, outd) and fp16 (outh) forms.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
@@ -304,7 +304,8 @@ __device__ void attn_prefill(const float* __restrict__ qkv, int ldqkv, const __h
 }
 
 // grid (ceil(T/16), H), 128 threads, (16*hd + 32*(hd+1) + 32*hd) * 4 bytes of dynamic shared memory (80 KiB
-// at hd 256: past the 48 KiB default, so the host opts in, Kernels.__init__).
+// at hd 256: past the 48 KiB default, so the host opts in, Kernels.__init__; past sm_75's 64 KiB maximum, so
+// the engine refuses hd 256 there).
 // block_row: this sequence's row of the block table; tok_pos: the chunk's positions (contiguous).
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 attn_prefill_f16(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache, const int* block_row,

@@ -98,8 +98,10 @@ class Kernels:
             mod = Module(images[name], f"{name}.fatbin", list(parse_fatbin(images[name], name).kernels), device)
             self.modules.append(mod)
             self.k.update(mod.kernels)
-        # one opt-in for the largest head size (80 KiB at hd 256); smaller ones launch with less
-        self.k["attn_prefill_f16"].allow_dynamic_smem(self._prefill_smem(max(HEAD_DIMS)))
+        # Prefill attention's shared memory grows with the head size (80 KiB at hd 256: more than sm_75's 64 KiB
+        # opt-in); one opt-in for the largest head size this GPU can hold, smaller ones launch with less.
+        self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_smem(h) <= device.info.max_smem_optin)
+        self.k["attn_prefill_f16"].allow_dynamic_smem(self.prefill_smem(max(self.prefill_head_dims)))
         # the staged logits share the block's shared memory with the kernel's own static arrays
         self.sample_smem_limit = device.info.max_smem_optin - self.k["sample_f32"].static_smem
 
@@ -323,16 +325,16 @@ class Kernels:
                 i32(window),
                 f32(softcap),
             ],
-            smem=self._decode_smem(cfg.head_dim),
+            smem=self.decode_smem(cfg.head_dim),
         )
 
     @staticmethod
-    def _decode_smem(hd: int) -> int:
+    def decode_smem(hd: int) -> int:
         """sq [GMAX][hd], sk [hd], sm_m and sm_l [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
         return (GQA_MAX * hd + hd + 2 * ATT_WARPS * GQA_MAX + ATT_WARPS * GQA_MAX * hd) * 4
 
     @staticmethod
-    def _prefill_smem(hd: int) -> int:
+    def prefill_smem(hd: int) -> int:
         return (PREFILL_QUERIES * hd + PAGE * (hd + 1) + PAGE * hd) * 4
 
     def attn_prefill(
@@ -373,7 +375,7 @@ class Kernels:
                 i32(window),
                 f32(softcap),
             ],
-            smem=self._prefill_smem(cfg.head_dim),
+            smem=self.prefill_smem(cfg.head_dim),
         )
 
     def gated_act(self, activation: str, gu: int, F: int, n: int, *, hh: int | None = None, hf: int | None = None):
