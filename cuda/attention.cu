@@ -1,5 +1,8 @@
 // Causal grouped-query attention over the paged fp16 KV cache (cache[page, kv_head, slot, hd], see rope.cu).
 //
+// Both kernels come in two entry points: head_dim 64/128, and 256 (Gemma) in its own (*_hd256), so that the
+// 64/128 kernels keep their register counts.
+//
 // Decode (one new token per sequence) is one kernel per layer, attn_decode_f16, fusing what would otherwise
 // be three launches (decode is bound by launch count, not bytes, on small models):
 //   1. (qk_norm architectures) RMSNorm over each q head and the k head, then RoPE on the token's q heads (in
@@ -226,8 +229,18 @@ attn_decode_f16(const float* qkv, const float2* rope, int rope_dim, int neox, __
     attn_decode<HD>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml,  \
                     counters, out, outq, outd, outh, H, Hkv, S, scale, q_norm, k_norm, eps, window, softcap)
     if (hd == 64) ATTN_DECODE(64);
-    else if (hd == 128) ATTN_DECODE(128);
-    else ATTN_DECODE(256);
+    else ATTN_DECODE(128);
+}
+
+// hd 256 (Gemma) in a kernel of its own: a kernel gets the registers of its hungriest path, and the 64/128 one
+// keeps the count it had before 256 existed. Same arguments and launch geometry as attn_decode_f16.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+attn_decode_f16_hd256(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache,
+                      __half* v_cache, const int* block_table, int max_pages, const int* pos, float* part_acc,
+                      float2* part_ml, int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H,
+                      int Hkv, int hd, int S, float scale, const float* q_norm, const float* k_norm, float eps,
+                      int window, float softcap) {
+    ATTN_DECODE(256);
 #undef ATTN_DECODE
 }
 
@@ -316,7 +329,15 @@ attn_prefill_f16(const float* qkv, int ldqkv, const __half* k_cache, const __hal
 #define ATTN_PREFILL(HD) \
     attn_prefill<HD>(qkv, ldqkv, k_cache, v_cache, block_row, start, T, out, H, Hkv, scale, window, softcap)
     if (hd == 64) ATTN_PREFILL(64);
-    else if (hd == 128) ATTN_PREFILL(128);
-    else ATTN_PREFILL(256);
+    else ATTN_PREFILL(128);
+}
+
+// hd 256 in a kernel of its own, as attn_decode_f16_hd256 (registers), with its 80 KiB of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+attn_prefill_f16_hd256(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache,
+                       const int* block_row, const int* tok_pos, int T, __half* out, int H, int Hkv, int hd,
+                       float scale, int window, float softcap) {
+    const int start = tok_pos[0];
+    ATTN_PREFILL(256);
 #undef ATTN_PREFILL
 }

@@ -101,7 +101,8 @@ class Kernels:
         # Prefill attention's shared memory grows with the head size (80 KiB at hd 256: more than sm_75's 64 KiB
         # opt-in); one opt-in for the largest head size this GPU can hold, smaller ones launch with less.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_smem(h) <= device.info.max_smem_optin)
-        self.k["attn_prefill_f16"].allow_dynamic_smem(self.prefill_smem(max(self.prefill_head_dims)))
+        for hd in self.prefill_head_dims:
+            self.k[self._attn_kernel("attn_prefill_f16", hd)].allow_dynamic_smem(self.prefill_smem(hd))
         # the staged logits share the block's shared memory with the kernel's own static arrays
         self.sample_smem_limit = device.info.max_smem_optin - self.k["sample_f32"].static_smem
 
@@ -294,7 +295,7 @@ class Kernels:
         scores -> softcap * tanh(scores / softcap); q_norm, k_norm [hd] fp32 (qk_norm architectures)."""
         assert 1 <= splits <= MAX_SPLITS and cfg.n_heads // cfg.n_kv_heads <= GQA_MAX
         return Launch(
-            self.k["attn_decode_f16"],
+            self.k[self._attn_kernel("attn_decode_f16", cfg.head_dim)],
             (splits, cfg.n_kv_heads, B),
             128,
             [
@@ -329,6 +330,11 @@ class Kernels:
         )
 
     @staticmethod
+    def _attn_kernel(name: str, hd: int) -> str:
+        """hd 256 has kernels of its own (cuda/attention.cu: the 64/128 ones keep their register counts)."""
+        return f"{name}_hd256" if hd == 256 else name
+
+    @staticmethod
     def decode_smem(hd: int) -> int:
         """sq [GMAX][hd], sk [hd], sm_m and sm_l [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
         return (GQA_MAX * hd + hd + 2 * ATT_WARPS * GQA_MAX + ATT_WARPS * GQA_MAX * hd) * 4
@@ -356,7 +362,7 @@ class Kernels:
         """out[T, H*hd] fp16 for tokens at positions tok_pos[0]..tok_pos[0]+T-1 of one sequence (causal; scale,
         window and softcap as in attn_decode)."""
         return Launch(
-            self.k["attn_prefill_f16"],
+            self.k[self._attn_kernel("attn_prefill_f16", cfg.head_dim)],
             ((T + PREFILL_QUERIES - 1) // PREFILL_QUERIES, cfg.n_heads),
             128,
             [
