@@ -253,7 +253,9 @@ def test_gemma3_layers_get_their_window_and_rope_base():
     """gemma3-270m's pattern: five local layers (window 512, base 10k) then a global one (base 1M), repeated."""
     c = config_of(SHAPES["gemma3-270m"])
     e = plan_engine(c)
-    e._decode_launches(1)
+    names = kernel_names(e._decode_launches(1))
+    assert names.count("attn_decode_f16_hd256") == c.n_layers  # head_dim 256: its own kernel
+    assert kernel_names(e._prefill_launches(3, all_logits=False)).count("attn_prefill_f16_hd256") == c.n_layers
     got = [(kw["window"], args[1]) for args, kw in e.k.of("attn_decode")]
     local, glob = e.rope_tables[(10000.0, 1.0)], e.rope_tables[(1000000.0, 1.0)]
     assert len(e.rope_tables) == 2
