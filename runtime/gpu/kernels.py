@@ -16,6 +16,7 @@ from ingot.runtime import settings
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.archs import installed_kernel_dir
 from ingot.runtime.gpu.constants import (
+    ATT_WARPS,
     GATED_MODES,
     MATMUL_TILE,
     MATVEC_COLS,
@@ -31,7 +32,8 @@ from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch, Memset, Modul
 from ingot.runtime.gpu.fatbin import parse_fatbin
 
 MODULES = ("activation", "attention", "embed", "matmul", "matvec", "norm", "repack", "rope", "sample")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # the attention kernels' template instances (cuda/attention.cu)
+GQA_MAX = 8  # query heads per kv head one decode attention block serves (GMAX in cuda/attention.cu)
 
 # The soa-v2 layout of each GPU weight type (cuda/common.cuh documents the bit orders): its device arrays, in
 # kernel-argument order, as (GpuMatrix field, bytes per 256 weights). GGUF's own sizes are in
@@ -56,6 +58,9 @@ K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 SUPERBLOCK_TYPES = (*K_QUANTS, "IQ4_XS")  # 256-weight super-blocks: cols % 256 == 0
 
 i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
+
+# The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).
+ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
 
 
 @dataclass
@@ -163,7 +168,11 @@ class Kernels:
             mod = Module(images[name], f"{name}.fatbin", list(parse_fatbin(images[name], name).kernels), device)
             self.modules.append(mod)
             self.k.update(mod.kernels)
-        self.k["attn_prefill_f16"].allow_dynamic_smem(self._prefill_smem(128))
+        # Prefill attention's shared memory grows with the head size (80 KiB at hd 256: more than sm_75's 64 KiB
+        # opt-in); one opt-in for the largest head size this GPU can hold, smaller ones launch with less.
+        self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_smem(h) <= device.info.max_smem_optin)
+        for hd in self.prefill_head_dims:
+            self.k[self._attn_kernel("attn_prefill_f16", hd)].allow_dynamic_smem(self.prefill_smem(hd))
         # the staged logits share the block's shared memory with the kernel's own static arrays
         self.sample_smem_limit = device.info.max_smem_optin - self.k["sample_f32"].static_smem
 
@@ -194,6 +203,30 @@ class Kernels:
         # One warp per 32-value block when the row allows (decode is latency-bound: one row, one block).
         threads = min(1024, dim)
         return Launch(self.k["rmsnorm_f32"], (n,), threads, [x, w, y, yq, yd, yh, i32(dim), f32(eps)])
+
+    def add_rmsnorm(
+        self,
+        x: int,
+        o: int,
+        w: DeviceBuffer,
+        n: int,
+        dim: int,
+        eps: float,
+        *,
+        w_next: DeviceBuffer | None = None,
+        y=None,
+        yq=None,
+        yd=None,
+        yh=None,
+    ) -> Launch:
+        """x[n, dim] += rmsnorm(o[n, dim]) * w: the post-norm residual (architectures with post_norms); then, with
+        w_next, the rows rmsnorm(x) * w_next in the forms given (as rmsnorm's y, yq/yd, yh)."""
+        return Launch(
+            self.k["add_rmsnorm_f32"],
+            (n,),
+            min(1024, dim),
+            [x, o, w, w_next, y, yq, yd, yh, i32(dim), f32(eps)],
+        )
 
     def matvec(
         self,
@@ -310,8 +343,14 @@ class Kernels:
         v_cache: int,
         n: int,
         cfg,
+        *,
+        q_norm: DeviceBuffer | None = None,
+        k_norm: DeviceBuffer | None = None,
+        eps: float = 0.0,
     ) -> Launch:
-        """Rotate q,k of qkv[n, (H+2Hkv)*hd] in place; write k,v of token i to the cache at tok_pos[i]."""
+        """RMSNorm each q and k head of qkv[n, (H+2Hkv)*hd] (when q_norm, k_norm [hd] are given), rotate them in
+        place with the `rope` table [positions, rope_dim/2] (cos, sin); write k,v of token i to the cache at
+        tok_pos[i]. One block per token, one warp per head."""
         return Launch(
             self.k["rope_kv_f32"],
             (n,),
@@ -330,6 +369,9 @@ class Kernels:
                 i32(cfg.head_dim),
                 i32(cfg.rope_dim),
                 i32(1 if cfg.rope_neox else 0),
+                q_norm,
+                k_norm,
+                f32(eps),
             ],
         )
 
@@ -353,13 +395,21 @@ class Kernels:
         outq=None,
         outd=None,
         outh=None,
+        scale: float = 0.0,
+        window: int = 0,
+        softcap: float = 0.0,
+        q_norm: DeviceBuffer | None = None,
+        k_norm: DeviceBuffer | None = None,
+        eps: float = 0.0,
     ) -> Launch:
-        """One new token per sequence (at pos[b]): rope, KV write, split-KV attention and the merge, in one launch.
-        out [B, H*hd] fp32, also as q8x2 (outq, outd) and/or fp16 (outh) when given; partials [B, H, splits, hd];
-        counters [B*Hkv] zeroed. splits <= MAX_SPLITS."""
-        assert 1 <= splits <= MAX_SPLITS
+        """One new token per sequence (at pos[b]): [q/k head norms,] rope, KV write, split-KV attention and the
+        merge, in one launch. out [B, H*hd] fp32, also as q8x2 (outq, outd) and/or fp16 (outh) when given;
+        partials [B, H, splits, hd]; counters [B*Hkv] zeroed. splits <= MAX_SPLITS. scale on q.k (0:
+        1/sqrt(hd)); window > 0: the token sees the last `window` positions, itself included; softcap > 0:
+        scores -> softcap * tanh(scores / softcap); q_norm, k_norm [hd] fp32 (qk_norm architectures)."""
+        assert 1 <= splits <= MAX_SPLITS and cfg.n_heads // cfg.n_kv_heads <= GQA_MAX
         return Launch(
-            self.k["attn_decode_f16"],
+            self.k[self._attn_kernel("attn_decode_f16", cfg.head_dim)],
             (splits, cfg.n_kv_heads, B),
             128,
             [
@@ -383,20 +433,50 @@ class Kernels:
                 i32(cfg.n_kv_heads),
                 i32(cfg.head_dim),
                 i32(splits),
-                f32(cfg.head_dim**-0.5),
+                f32(scale or cfg.head_dim**-0.5),
+                q_norm,
+                k_norm,
+                f32(eps),
+                i32(window),
+                f32(softcap),
             ],
+            smem=self.decode_smem(cfg.head_dim),
         )
 
     @staticmethod
-    def _prefill_smem(hd: int) -> int:
+    def _attn_kernel(name: str, hd: int) -> str:
+        """hd 256 has kernels of its own (cuda/attention.cu: the 64/128 ones keep their register counts)."""
+        return f"{name}_hd256" if hd == 256 else name
+
+    @staticmethod
+    def decode_smem(hd: int) -> int:
+        """sq [GMAX][hd], sk [hd], sm_m and sm_l [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
+        return (GQA_MAX * hd + hd + 2 * ATT_WARPS * GQA_MAX + ATT_WARPS * GQA_MAX * hd) * 4
+
+    @staticmethod
+    def prefill_smem(hd: int) -> int:
         return (PREFILL_QUERIES * hd + PAGE * (hd + 1) + PAGE * hd) * 4
 
     def attn_prefill(
-        self, qkv: int, ldqkv: int, k_cache: int, v_cache: int, block_row: int, tok_pos: int, T: int, out: int, cfg
+        self,
+        qkv: int,
+        ldqkv: int,
+        k_cache: int,
+        v_cache: int,
+        block_row: int,
+        tok_pos: int,
+        T: int,
+        out: int,
+        cfg,
+        *,
+        scale: float = 0.0,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Launch:
-        """out[T, H*hd] fp16 for tokens at positions tok_pos[0]..tok_pos[0]+T-1 of one sequence (causal)."""
+        """out[T, H*hd] fp16 for tokens at positions tok_pos[0]..tok_pos[0]+T-1 of one sequence (causal; scale,
+        window and softcap as in attn_decode)."""
         return Launch(
-            self.k["attn_prefill_f16"],
+            self.k[self._attn_kernel("attn_prefill_f16", cfg.head_dim)],
             ((T + PREFILL_QUERIES - 1) // PREFILL_QUERIES, cfg.n_heads),
             128,
             [
@@ -411,15 +491,28 @@ class Kernels:
                 i32(cfg.n_heads),
                 i32(cfg.n_kv_heads),
                 i32(cfg.head_dim),
-                f32(cfg.head_dim**-0.5),
+                f32(scale or cfg.head_dim**-0.5),
+                i32(window),
+                f32(softcap),
             ],
-            smem=self._prefill_smem(cfg.head_dim),
+            smem=self.prefill_smem(cfg.head_dim),
+        )
+
+    def gated_act(self, activation: str, gu: int, F: int, n: int, *, hh: int | None = None, hf: int | None = None):
+        """h[n, F] = act(gu[:, :F]) * gu[:, F:] as fp16 (hh) and/or fp32 (hf); activation: "silu" (SwiGLU) or
+        "gelu_tanh" (GEGLU), the names of architectures.ACTIVATIONS."""
+        total = n * F
+        return Launch(
+            self.k[ACTIVATION_KERNELS[activation]], ((total + 255) // 256,), 256, [gu, hh, hf, i32(F), i64(n)]
         )
 
     def swiglu(self, gu: int, h: int, F: int, n: int) -> Launch:
         """h[n, F] fp16 = silu(gu[:, :F]) * gu[:, F:]."""
-        total = n * F
-        return Launch(self.k["swiglu_f16"], ((total + 255) // 256,), 256, [gu, h, i32(F), i64(n)])
+        return self.gated_act("silu", gu, F, n, hh=h)
+
+    def geglu(self, gu: int, h: int, F: int, n: int) -> Launch:
+        """h[n, F] fp16 = gelu_tanh(gu[:, :F]) * gu[:, F:]."""
+        return self.gated_act("gelu_tanh", gu, F, n, hh=h)
 
     def sample(self, logits: int, V: int, ld: int, B: int, p: dict, out_tokens: int) -> Launch:
         """One token per sequence from logits[B, ld] (first V used); p holds the per-sequence parameter arrays."""
