@@ -1,9 +1,13 @@
 // Causal grouped-query attention over the paged fp16 KV cache (cache[page, kv_head, slot, hd], see rope.cu).
 //
+// Both kernels come in two entry points: head_dim 64/128, and 256 (Gemma) in its own (*_hd256), so that the
+// 64/128 kernels keep their register counts.
+//
 // Decode (one new token per sequence) is one kernel per layer, attn_decode_f16, fusing what would otherwise
 // be three launches (decode is bound by launch count, not bytes, on small models):
-//   1. RoPE on the token's q heads (in shared memory) and, in the block whose split holds the new position,
-//      on its k head, and the fp16 write of k and v into the cache;
+//   1. (qk_norm architectures) RMSNorm over each q head and the k head, then RoPE on the token's q heads (in
+//      shared memory) and, in the block whose split holds the new position, on its k head, and the fp16 write
+//      of k and v into the cache;
 //   2. split-KV flash-decoding: each of S splits takes a contiguous run of pages and computes an unnormalized
 //      partial (running max m, sum l, acc[hd]) so that a long context spreads over the whole GPU;
 //   3. the last block to finish for a (sequence, kv head) — found with an atomic counter — merges the S
@@ -16,7 +20,12 @@
 // rope_kv_f32 has rotated q, k and filled the cache): flash-attention with an online softmax; a block holds 16
 // queries of one head and walks 32-key tiles (one page each) up to the causal limit; lanes own keys for the
 // scores and head dims for the output.
-// Scores are scaled by `scale` (1/sqrt(hd)); everything accumulates in fp32.
+// Scores are scaled by `scale` (the architecture's 1/sqrt(query_pre_attn_scalar), usually 1/sqrt(hd)), then
+// soft-capped (cap * tanh(s / cap)) when softcap > 0; everything accumulates in fp32.
+// Sliding window (window > 0, a local layer of Gemma 3 and the like): the query at position p sees the keys at
+// p - window + 1 .. p, itself included (Config.layer_window, the CPU reference's mask); window 0 sees 0 .. p.
+// Decode spreads its splits over the pages that hold the window only; prefill starts at the first tile any of
+// its queries can see and masks per query.
 #include "common.cuh"
 
 #define GMAX 8           // query heads per kv head handled by one decode block (GQA group size)
@@ -41,23 +50,46 @@ __device__ __forceinline__ void rope_head(float* x, const float2* cs, int rope_d
     }
 }
 
+// RMSNorm of one head in place, x * w / sqrt(mean(x^2) + eps) over hd values: one warp per head.
+__device__ __forceinline__ void warp_rmsnorm(float* x, const float* __restrict__ w, int hd, float eps) {
+    const int lane = threadIdx.x % WARP;
+    float ss = 0.0f;
+    for (int d = lane; d < hd; d += WARP) ss += x[d] * x[d];
+    const float r = rsqrtf(warp_sum(ss) / hd + eps);
+    for (int d = lane; d < hd; d += WARP) x[d] *= r * w[d];
+}
+
+__device__ __forceinline__ float softcapped(float s, float softcap) {
+    return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
+}
+
 template <int HD>
 __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restrict__ rope, int rope_dim, int neox,
                             __half* __restrict__ k_cache, __half* __restrict__ v_cache,
                             const int* __restrict__ block_table, int max_pages, const int* __restrict__ pos,
                             float* __restrict__ part_acc, float2* __restrict__ part_ml, int* __restrict__ counters,
                             float* __restrict__ out, int8_t* __restrict__ outq, float4* __restrict__ outd,
-                            __half* __restrict__ outh, int H, int Hkv, int S, float scale) {
+                            __half* __restrict__ outh, int H, int Hkv, int S, float scale,
+                            const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
+                            int window, float softcap) {
     constexpr int LPK = HD / 8, KPW = WARP / LPK, KPB = ATT_WARPS * KPW;
-    __shared__ float sq[GMAX][HD];
-    __shared__ float sk[HD];
-    __shared__ float sm_m[ATT_WARPS][GMAX], sm_l[ATT_WARPS][GMAX];
-    __shared__ float sm_acc[ATT_WARPS][GMAX][HD];
+    // Shared memory is the launch's dynamic allocation (Kernels.decode_smem(hd) bytes: static arrays of all
+    // three head sizes would add up past 48 KiB), carved as sq [GMAX][HD], sk [HD], sm_m, sm_l
+    // [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][HD].
+    extern __shared__ float smem[];
+    float (*sq)[HD] = reinterpret_cast<float (*)[HD]>(smem);
+    float* sk = smem + GMAX * HD;
+    float (*sm_m)[GMAX] = reinterpret_cast<float (*)[GMAX]>(sk + HD);
+    float (*sm_l)[GMAX] = reinterpret_cast<float (*)[GMAX]>(sk + HD + ATT_WARPS * GMAX);
+    float (*sm_acc)[GMAX][HD] = reinterpret_cast<float (*)[GMAX][HD]>(sk + HD + 2 * ATT_WARPS * GMAX);
     __shared__ int is_last;
 
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = H / Hkv, tid = threadIdx.x;
-    const int p = pos[b], len = p + 1, npages = (len + PAGE - 1) / PAGE, per_split = (npages + S - 1) / S;
-    const int k_begin = split * per_split * PAGE, k_end = min((split + 1) * per_split * PAGE, len);
+    // The keys this token sees are [lo, p]: the splits share the pages first_page .. npages-1 that hold them.
+    const int p = pos[b], len = p + 1, lo = window > 0 ? max(0, p - window + 1) : 0, first_page = lo / PAGE;
+    const int npages = (len + PAGE - 1) / PAGE - first_page, per_split = (npages + S - 1) / S;
+    const int k_begin = max(lo, (first_page + split * per_split) * PAGE);
+    const int k_end = min((first_page + (split + 1) * per_split) * PAGE, len);
     const size_t part = ((size_t)b * H + (size_t)kvh * G) * S + split;    // + g*S for query head kvh*G + g
     const float* row = qkv + (size_t)b * (H + 2 * Hkv) * HD;
     const float2* cs = rope + (size_t)p * (rope_dim / 2);
@@ -70,6 +102,12 @@ __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restr
         for (int i = tid; i < G * HD; i += blockDim.x) sq[i / HD][i % HD] = row[(size_t)kvh * G * HD + i];
         if (owns_new) for (int d = tid; d < HD; d += blockDim.x) sk[d] = row[(size_t)(H + kvh) * HD + d];
         __syncthreads();
+        if (q_norm) {                             // one warp per head: the G q heads, then k (if written here)
+            for (int g = tid / WARP; g < G + (owns_new ? 1 : 0); g += blockDim.x / WARP)
+                if (g < G) warp_rmsnorm(sq[g], q_norm, HD, eps);
+                else warp_rmsnorm(sk, k_norm, HD, eps);
+            __syncthreads();
+        }
         for (int g = 0; g < G; g++) rope_head(sq[g], cs, rope_dim, neox, tid, blockDim.x);
         if (owns_new) rope_head(sk, cs, rope_dim, neox, tid, blockDim.x);
         __syncthreads();
@@ -108,7 +146,7 @@ __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restr
                 for (int i = 0; i < 8; i++) s += k8[i] * sq[g][sub * 8 + i];
 #pragma unroll
                 for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-                s = valid ? s : -INFINITY;
+                s = valid ? softcapped(s, softcap) : -INFINITY;
                 const float m_new = fmaxf(m[g], s), corr = __expf(m[g] - m_new), pr = __expf(s - m_new);
                 l[g] = l[g] * corr + pr;
 #pragma unroll
@@ -177,28 +215,41 @@ __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restr
     if (tid == 0) *counter = 0;                   // ready for the next step (stream order separates steps)
 }
 
-// grid (S <= 32, Hkv, B), 128 threads. qkv [B, (H + 2 Hkv) hd] as the qkv product wrote it (q, k not yet
-// rotated); pos[b] = the new token's position; counters [B * Hkv] zero-initialized once, left zeroed after each
-// launch. Outputs: out fp32 [B, H*hd], and when non-null its q8x2 (outq, outd) and fp16 (outh) forms.
+// grid (S <= 32, Hkv, B), 128 threads, (GMAX*hd + hd + 2*ATT_WARPS*GMAX + ATT_WARPS*GMAX*hd) * 4 bytes of
+// dynamic shared memory (Kernels.decode_smem; 42 KiB at hd 256, under the 48 KiB default). qkv [B, (H + 2 Hkv)
+// hd] as the qkv product wrote it (q, k not yet normed or rotated); rope: the layer's table (local or global base); pos[b] = the new token's position;
+// counters [B * Hkv] zero-initialized once, left zeroed after each launch. q_norm, k_norm [hd] or null (no
+// qk-norm). Outputs: out fp32 [B, H*hd], and when non-null its q8x2 (outq, outd) and fp16 (outh) forms.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 attn_decode_f16(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache, __half* v_cache,
                 const int* block_table, int max_pages, const int* pos, float* part_acc, float2* part_ml,
                 int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H, int Hkv, int hd, int S,
-                float scale) {
-    if (hd == 64)
-        attn_decode<64>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml,
-                        counters, out, outq, outd, outh, H, Hkv, S, scale);
-    else
-        attn_decode<128>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml,
-                         counters, out, outq, outd, outh, H, Hkv, S, scale);
+                float scale, const float* q_norm, const float* k_norm, float eps, int window, float softcap) {
+#define ATTN_DECODE(HD)                                                                                            \
+    attn_decode<HD>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml,  \
+                    counters, out, outq, outd, outh, H, Hkv, S, scale, q_norm, k_norm, eps, window, softcap)
+    if (hd == 64) ATTN_DECODE(64);
+    else ATTN_DECODE(128);
+}
+
+// hd 256 (Gemma) in a kernel of its own: a kernel gets the registers of its hungriest path, and the 64/128 one
+// keeps the count it had before 256 existed. Same arguments and launch geometry as attn_decode_f16.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+attn_decode_f16_hd256(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache,
+                      __half* v_cache, const int* block_table, int max_pages, const int* pos, float* part_acc,
+                      float2* part_ml, int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H,
+                      int Hkv, int hd, int S, float scale, const float* q_norm, const float* k_norm, float eps,
+                      int window, float softcap) {
+    ATTN_DECODE(256);
+#undef ATTN_DECODE
 }
 
 template <int HD>
 __device__ void attn_prefill(const float* __restrict__ qkv, int ldqkv, const __half* __restrict__ k_cache,
                              const __half* __restrict__ v_cache, const int* __restrict__ block_row, int start, int T,
-                             __half* __restrict__ out, int H, int Hkv, float scale) {
+                             __half* __restrict__ out, int H, int Hkv, float scale, int window, float softcap) {
     constexpr int QPW = ATT_QPW, QB = ATT_WARPS * QPW, DPL = HD / WARP;   // queries per warp/block, dims per lane
-    // Dynamic shared memory (both head sizes share one kernel): sQ [QB][HD], sK [PAGE][HD+1], sV [PAGE][HD].
+    // Dynamic shared memory (all head sizes share one kernel): sQ [QB][HD], sK [PAGE][HD+1], sV [PAGE][HD].
     // The +1 on sK rows: lanes read different rows of the same column, which would hit one bank.
     extern __shared__ float smem[];
     float (*sQ)[HD] = reinterpret_cast<float (*)[HD]>(smem);
@@ -216,7 +267,8 @@ __device__ void attn_prefill(const float* __restrict__ qkv, int ldqkv, const __h
     for (int q = 0; q < QPW; q++) { m[q] = NEG_BIG; l[q] = 0.0f; for (int i = 0; i < DPL; i++) acc[q][i] = 0.0f; }
 
     const int last_key = start + min(T, t0 + QB) - 1;                 // causal limit of this block's queries
-    for (int tile = 0; tile * PAGE <= last_key; tile++) {
+    const int first_key = window > 0 ? max(0, start + t0 - window + 1) : 0;   // the first query's window start
+    for (int tile = first_key / PAGE; tile * PAGE <= last_key; tile++) {
         __syncthreads();
         const int page = block_row[tile];
         for (int e = threadIdx.x; e < PAGE * HD / 8; e += blockDim.x) {
@@ -237,10 +289,11 @@ __device__ void attn_prefill(const float* __restrict__ qkv, int ldqkv, const __h
             if (t >= T) break;                                        // uniform across the warp
             const int kpos = tile * PAGE + lane;
             float s = -INFINITY;
-            if (kpos <= start + t) {
+            if (kpos <= start + t && (window <= 0 || kpos > start + t - window)) {
                 s = 0.0f;
 #pragma unroll 16
                 for (int d = 0; d < HD; d++) s += sQ[warp * QPW + q][d] * sK[lane][d];
+                s = softcapped(s, softcap);
             }
             const float m_new = fmaxf(m[q], warp_max(s)), corr = __expf(m[q] - m_new), p = __expf(s - m_new);
             l[q] = l[q] * corr + warp_sum(p);
@@ -263,13 +316,28 @@ __device__ void attn_prefill(const float* __restrict__ qkv, int ldqkv, const __h
     }
 }
 
-// grid (ceil(T/16), H), 128 threads, (16*hd + 32*(hd+1) + 32*hd) * 4 bytes of dynamic shared memory.
+// grid (ceil(T/16), H), 128 threads, (16*hd + 32*(hd+1) + 32*hd) * 4 bytes of dynamic shared memory (80 KiB
+// at hd 256: past the 48 KiB default, so the host opts in, Kernels.__init__; past sm_75's 64 KiB maximum, so
+// the engine refuses hd 256 there).
 // block_row: this sequence's row of the block table; tok_pos: the chunk's positions (contiguous).
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 attn_prefill_f16(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache, const int* block_row,
-                 const int* tok_pos, int T, __half* out, int H, int Hkv, int hd, float scale) {
+                 const int* tok_pos, int T, __half* out, int H, int Hkv, int hd, float scale, int window,
+                 float softcap) {
     const int start = tok_pos[0];      // positions are start..start+T-1; kept on the device so a prefill plan
                                        // (and its launches) depends only on T
-    if (hd == 64) attn_prefill<64>(qkv, ldqkv, k_cache, v_cache, block_row, start, T, out, H, Hkv, scale);
-    else attn_prefill<128>(qkv, ldqkv, k_cache, v_cache, block_row, start, T, out, H, Hkv, scale);
+#define ATTN_PREFILL(HD) \
+    attn_prefill<HD>(qkv, ldqkv, k_cache, v_cache, block_row, start, T, out, H, Hkv, scale, window, softcap)
+    if (hd == 64) ATTN_PREFILL(64);
+    else ATTN_PREFILL(128);
+}
+
+// hd 256 in a kernel of its own, as attn_decode_f16_hd256 (registers), with its 80 KiB of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+attn_prefill_f16_hd256(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache,
+                       const int* block_row, const int* tok_pos, int T, __half* out, int H, int Hkv, int hd,
+                       float scale, int window, float softcap) {
+    const int start = tok_pos[0];
+    ATTN_PREFILL(256);
+#undef ATTN_PREFILL
 }

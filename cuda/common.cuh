@@ -1,15 +1,42 @@
 // Shared device helpers for Ingot's kernels: weight layouts, warp/block reductions, q8x2 activations.
 //
-// Weight layout on the GPU ("soa-v1"): GGUF stores quantized rows as arrays of blocks (scale, quants)
-// whose 18- or 20-byte size defeats 16-byte loads. At load time every quantized matrix [rows, cols] is
-// repacked into separate arrays, each row contiguous:
-//   Q4_0: qs  u8  [rows, cols/2]   (GGUF nibble order kept: byte j of a block = w[j] | w[j+16] << 4)
-//         d   f16 [rows, cols/32]
-//   Q4_1: qs as Q4_0, d f16 [rows, cols/32], m f16 [rows, cols/32]
-//   Q8_0: qs  i8  [rows, cols], d f16 [rows, cols/32]
+// Weight layout on the GPU ("soa-v2"): GGUF stores quantized rows as arrays of blocks (scales, quants)
+// whose 18-, 22-, 144- or 210-byte sizes defeat 16-byte loads. At load time every quantized matrix [rows, cols]
+// is repacked (repack.cu) into separate arrays, each row contiguous, every array indexed by the 32-weight block
+// b = row * cols/32 + kb (or its super-block b/8 for the K-quants' 256-weight d/dmin). The bits stay packed
+// (bytes per weight as in the GGUF, within 4%); the kernels unpack them in registers (weights.cuh).
 //   F16:  w   f16 [rows, cols]
+//   Q8_0: qs  i8  [rows, cols], d f16 [rows, cols/32]
+//   Q4_0: qs  u8  [rows, cols/2]   ("nibble order": byte j of a block = w[j] | w[j+16] << 4, as GGUF's Q4_0)
+//         d   f16 [rows, cols/32]                                                       w = d*(q-8)
+//   Q4_1: qs as Q4_0, d f16 [rows, cols/32], m f16 [rows, cols/32]                     w = d*q + m
+//   Q5_0: qs as Q4_0 (low 4 bits), qh u32 [rows, cols/32] (the fifth bits, "bit order" below), d f16 [.., cols/32]
+//                                                                                       w = d*(q-16)
+//   Q5_1: as Q5_0 plus m f16 [rows, cols/32]                                            w = d*q + m
+//   Q4_K: qs as Q4_0 (each 32-weight sub-block on its own), sc u8 [rows, cols/256, 16] = GGUF's super-block
+//         header as it is: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins (get_scale_min_k4)
+//                                                                                       w = (d*sc)*q - (dmin*m)
+//   Q5_K: as Q4_K plus qh u32 [rows, cols/32] (bit order)
+//   Q6_K: qs as Q4_0 (low 4 bits), qh u32 [rows, cols/32, 2] (two high bits, "crumb order": word 0 for weights
+//         0..15, word 1 for 16..31), sc i8 [rows, cols/16] (one per 16 weights), d f16 [rows, cols/256]
+//                                                                                       w = (d*sc)*(q-32)
+//   Q3_K: qs u32 [rows, cols/32, 2] (two low bits, crumb order), qh u32 [rows, cols/32] (third bit, bit order:
+//         set = GGUF's hmask bit), sc i8 [rows, cols/16] (the 6-bit scale minus 32), d f16 [rows, cols/256]
+//                                                                                       w = (d*sc)*(q-4)
+//   Q2_K: qs u32 [rows, cols/32, 2] (crumb order), sc u8 [rows, cols/16] (scale | min << 4, as GGUF),
+//         d f16 [rows, cols/256], m f16 [rows, cols/256] (dmin)                         w = (d*sc)*q - (dmin*m)
+//   IQ4_NL: qs as Q4_0 (4-bit codebook indices), d f16 [rows, cols/32]                w = d*kv[q]
+//   IQ4_XS: qs as Q4_0, sc i8 [rows, cols/32] (the 6-bit scale minus 32), d f16 [rows, cols/256]
+//                                                                                       w = (d*sc)*kv[q]
+// Bit order (one bit per weight, u32 H per 32 weights): bit k of byte b of H belongs to weight 4k+b, so the
+// bits of weights 4k..4k+3 are (H >> k) & 0x01010101, one per byte. Crumb order (two bits per weight, u32 P
+// per 16 weights): bits 2k..2k+1 of byte b belong to weight 4k+b. Both put a 4-weight word's bits one shift
+// and mask away, next to the nibble word they extend.
+// The K-quants keep d/dmin in f16 and the sub-block scales as small integers: every product is formed in fp32
+// as gguf forms it ((d*sc) rounded to fp32, then *q), so each weight's fp32 value equals gguf's dequantization.
+// K-quant and IQ4_XS matrices need cols % 256 == 0 (GGUF's super-block), the others cols % 32 == 0.
 // Activations that feed quantized matrices are quantized per 32 values to "q8x2" (see warp_quantize_q8x2):
-//   xq i8 [n, 2*cols] (per block: 32 coarse then 32 fine int8), xd float4 [n, cols/32] = (d1, d2, s, 0)
+//   xq i8 [n, 2*cols] (per block: 32 coarse then 32 fine int8), xd float4 [n, cols/32] = (d1, d2, s, s_lo)
 #pragma once
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -59,7 +86,9 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // Quantize 32 consecutive values held one per lane of a warp to q8x2: two int8 levels per value,
 // v ~= d1*q1 + d2*q2 with d1 = amax/127, d2 = d1/254 (the second level quantizes the first level's rounding
 // error, so the pair carries ~15 bits: integer dot products stay exact and the result matches float
-// activations to ~1e-5). Block layout: xq[0..31] = q1, xq[32..63] = q2; xd = (d1, d2, d1*sum(q1) + d2*sum(q2)).
+// activations to ~1e-5). Block layout: xq[0..31] = q1, xq[32..63] = q2; xd = (d1, d2, s, s_lo) with
+// s = d1*sum(q1) + d2*sum(q2) over the block and s_lo the same over values 0..15 (the K-quants with 16-weight
+// sub-blocks subtract an offset or min per half).
 // The reciprocals are correctly rounded (__frcp_rn): q1 may differ from round(v/d1) only at an exact .5 tie,
 // which leaves |v - q1*d1| <= d1/2 (plus one rounding), still inside the fine level's +-127 range.
 __device__ __forceinline__ void warp_quantize_q8x2(float v, int8_t* xq, float4* xd) {
@@ -71,8 +100,15 @@ __device__ __forceinline__ void warp_quantize_q8x2(float v, int8_t* xq, float4* 
         q1 = rintf(v * __frcp_rn(d1));
         q2 = fminf(fmaxf(rintf(fmaf(-q1, d1, v) * __frcp_rn(d2)), -127.0f), 127.0f);
     }
-    const float s = d1 * warp_sum(q1) + d2 * warp_sum(q2);
+    // Sums of small integers: exact in fp32 in any order. Half sums first (lanes 0..15 and 16..31), then the total.
+    float a = q1, b = q2;
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) { a += __shfl_xor_sync(0xffffffff, a, o); b += __shfl_xor_sync(0xffffffff, b, o); }
+    const float s_lo = d1 * a + d2 * b;
+    a += __shfl_xor_sync(0xffffffff, a, 16);
+    b += __shfl_xor_sync(0xffffffff, b, 16);
+    const float s = d1 * a + d2 * b;
     xq[lane] = (int8_t)q1;
     xq[WARP + lane] = (int8_t)q2;
-    if (lane == 0) *xd = make_float4(d1, d2, s, 0.0f);
+    if (lane == 0) *xd = make_float4(d1, d2, s, s_lo);
 }

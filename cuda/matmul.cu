@@ -1,5 +1,5 @@
 // Matrix-matrix products for prefill: C[M, N] = A[M, K] · W[N, K]^T, A fp16 (token activations), W in the
-// soa-v1 layout of common.cuh, C fp32. Prefill multiplies many tokens by each weight, so it is arithmetic-bound:
+// soa-v2 layout of common.cuh, C fp32. Prefill multiplies many tokens by each weight, so it is arithmetic-bound:
 // weights are dequantized to fp16 in shared memory and multiplied on the tensor cores (WMMA 16x16x16, fp32
 // accumulation; available on every arch we build, sm_75+).
 //
@@ -10,7 +10,7 @@
 // z-slice takes a range of K and adds its part into C atomically (C must then hold the addend: the residual for
 // MODE_ADD, zeros for MODE_STORE). Atomic order makes the low bits run-dependent, so prefill does not split.
 #include <mma.h>
-#include "common.cuh"
+#include "weights.cuh"
 
 using namespace nvcuda;
 
@@ -95,6 +95,23 @@ struct TileF16 {
     }
 };
 
+// The weights.cuh types: each thread dequantizes weights [h*16, h*16+16) of its row's block (deq_half_row).
+template <typename W>
+struct TileW {
+    W w;
+    __device__ void load(__half (*sB)[LDS], long long n, int N, int nb, int kb, int row, int h) const {
+        __half v[16];
+        if (n < N) {
+            deq_half_row(w, n, kb, h, v);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++) v[i] = __float2half(0.0f);
+        }
+        *reinterpret_cast<uint4*>(&sB[row][h * 16]) = *reinterpret_cast<uint4*>(v);
+        *reinterpret_cast<uint4*>(&sB[row][h * 16 + 8]) = *reinterpret_cast<uint4*>(v + 8);
+    }
+};
+
 template <typename Tile>
 __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const float* __restrict__ bias,
                        float* __restrict__ C, int M, int N, int K, int ldc, int mode) {
@@ -155,7 +172,7 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
     }
 }
 
-// All four: grid (ceil(N/64), ceil(M/64), split-K slices), 128 threads.
+// All of them: grid (ceil(N/64), ceil(M/64), split-K slices), 128 threads.
 extern "C" __global__ void __launch_bounds__(128)
 matmul_q4_0(const uint8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
             int ldc, int mode) {
@@ -178,3 +195,11 @@ extern "C" __global__ void __launch_bounds__(128)
 matmul_f16(const __half* w, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode) {
     matmul(TileF16{w, K}, A, bias, C, M, N, K, ldc, mode);
 }
+
+#define MATMUL_KERNEL(NAME, WT, PARAMS, ARGS)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128)                                                            \
+    matmul_##NAME(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode) { \
+        matmul(TileW<WT>{WT{ARGS, K / QK}}, A, bias, C, M, N, K, ldc, mode);                                     \
+    }
+FOR_EACH_GENERIC_TYPE(MATMUL_KERNEL)
+#undef MATMUL_KERNEL

@@ -1,5 +1,5 @@
 // Quantized matrix-vector products for decode: y[c, r] = sum_k W[r, k] * x[c, k] for a few columns c
-// (one per sequence in the decode batch), W in the soa-v1 layout of common.cuh.
+// (one per sequence in the decode batch), W in the soa-v2 layout of common.cuh.
 //
 // Decode is memory-bound: every weight byte is read once per step. Each warp owns two weight rows; each lane
 // takes whole 32-weight blocks (one 16-byte load of Q4 quants, two for Q8_0), so a warp reads 512
@@ -10,40 +10,15 @@
 // A block (4 warps) serves up to 4 columns at once; blockIdx.y picks the group of 4 columns. (Wider decode
 // batches use the tensor-core GEMM of matmul.cu instead: there the weights are read once for all columns.)
 //
+// Types: Q4_0/Q4_1/Q8_0 below, the others through their weights.cuh structs (the same loop; K-quants also
+// take one 32-weight sub-block per lane, with its scale from the super-block's d).
+//
 // Epilogue modes:
 //   MODE_STORE   y[c*ldy + r]  = dot (+ bias[r])
 //   MODE_ADD     y[c*ldy + r] += dot (+ bias[r])         (residual connections)
 //   MODE_SWIGLU  y[c*ldy + r]  = silu(W[r]·x) * (W[r + rows]·x), r < rows: W is [gate; up] stacked
-#include "common.cuh"
-
-#ifndef MV_UNROLL_Q4
-// 16-byte Q4 blocks loaded per row per lane before the first use. Measured on the H200 (cuda/PERF.md): 1 beats
-// 2 and 4, the extra registers cost more occupancy than the deeper per-warp pipeline buys.
-#define MV_UNROLL_Q4 1
-#endif
-
-// One q8x2 activation block: coarse and fine int8 levels (16 bytes each half) and (d1, d2, sum).
-struct XBlock { int4 c0, c1, f0, f1; float4 d; };
-
-__device__ __forceinline__ XBlock load_x(const int8_t* xq, const float4* xd, int cols, int c, int kb) {
-    const int4* p = reinterpret_cast<const int4*>(xq + (size_t)c * 2 * cols + kb * 2 * QK);
-    return {p[0], p[1], p[2], p[3], xd[(size_t)c * (cols / QK) + kb]};
-}
-
-__device__ __forceinline__ int dot8(const int4& a0, const int4& a1, const int4& b0, const int4& b1) {
-    int s = 0;
-    s = __dp4a(a0.x, b0.x, s); s = __dp4a(a0.y, b0.y, s); s = __dp4a(a0.z, b0.z, s); s = __dp4a(a0.w, b0.w, s);
-    s = __dp4a(a1.x, b1.x, s); s = __dp4a(a1.y, b1.y, s); s = __dp4a(a1.z, b1.z, s); s = __dp4a(a1.w, b1.w, s);
-    return s;
-}
-
-// sum(q * coarse) and sum(q * fine) for a Q4 block: byte j holds w[j] (low nibble) and w[j+16] (high).
-__device__ __forceinline__ float2 q4_dot(const uint4& q, const XBlock& x) {
-    const int4 lo = make_int4(q.x & 0x0F0F0F0F, q.y & 0x0F0F0F0F, q.z & 0x0F0F0F0F, q.w & 0x0F0F0F0F);
-    const int4 hi = make_int4((q.x >> 4) & 0x0F0F0F0F, (q.y >> 4) & 0x0F0F0F0F, (q.z >> 4) & 0x0F0F0F0F,
-                              (q.w >> 4) & 0x0F0F0F0F);
-    return make_float2((float)dot8(lo, hi, x.c0, x.c1), (float)dot8(lo, hi, x.f0, x.f1));
-}
+//   MODE_GEGLU   y[c*ldy + r]  = gelu_tanh(W[r]·x) * (W[r + rows]·x), likewise (Gemma)
+#include "weights.cuh"   // XBlock, dot helpers and the generic weight structs of the soa-v2 types
 
 struct Q4_0W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
@@ -88,11 +63,16 @@ struct Q8_0W {
 };
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+// GELU, tanh approximation, as the CPU reference (runtime/model/reference.py gelu_tanh).
+__device__ __forceinline__ float gelu_tanh(float g) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+__device__ __forceinline__ bool gated(int mode) { return mode == MODE_SWIGLU || mode == MODE_GEGLU; }
 
-// Rows this warp owns: two adjacent rows, or for SWIGLU the pair (gate r, up r + rows).
+// Rows this warp owns: two adjacent rows, or for the gated modes the pair (gate r, up r + rows).
 __device__ __forceinline__ void warp_rows(int mode, int rows, long long r[2], bool ok[2], long long* out_row) {
     const int warp = threadIdx.x / WARP;
-    if (mode == MODE_SWIGLU) {
+    if (gated(mode)) {
         const long long o = (long long)blockIdx.x * MV_WARPS + warp;
         r[0] = o; r[1] = o + rows; ok[0] = ok[1] = o < rows; *out_row = o;
     } else {
@@ -109,8 +89,8 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
         const float v0 = warp_sum(acc[0][c]), v1 = warp_sum(acc[1][c]);
         if (threadIdx.x % WARP != 0) continue;
         float* yc = y + (size_t)(c0 + c) * ldy;
-        if (mode == MODE_SWIGLU) {
-            if (ok[0]) yc[out_row] = silu(v0) * v1;
+        if (gated(mode)) {
+            if (ok[0]) yc[out_row] = (mode == MODE_SWIGLU ? silu(v0) : gelu_tanh(v0)) * v1;
         } else {
             const float v[2] = {v0, v1};
 #pragma unroll
@@ -188,6 +168,22 @@ matvec_q8_0(const int8_t* qs, const __half* d, const int8_t* xq, const float4* x
     DISPATCH_NC(CALL)
 #undef CALL
 }
+
+// The generic types: matvec_q5_0, matvec_q4_k, ... with the layout's arrays first (weights.cuh *_PARAMS).
+#define MATVEC_KERNEL(NAME, WT, PARAMS, ARGS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)                                                \
+    matvec_##NAME(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows, int cols,  \
+                  int ncols, int ldy, int mode) {                                                                \
+        const WT w{ARGS, cols / QK};                                                                             \
+        switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {                                               \
+            case 1: matvec_q<WT, 1>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
+            case 2: matvec_q<WT, 2>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
+            case 3: matvec_q<WT, 3>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
+            default: matvec_q<WT, 4>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                          \
+        }                                                                                                        \
+    }
+FOR_EACH_GENERIC_TYPE(MATVEC_KERNEL)
+#undef MATVEC_KERNEL
 
 // F16 weights take fp32 activations: each lane reads 8 weights (16 bytes) and 8 floats per step.
 template <int NC>

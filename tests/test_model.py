@@ -9,7 +9,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from model_fixtures import rewrite_gguf
 
 from ingot.runtime.engines.cpu import CpuEngine
-from ingot.runtime.errors import IncompatibleError, ModelError, UsageError
+from ingot.runtime.errors import ModelError, UsageError
 from ingot.runtime.model.gguf import load_model
 from ingot.runtime.model.quants import QUANT_TYPES
 from ingot.runtime.sampling import SamplingParams
@@ -394,18 +394,6 @@ def test_engine_refuses_what_does_not_fit(tiny_model):
         engine.new_sequence(SamplingParams())
     engine.release(seq)
     engine.new_sequence(SamplingParams())
-
-
-def test_gpu_engine_refuses_architectures_it_does_not_implement_yet(synth_model):
-    from ingot.runtime.engines.cuda import CudaEngine  # deferred: cuda-bindings, only for this one test
-
-    model = load_model(synth_model("tiny-gemma3", "Q5_0"))
-    with pytest.raises(IncompatibleError, match="architecture gemma3 is not supported by the GPU engine yet") as e:
-        CudaEngine(model)
-    assert e.value.exit_code == 3 and "--device cpu" in str(e.value)
-    llama = load_model(synth_model("tiny", "Q4_1"))
-    with pytest.raises(IncompatibleError, match="linear RoPE scaling"):
-        CudaEngine(dataclasses.replace(llama, config=dataclasses.replace(llama.config, rope_scale=4.0)))
 
 
 def test_unsupported_architecture_is_refused_by_name(tiny_model_path, tmp_path):

@@ -123,7 +123,7 @@ def test_manifest_describes_members_truthfully(toy_bundle, toy_model, kernel_dir
         toy_model.stat().st_size,
     )
     assert model["architecture"] == "toy" and model["n_tensors"] == 2 and model["quant_types"] == ["F32"]
-    assert model["weight_layout"].startswith("soa-v1")
+    assert model["weight_layout"].startswith(WEIGHT_LAYOUT.split(":")[0])
     assert model["origin"] == {"sources": []}  # the toy GGUF declares no license or source
     assert m["runtime"] == {
         "kernel_abi": KERNEL_ABI,

@@ -1,22 +1,28 @@
 """The GPU engine: the model's forward pass as kernel launches on one CUDA stream, driven from Python.
 
-Decode (one token for each of B sequences) is the hot path: its 8 launches per layer are captured once per
-batch size B into a CUDA graph and replayed with one cuGraphLaunch per step. Everything that changes between
-steps — token ids, positions, block tables, sampling parameters — lives in device memory written by one
+The block is written once (CudaEngine._forward) in terms of five primitives — norm, linear, attention,
+residual, ffn — and each path supplies them (_Ops below): batch decode with matrix-vector products
+(_MatvecOps), wide-batch decode with tensor-core GEMMs (_GemmDecodeOps) and prefill with GEMMs and flash
+attention (_PrefillOps). What an architecture adds to Llama's block comes from its description
+(architectures.py via Config.block and the weights it brings): q/k head norms, the layer's sliding window and
+RoPE table, post-norms, the FFN activation, the embedding scale. Per layer, for x [n, D] fp32 (the residual
+stream), with the optional steps in brackets:
+
+    h         = rmsnorm(x) * attn_norm                     (q8x2, fp32 or fp16: what the next product reads)
+    qkv       = Wqkv · h (+ bqkv)                          [n, (H + 2 Hkv) hd]
+    att       = attention([rmsnorm] rope(q), cache + [rmsnorm] rope(k), v; the layer's window)   [n, H hd]
+    x        += [rmsnorm](Wo · att)
+    h         = rmsnorm(x) * ffn_norm
+    f         = act(Wgate · h) * (Wup · h)                 act: silu or gelu_tanh   [n, F]
+    x        += [rmsnorm](Wdown · f)
+then logits = Whead · rmsnorm(x) * out_norm and a token per sequence is sampled on the GPU.
+
+Decode (one token for each of B sequences) is the hot path: its launches (8 per layer for Llama) are captured
+once per batch size B into a CUDA graph and replayed with one cuGraphLaunch per step. Everything that changes
+between steps — token ids, positions, block tables, sampling parameters — lives in device memory written by one
 host->device copy before the replay, so no graph node is ever patched; the only readback is the B sampled
-token ids. Per layer, for x [B, D] fp32 (the residual stream):
-
-    xq        = q8x2(rmsnorm(x) * attn_norm)               (int8 activations, two levels: kernels' common.cuh)
-    qkv       = Wqkv · xq (+ bqkv)                         [B, (H + 2 Hkv) hd]
-    att       = attention(rope(q), cache + [rope(k), v])  [B, H hd]   (one fused launch, cuda/attention.cu)
-    x        += Wo · q8x2(att)
-    xq        = q8x2(rmsnorm(x) * ffn_norm)
-    h         = silu(Wgate · xq) * (Wup · xq)              [B, F]
-    x        += Wdown · q8x2(h)
-then logits = Whead · q8x2(rmsnorm(x) * out_norm) and a token per sequence is sampled on the GPU.
-
-Prefill runs the same layers on up to PREFILL_CHUNK tokens of one sequence with tensor-core GEMMs (fp16
-activations) and flash attention; its launch list is built once per chunk length and replayed.
+token ids. Prefill runs up to PREFILL_CHUNK tokens of one sequence; its launch list is built once per chunk
+length and replayed.
 """
 
 from __future__ import annotations
@@ -25,20 +31,24 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ingot.runtime import settings
-from ingot.runtime.engines.cuda_weights import upload_weights
+from ingot.runtime.engines.cuda_weights import LayerWeights, upload_weights
 from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
-from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
+from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
 from ingot.runtime.gpu.driver import Device, DeviceBuffer, DevicePool, Graph, Launch, PinnedBuffer, Stream
-from ingot.runtime.gpu.kernels import HEAD_DIMS, Kernels, kernel_images
+from ingot.runtime.gpu.kernels import ACTIVATION_KERNELS, GQA_MAX, HEAD_DIMS, Kernels, kernel_images
+from ingot.runtime.model.architectures import ARCHITECTURES
 from ingot.runtime.model.gguf import Model
 from ingot.runtime.model.reference import rope_inv_freq
 from ingot.runtime.sampling import SamplingParams
 
+# The matvec epilogue that fuses each FFN activation (architectures.ACTIVATIONS) into the gate/up product.
+ACTIVATION_MODES = {"silu": MODE_SWIGLU, "gelu_tanh": MODE_GEGLU}
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the prefill buffers (a 1000-token prompt = 2 passes)
 DEFAULT_MAX_CTX = 8192
 HIST_CAP = 256  # repetition-penalty window kept on the device (repeat_last_n is clamped to it)
@@ -84,9 +94,234 @@ class _HostDevice:
         self.pinned.close()
 
 
-# The architectures whose block the GPU kernels implement (Llama's: no q/k norms, post-norms, GELU, sliding
-# windows or softcapping); the others in architectures.py run on the CPU engine only.
-GPU_ARCHITECTURES = ("llama", "mistral", "qwen2")
+class _Ops:
+    """The primitives CudaEngine._forward writes the model in, launched for n rows (tokens) of one path. Each
+    appends its launches to L; norm/attention/ffn return the activation the next matrix product reads (a
+    pointer, or the (xq, xd) pair of q8x2 activations)."""
+
+    qkv: int  # where the q, k, v product goes: [n, (H + 2 Hkv) hd] fp32
+    o: int  # where a projection goes before its post-norm add: [n, D] fp32
+
+    def __init__(self, e: CudaEngine, n: int, xbuf: DeviceBuffer, tokens: int, x: int | None = None):
+        """xbuf: the residual stream [n, D] fp32 (x: where its rows start, if not at the buffer's start)."""
+        self.e, self.k, self.c, self.n, self.tokens = e, e.k, e.config, n, tokens
+        self.xbuf, self.x = xbuf, xbuf.ptr if x is None else x
+        self.L: list[Launch] = []
+
+    def embed(self, scale: float) -> None:
+        self.L.append(self.k.embed(self.e.w.embed, self.tokens, self.xbuf, self.n, scale=scale))
+
+    def norm_outs(self, W) -> tuple[dict, Act]:
+        """Where a normalized activation goes for a product with W: rmsnorm's output arguments, and the
+        activation as W's product reads it."""
+        raise NotImplementedError
+
+    def norm(self, x: int, w: DeviceBuffer, W) -> Act:
+        """rmsnorm(x[n, D]) * w, for a product with W."""
+        c = self.c
+        outs, act = self.norm_outs(W)
+        self.L.append(self.k.rmsnorm(x, w, self.n, c.dim, c.norm_eps, **outs))
+        return act
+
+    def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
+        raise NotImplementedError
+
+    def attention(self, layer: int, lw: LayerWeights) -> Act:
+        raise NotImplementedError
+
+    def project(self, W, xin: Act, mode: int) -> None:
+        """x (MODE_ADD) or o (MODE_STORE) [n, D] = W · xin."""
+        raise NotImplementedError
+
+    def residual(self, W, xin: Act, post_norm: DeviceBuffer | None, then: Norm | None) -> Act | None:
+        """x += W · xin, or x += rmsnorm(W · xin) * post_norm (post-norm architectures); then the norm `then`
+        (weights, and the matrix the result feeds) of the new x, fused into the post-norm add when there is one.
+        Returns that normalized activation (None without `then`)."""
+        c = self.c
+        if post_norm is None:
+            self.project(W, xin, MODE_ADD)
+            return self.norm(self.x, *then) if then else None
+        self.project(W, xin, MODE_STORE)
+        outs, act = self.norm_outs(then[1]) if then else ({}, None)
+        w_next = then[0] if then else None
+        self.L.append(self.k.add_rmsnorm(self.x, self.o, post_norm, self.n, c.dim, c.norm_eps, w_next=w_next, **outs))
+        return act
+
+    def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
+        raise NotImplementedError
+
+    def _decode_attention(self, layer: int, lw: LayerWeights, splits: int, **outs) -> Launch:
+        """The fused decode attention of one new token per sequence (cuda/attention.cu)."""
+        e, c, s = self.e, self.c, self.e.step
+        return self.k.attn_decode(
+            e.qkv.ptr,
+            e.rope_table(layer),
+            e.k_cache[layer].ptr,
+            e.v_cache[layer].ptr,
+            s.ptr["block_table"],
+            e.max_pages,
+            s.ptr["pos"],
+            e.part_acc.ptr,
+            e.part_ml.ptr,
+            e.counters.ptr,
+            e.att.ptr,
+            self.n,
+            splits,
+            c,
+            scale=c.attn_scale,
+            window=c.layer_window(layer),
+            softcap=c.attn_softcap,
+            q_norm=lw.q_norm,
+            k_norm=lw.k_norm,
+            eps=c.norm_eps,
+            **outs,
+        )
+
+
+Act = int | tuple[int, int]  # an activation as a matrix product reads it: fp32/fp16 pointer, or q8x2 (xq, xd)
+Norm = tuple[DeviceBuffer, Any]  # an RMSNorm's weights, and the matrix its output feeds
+
+
+class _MatvecOps(_Ops):
+    """Batch decode (up to gemm_min_batch - 1 sequences): matrix-vector products on q8x2 (quantized weights) or
+    fp32 (F16 weights) activations, SwiGLU/GEGLU fused into the gate/up product; the whole step is captured in
+    a CUDA graph. Llama: 8 launches per layer."""
+
+    def __init__(self, e: CudaEngine, n: int, *, splits: int = 1, x: int | None = None):
+        super().__init__(e, n, e.x, e.step.ptr["tokens"], x)
+        self.splits, self.qkv, self.o = splits, e.qkv.ptr, e.o.ptr
+
+    def _q8(self) -> tuple[int, int]:
+        return (self.e.xq.ptr, self.e.xd.ptr)
+
+    def norm_outs(self, W) -> tuple[dict, Act]:
+        e = self.e
+        return ({"yq": e.xq, "yd": e.xd}, self._q8()) if W.quantized else ({"y": e.xf}, e.xf.ptr)
+
+    def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
+        self.L += self.k.matvec(W, xin, out, self.n, ldy=ld, bias=bias)
+
+    def attention(self, layer: int, lw: LayerWeights) -> Act:
+        q8 = lw.wo.quantized  # the merge also writes the q8x2 form the output projection reads
+        e = self.e
+        self.L.append(
+            self._decode_attention(layer, lw, self.splits, outq=e.xq.ptr if q8 else None, outd=e.xd.ptr if q8 else None)
+        )
+        return self._q8() if q8 else e.att.ptr
+
+    def project(self, W, xin: Act, mode: int) -> None:
+        self.L += self.k.matvec(W, xin, self.x if mode == MODE_ADD else self.o, self.n, ldy=self.c.dim, mode=mode)
+
+    def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
+        e, F = self.e, self.c.ffn_dim
+        if wgu.uniform:
+            self.L += self.k.matvec(wgu, xin, e.h.ptr, self.n, ldy=F, mode=ACTIVATION_MODES[activation])
+        else:  # gate and up in different quant types: no fused epilogue pairs their rows
+            self.L += self.k.matvec(wgu, xin, e.gu.ptr, self.n, ldy=2 * F)
+            self.L.append(self.k.gated_act(activation, e.gu.ptr, F, self.n, hf=e.h.ptr))
+        if not wdown.quantized:
+            return e.h.ptr
+        self.L.append(self.k.quantize(e.h.ptr, e.xq.ptr, e.xd.ptr, self.n * F))
+        return self._q8()
+
+
+class _GemmOps(_Ops):
+    """Tensor-core GEMMs on fp16 activations (xh), fp32 outputs; the FFN activation is its own kernel."""
+
+    def __init__(
+        self, e: CudaEngine, n: int, x: DeviceBuffer, tokens: int, *, xh: int, qkv: int, gu: int, o: int, split_k: bool
+    ):
+        super().__init__(e, n, x, tokens)
+        self.xh, self.qkv, self.gu, self.o, self.split_k = xh, qkv, gu, o, split_k
+
+    def norm_outs(self, W) -> tuple[dict, Act]:
+        return {"yh": self.xh}, self.xh
+
+    def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
+        assert isinstance(xin, int)
+        self.L += self.k.matmul(W, xin, out, self.n, ldc=ld, bias=bias, split_k=self.split_k)
+
+    def project(self, W, xin: Act, mode: int) -> None:
+        assert isinstance(xin, int)
+        out = self.x if mode == MODE_ADD else self.o
+        self.L += self.k.matmul(W, xin, out, self.n, ldc=self.c.dim, mode=mode, split_k=self.split_k)
+
+    def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
+        F = self.c.ffn_dim
+        self.linear(wgu, xin, self.gu, 2 * F)
+        self.L.append(self.k.gated_act(activation, self.gu, F, self.n, hh=self.xh))
+        return self.xh
+
+
+class _GemmDecodeOps(_GemmOps):
+    """Decode for wide batches (>= gemm_min_batch sequences): weights read once for all of them, split-K for
+    parallelism; the attention is the fused decode kernel, writing fp16 for the output projection."""
+
+    def __init__(self, e: CudaEngine, n: int, *, splits: int):
+        super().__init__(
+            e, n, e.x, e.step.ptr["tokens"], xh=e.xh.ptr, qkv=e.qkv.ptr, gu=e.gu.ptr, o=e.o.ptr, split_k=True
+        )
+        self.splits = splits
+
+    def attention(self, layer: int, lw: LayerWeights) -> Act:
+        self.L.append(self._decode_attention(layer, lw, self.splits, outh=self.xh))
+        return self.xh
+
+
+class _PrefillOps(_GemmOps):
+    """Up to PREFILL_CHUNK tokens of one sequence (block-table row 0 of the prefill inputs): [q/k norms,] rope and
+    the cache write for all tokens, then flash attention."""
+
+    def __init__(self, e: CudaEngine, T: int):
+        super().__init__(
+            e, T, e.px, e.pre.ptr["tokens"], xh=e.pxh.ptr, qkv=e.pqkv.ptr, gu=e.pgu.ptr, o=e.po.ptr, split_k=False
+        )
+
+    def attention(self, layer: int, lw: LayerWeights) -> Act:
+        e, c, k, p = self.e, self.c, self.k, self.e.pre
+        kc, vc = e.k_cache[layer].ptr, e.v_cache[layer].ptr
+        rope = e.rope_table(layer)
+        self.L.append(
+            k.rope_kv(
+                self.qkv,
+                rope,
+                p.ptr["slots"],
+                p.ptr["pos"],
+                p.ptr["block_table"],
+                e.max_pages,
+                kc,
+                vc,
+                self.n,
+                c,
+                q_norm=lw.q_norm,
+                k_norm=lw.k_norm,
+                eps=c.norm_eps,
+            )
+        )
+        self.L.append(
+            k.attn_prefill(
+                self.qkv,
+                e.qkv_dim,
+                kc,
+                vc,
+                p.ptr["block_table"],
+                p.ptr["pos"],
+                self.n,
+                self.xh,
+                c,
+                scale=c.attn_scale,
+                window=c.layer_window(layer),
+                softcap=c.attn_softcap,
+            )
+        )
+        return self.xh
+
+
+# The architectures whose block the GPU engine runs: all that architectures.py describes, since every feature an
+# Architecture can have is a primitive of _Ops (driven by Config.block) — a new Llama-like architecture is an
+# entry there, nothing here. What the kernels lack is refused by name in CudaEngine.__init__ (an activation
+# without a kernel, final-logit softcapping).
+GPU_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 class CudaEngine:
@@ -106,14 +341,23 @@ class CudaEngine:
     ):
         c = self.config = model.config
         self.model = model
-        if c.arch not in GPU_ARCHITECTURES:
+        if c.arch not in ARCHITECTURES:
             raise IncompatibleError(
                 f"architecture {c.arch} is not supported by the GPU engine yet",
                 hint=f"it runs {', '.join(GPU_ARCHITECTURES)}; use --device cpu",
             )
-        if c.rope_scale != 1.0 or (c.attn_scale and abs(c.attn_scale * math.sqrt(c.head_dim) - 1.0) > 1e-6):
+        if c.block.activation not in ACTIVATION_KERNELS:
             raise IncompatibleError(
-                "linear RoPE scaling and a custom attention scale are not implemented by the GPU engine yet",
+                f"the {c.block.activation} FFN activation of {c.arch} has no GPU kernel yet", hint="use --device cpu"
+            )
+        if c.final_softcap:
+            raise IncompatibleError(
+                "final logit softcapping is not implemented by the GPU engine yet", hint="use --device cpu"
+            )
+        if c.n_heads % c.n_kv_heads or c.n_heads // c.n_kv_heads > GQA_MAX:
+            raise IncompatibleError(
+                f"{c.n_heads} query heads over {c.n_kv_heads} kv heads: the GPU attention kernels take groups of "
+                f"up to {GQA_MAX}",
                 hint="use --device cpu",
             )
         if c.head_dim not in HEAD_DIMS:
@@ -137,6 +381,13 @@ class CudaEngine:
         self.pool = DevicePool()
         try:
             self.k = Kernels(self.dev, kernels if kernels is not None else kernel_images())
+            if c.head_dim not in self.k.prefill_head_dims:
+                raise IncompatibleError(
+                    f"head_dim {c.head_dim} needs {self.k.prefill_smem(c.head_dim) // 1024} KiB of shared memory per "
+                    f"block for prefill attention; {self.dev.info.name} allows "
+                    f"{self.dev.info.max_smem_optin // 1024} KiB",
+                    hint="use --device cpu, or a GPU of compute capability 8.0 or newer",
+                )
             self.w = upload_weights(model, self.pool, self.stream, self.k)
             self._alloc_cache(kv_pages)
             self._alloc_buffers()
@@ -164,12 +415,22 @@ class CudaEngine:
         self.kv_pages_total = kv_pages
         self.k_cache = [self.pool.alloc(kv_pages * page_bytes, f"k cache {i}") for i in range(c.n_layers)]
         self.v_cache = [self.pool.alloc(kv_pages * page_bytes, f"v cache {i}") for i in range(c.n_layers)]
-        # rope[pos, i] = (cos, sin)(pos * theta_i), computed in float64 exactly as the CPU reference does
-        angle = np.arange(self.max_ctx, dtype=np.float64)[:, None] * rope_inv_freq(c)[None, :]
-        table = np.stack([np.cos(angle), np.sin(angle)], axis=-1).astype(np.float32)
-        self.rope = self.pool.alloc(table.nbytes, "rope table")
-        self.stream.upload(self.rope.ptr, table)
+        # rope[pos, i] = (cos, sin)(pos * theta_i), computed in float64 exactly as the CPU reference does: one
+        # table per distinct (base, linear scale) of the layers (Gemma 3: local and global), shared by its layers
+        self.rope_tables: dict[tuple[float, float], DeviceBuffer] = {}
+        tables = []
+        for layer in range(c.n_layers):
+            key = c.layer_rope(layer)
+            if key not in self.rope_tables:
+                angle = np.arange(self.max_ctx, dtype=np.float64)[:, None] * rope_inv_freq(c, layer)[None, :]
+                tables.append(np.stack([np.cos(angle), np.sin(angle)], axis=-1).astype(np.float32))
+                self.rope_tables[key] = self.pool.alloc(tables[-1].nbytes, f"rope table {key[0]:g}")
+                self.stream.upload(self.rope_tables[key].ptr, tables[-1])
         self.stream.synchronize()
+
+    def rope_table(self, layer: int) -> DeviceBuffer:
+        """The (cos, sin) table [max_ctx, rope_dim/2] of the layer's RoPE base."""
+        return self.rope_tables[self.config.layer_rope(layer)]
 
     def _alloc_buffers(self) -> None:
         c, B, T = self.config, self.max_seqs, PREFILL_CHUNK
@@ -210,7 +471,8 @@ class CudaEngine:
         self.att = a(4 * B * Dq, "attention out")
         self.h = a(4 * B * F, "ffn hidden")
         self.xh = a(2 * B * widest, "x fp16 (wide-batch decode)")
-        self.gu = a(4 * B * 2 * F, "gate/up (wide-batch decode)")
+        self.gu = a(4 * B * 2 * F, "gate/up (wide-batch decode; batch decode of unevenly quantized gate/up)")
+        self.o = a(4 * B * D, "projection out (post-norm architectures)")
         self.logits_buf = a(4 * B * V, "logits")
         self.part_acc = a(4 * B * c.n_heads * MAX_SPLITS * c.head_dim, "attention partials")
         self.part_ml = a(8 * B * c.n_heads * MAX_SPLITS, "attention partial m,l")
@@ -242,7 +504,11 @@ class CudaEngine:
         self.pxh = a(2 * T * widest, "prefill x fp16")
         self.pqkv = a(4 * T * Dqkv, "prefill qkv")
         self.pgu = a(4 * T * 2 * F, "prefill gate/up")
-        self.plogits = a(4 * T * V, "prefill logits")
+        self.po = a(4 * T * D, "prefill projection out (post-norm architectures)")
+        self.plogits = a(4 * V, "prefill logits (last row)")
+        # Every row's logits (logits(): perplexity, tests), [T, V] fp32: allocated on first use, as it is large for
+        # big vocabularies (512 x 262,144 x 4 bytes = 512 MiB for Gemma 3) and serving never needs it.
+        self._all_logits: DeviceBuffer | None = None
 
     def close(self) -> None:
         """Free everything on the GPU. Safe to call twice."""
@@ -266,86 +532,41 @@ class CudaEngine:
 
     # --- the forward pass as launch lists --------------------------------------------------------
 
-    def _quant_input(self, W, x_f32: int, n_values: int, launches: list) -> tuple | int:
-        """The activation a matvec with W reads: q8x2 (quantized from x_f32 here) or fp32 as is."""
-        if not W.quantized:
-            return x_f32
-        launches.append(self.k.quantize(x_f32, self.xq.ptr, self.xd.ptr, n_values))
-        return (self.xq.ptr, self.xd.ptr)
-
-    def _norm_input(self, W, x: int, w: DeviceBuffer, n: int, launches: list) -> tuple | int:
-        """rmsnorm(x) in the form W's matvec reads."""
-        c = self.config
-        if W.quantized:
-            launches.append(self.k.rmsnorm(x, w, n, c.dim, c.norm_eps, yq=self.xq, yd=self.xd))
-            return (self.xq.ptr, self.xd.ptr)
-        launches.append(self.k.rmsnorm(x, w, n, c.dim, c.norm_eps, y=self.xf))
-        return self.xf.ptr
-
-    def _attention(self, layer: int, B: int, splits: int, **outs) -> Launch:
-        s = self.step
-        return self.k.attn_decode(
-            self.qkv.ptr,
-            self.rope,
-            self.k_cache[layer].ptr,
-            self.v_cache[layer].ptr,
-            s.ptr["block_table"],
-            self.max_pages,
-            s.ptr["pos"],
-            self.part_acc.ptr,
-            self.part_ml.ptr,
-            self.counters.ptr,
-            self.att.ptr,
-            B,
-            splits,
-            self.config,
-            **outs,
-        )
+    def _forward(self, ops: _Ops, head: Norm | None) -> Act | None:
+        """The model's blocks, written once: `ops` launches each primitive for one path (matrix-vector decode,
+        GEMM decode, GEMM prefill). What a block adds to Llama's is read from the architecture's description
+        (Config.block, architectures.py) and the weights it brings (LayerWeights): q/k head norms and the
+        layer's sliding window and RoPE table inside ops.attention, post-norms in ops.residual, the FFN
+        activation in ops.ffn, the embedding scale here. Each residual add is followed by the norm that reads
+        its result (one launch with a post-norm); the last one by `head` (the output norm and the matrix it
+        feeds), whose output is returned (None: the caller norms what it needs)."""
+        c, a, layers = self.config, self.config.block, self.w.layers
+        ops.embed(math.sqrt(c.dim) if a.embed_scale_sqrt_dim else 1.0)
+        h: Act | None = ops.norm(ops.x, layers[0].attn_norm, layers[0].wqkv)
+        for i, lw in enumerate(layers):
+            assert h is not None  # every residual but the last is followed by a norm
+            ops.linear(lw.wqkv, h, ops.qkv, self.qkv_dim, bias=lw.bqkv)
+            att = ops.attention(i, lw)  # [q, k = rmsnorm per head;] rope; cache write; attention
+            h = ops.residual(lw.wo, att, lw.post_attn_norm, then=(lw.ffn_norm, lw.wgu))  # x += [rmsnorm](Wo att)
+            assert h is not None
+            f = ops.ffn(lw.wgu, h, a.activation, lw.wdown)  # act(gate h) * (up h)
+            nxt = (layers[i + 1].attn_norm, layers[i + 1].wqkv) if i + 1 < len(layers) else head
+            h = ops.residual(lw.wdown, f, lw.post_ffn_norm, then=nxt)  # x += [rmsnorm](Wdown f)
+        return h
 
     def _decode_launches(self, B: int) -> list[Launch]:
-        c, k, s = self.config, self.k, self.step
-        Dqkv, F = self.qkv_dim, c.ffn_dim
+        c, s = self.config, self.step
         splits = max(1, min(MAX_SPLITS, -(-2 * self.dev.info.sm_count // (B * c.n_kv_heads))))
-        if B >= self.gemm_min_batch:
-            return self._decode_launches_gemm(B, splits)
-        L: list[Launch] = [k.embed(self.w.embed, s.ptr["tokens"], self.x, B)]
-        for i, lw in enumerate(self.w.layers):
-            xin = self._norm_input(lw.wqkv, self.x.ptr, lw.attn_norm, B, L)
-            L.append(k.matvec(lw.wqkv, xin, self.qkv.ptr, B, ldy=Dqkv, bias=lw.bqkv))
-            q8 = lw.wo.quantized
-            L.append(self._attention(i, B, splits, outq=self.xq.ptr if q8 else None, outd=self.xd.ptr if q8 else None))
-            L.append(
-                k.matvec(
-                    lw.wo, (self.xq.ptr, self.xd.ptr) if q8 else self.att.ptr, self.x.ptr, B, ldy=c.dim, mode=MODE_ADD
-                )
-            )
-            xin = self._norm_input(lw.wgu, self.x.ptr, lw.ffn_norm, B, L)
-            L.append(k.matvec(lw.wgu, xin, self.h.ptr, B, ldy=F, mode=MODE_SWIGLU))
-            hin = self._quant_input(lw.wdown, self.h.ptr, B * F, L)
-            L.append(k.matvec(lw.wdown, hin, self.x.ptr, B, ldy=c.dim, mode=MODE_ADD))
-        xin = self._norm_input(self.w.head, self.x.ptr, self.w.out_norm, B, L)
-        L.append(k.matvec(self.w.head, xin, self.logits_buf.ptr, B, ldy=c.n_vocab))
-        L.append(k.sample(self.logits_buf.ptr, c.n_vocab, c.n_vocab, B, self._sample_args(s), self.out_tokens.ptr))
-        return L
-
-    def _decode_launches_gemm(self, B: int, splits: int) -> list[Launch]:
-        """Decode for wide batches: the prefill layer structure (fp16 activations, tensor-core GEMMs)."""
-        c, k, s = self.config, self.k, self.step
-        Dqkv, F = self.qkv_dim, c.ffn_dim
-        L: list[Launch] = [k.embed(self.w.embed, s.ptr["tokens"], self.x, B)]
-        for i, lw in enumerate(self.w.layers):
-            L.append(k.rmsnorm(self.x.ptr, lw.attn_norm, B, c.dim, c.norm_eps, yh=self.xh))
-            L += k.matmul(lw.wqkv, self.xh.ptr, self.qkv.ptr, B, ldc=Dqkv, bias=lw.bqkv, split_k=True)
-            L.append(self._attention(i, B, splits, outh=self.xh.ptr))
-            L += k.matmul(lw.wo, self.xh.ptr, self.x.ptr, B, ldc=c.dim, mode=MODE_ADD, split_k=True)
-            L.append(k.rmsnorm(self.x.ptr, lw.ffn_norm, B, c.dim, c.norm_eps, yh=self.xh))
-            L += k.matmul(lw.wgu, self.xh.ptr, self.gu.ptr, B, ldc=2 * F, split_k=True)
-            L.append(k.swiglu(self.gu.ptr, self.xh.ptr, F, B))
-            L += k.matmul(lw.wdown, self.xh.ptr, self.x.ptr, B, ldc=c.dim, mode=MODE_ADD, split_k=True)
-        L.append(k.rmsnorm(self.x.ptr, self.w.out_norm, B, c.dim, c.norm_eps, yh=self.xh))
-        L += k.matmul(self.w.head, self.xh.ptr, self.logits_buf.ptr, B, ldc=c.n_vocab, split_k=True)
-        L.append(k.sample(self.logits_buf.ptr, c.n_vocab, c.n_vocab, B, self._sample_args(s), self.out_tokens.ptr))
-        return L
+        ops: _Ops = (
+            _GemmDecodeOps(self, B, splits=splits) if B >= self.gemm_min_batch else _MatvecOps(self, B, splits=splits)
+        )
+        h = self._forward(ops, head=(self.w.out_norm, self.w.head))
+        assert h is not None
+        ops.linear(self.w.head, h, self.logits_buf.ptr, c.n_vocab)
+        ops.L.append(
+            self.k.sample(self.logits_buf.ptr, c.n_vocab, c.n_vocab, B, self._sample_args(s), self.out_tokens.ptr)
+        )
+        return ops.L
 
     @staticmethod
     def _sample_args(io: _HostDevice) -> dict:
@@ -357,53 +578,18 @@ class CudaEngine:
     def _prefill_launches(self, T: int, all_logits: bool) -> list[Launch]:
         """The layers over T tokens of one sequence at positions pre.pos[0..T). Ends with logits of every row
         (all_logits) or with the last row's logits and a sampled token."""
-        c, k, p = self.config, self.k, self.pre
-        Dqkv, F = self.qkv_dim, c.ffn_dim
-        L: list[Launch] = [k.embed(self.w.embed, p.ptr["tokens"], self.px, T)]
-        for i, lw in enumerate(self.w.layers):
-            L.append(k.rmsnorm(self.px.ptr, lw.attn_norm, T, c.dim, c.norm_eps, yh=self.pxh))
-            L += k.matmul(lw.wqkv, self.pxh.ptr, self.pqkv.ptr, T, ldc=Dqkv, bias=lw.bqkv)
-            L.append(
-                k.rope_kv(
-                    self.pqkv.ptr,
-                    self.rope,
-                    p.ptr["slots"],
-                    p.ptr["pos"],
-                    p.ptr["block_table"],
-                    self.max_pages,
-                    self.k_cache[i].ptr,
-                    self.v_cache[i].ptr,
-                    T,
-                    c,
-                )
-            )
-            L.append(
-                k.attn_prefill(
-                    self.pqkv.ptr,
-                    Dqkv,
-                    self.k_cache[i].ptr,
-                    self.v_cache[i].ptr,
-                    p.ptr["block_table"],
-                    p.ptr["pos"],
-                    T,
-                    self.pxh.ptr,
-                    c,
-                )
-            )
-            L += k.matmul(lw.wo, self.pxh.ptr, self.px.ptr, T, ldc=c.dim, mode=MODE_ADD)
-            L.append(k.rmsnorm(self.px.ptr, lw.ffn_norm, T, c.dim, c.norm_eps, yh=self.pxh))
-            L += k.matmul(lw.wgu, self.pxh.ptr, self.pgu.ptr, T, ldc=2 * F)
-            L.append(k.swiglu(self.pgu.ptr, self.pxh.ptr, F, T))
-            L += k.matmul(lw.wdown, self.pxh.ptr, self.px.ptr, T, ldc=c.dim, mode=MODE_ADD)
-        if all_logits:
-            L.append(k.rmsnorm(self.px.ptr, self.w.out_norm, T, c.dim, c.norm_eps, yh=self.pxh))
-            L += k.matmul(self.w.head, self.pxh.ptr, self.plogits.ptr, T, ldc=c.n_vocab)
-            return L
-        last = self.px.ptr + 4 * (T - 1) * c.dim
-        xin = self._norm_input(self.w.head, last, self.w.out_norm, 1, L)
-        L.append(k.matvec(self.w.head, xin, self.plogits.ptr, 1, ldy=c.n_vocab))
-        L.append(k.sample(self.plogits.ptr, c.n_vocab, c.n_vocab, 1, self._sample_args(p), self.out_tokens.ptr))
-        return L
+        c, p = self.config, self.pre
+        ops = _PrefillOps(self, T)
+        h = self._forward(ops, head=(self.w.out_norm, self.w.head) if all_logits else None)
+        if h is not None:
+            ops.linear(self.w.head, h, self.all_logits.ptr, c.n_vocab)
+            return ops.L
+        # the last row alone through the decode path's matrix-vector product (one row: no GEMM tiles wasted)
+        last = _MatvecOps(self, 1, x=self.px.ptr + 4 * (T - 1) * c.dim)
+        h = last.norm(last.x, self.w.out_norm, self.w.head)
+        last.linear(self.w.head, h, self.plogits.ptr, c.n_vocab)
+        sample = self.k.sample(self.plogits.ptr, c.n_vocab, c.n_vocab, 1, self._sample_args(p), self.out_tokens.ptr)
+        return ops.L + last.L + [sample]
 
     # --- sequences -------------------------------------------------------------------------------
 
@@ -513,10 +699,16 @@ class CudaEngine:
             self.pages.append(st.pages, st.chain, chunk)  # registers the pages it filled (stream-ordered)
             if all_logits:
                 rows = np.empty((T, self.config.n_vocab), dtype=np.float32)
-                self.stream.download(rows, self.plogits.ptr)
+                self.stream.download(rows, self.all_logits.ptr)
                 self.stream.synchronize()
                 out.append(rows)
         return np.concatenate(out) if all_logits else None
+
+    @property
+    def all_logits(self) -> DeviceBuffer:
+        if self._all_logits is None:
+            self._all_logits = self.pool.alloc(4 * PREFILL_CHUNK * self.config.n_vocab, "prefill logits (all rows)")
+        return self._all_logits
 
     def _plan(self, T: int, all_logits: bool) -> list[Launch]:
         key = (T, all_logits)

@@ -1,9 +1,12 @@
-"""Model weights on the GPU: GGUF tensors uploaded once and repacked into the soa-v1 layout (cuda/common.cuh).
+"""Model weights on the GPU: GGUF tensors uploaded once and repacked into the soa-v2 layout (cuda/common.cuh).
 
-Matrices that are multiplied by the same input are stacked into one matrix so one kernel reads them all:
-q, k and v -> wqkv [(H + 2 Hkv) hd, D]; gate and up -> wgu [2F, D] (the decode kernel fuses SwiGLU over the
-two halves). Stacking raw GGUF rows is plain concatenation, so the stacked bytes go to the GPU in one staging
-buffer and one repack kernel splits them. F32/BF16 matrices become F16; norms and biases stay fp32.
+Matrices that are multiplied by the same input are stacked so one kernel reads them all: q, k and v -> wqkv
+[(H + 2 Hkv) hd, D]; gate and up -> wgu [2F, D] (the decode kernel fuses the gated activation over the two
+halves). When the tensors share a GGUF type, stacking raw GGUF rows is plain concatenation, so the stacked
+bytes go to the GPU in one staging buffer and one repack kernel splits them into one GpuMatrix. When they do
+not (llama.cpp's mixes quantize v or gate/up differently), each is its own GpuMatrix and the stack a GpuStack:
+one kernel per part, the same output rows (stack_plan decides). F32/BF16 matrices become F16; norms and biases
+stay fp32.
 """
 
 from __future__ import annotations
@@ -14,21 +17,27 @@ import numpy as np
 
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.driver import DeviceBuffer, DevicePool, Stream
-from ingot.runtime.gpu.kernels import GPU_QTYPES, GpuMatrix, Kernels
+from ingot.runtime.gpu.kernels import GPU_QTYPES, GpuMatrix, GpuStack, Kernels, layout_bytes
 from ingot.runtime.model.gguf import Model, QTensor
 
-_QUANT_BYTES_PER_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# GGUF types the GPU takes as they are (repacked) and those converted to F16 at upload
+_CONVERTED = ("F32", "BF16")
 
 
 @dataclass
 class LayerWeights:
     attn_norm: DeviceBuffer
-    wqkv: GpuMatrix
+    wqkv: GpuMatrix | GpuStack
     bqkv: DeviceBuffer | None
     wo: GpuMatrix
     ffn_norm: DeviceBuffer
-    wgu: GpuMatrix
+    wgu: GpuMatrix | GpuStack
     wdown: GpuMatrix
+    # What the architecture adds (Config.block, architectures.py); None where it has none:
+    q_norm: DeviceBuffer | None = None  # fp32 [head_dim], RMSNorm weight of every q head (qk_norm)
+    k_norm: DeviceBuffer | None = None  # fp32 [head_dim], of every k head (qk_norm)
+    post_attn_norm: DeviceBuffer | None = None  # fp32 [dim], on the attention output before the residual add
+    post_ffn_norm: DeviceBuffer | None = None  # fp32 [dim], on the FFN output before the residual add
 
 
 @dataclass
@@ -41,19 +50,30 @@ class GpuWeights:
 
 
 def _alloc_matrix(pool: DevicePool, qtype: str, rows: int, cols: int, name: str) -> GpuMatrix:
-    n, nb = rows * cols, rows * cols // 32
-    if qtype in ("Q4_0", "Q4_1"):
-        return GpuMatrix(
-            qtype,
-            rows,
-            cols,
-            qs=pool.alloc(n // 2, name),
-            d=pool.alloc(2 * nb, name),
-            m=pool.alloc(2 * nb, name) if qtype == "Q4_1" else None,
+    """A [rows, cols] matrix's soa-v2 arrays (F32/BF16 sources get the F16 layout they are converted to)."""
+    gpu_type = "F16" if qtype in _CONVERTED else qtype
+    arrays = {field: pool.alloc(n, name) for field, n in layout_bytes(gpu_type, rows, cols).items()}
+    return GpuMatrix(gpu_type, rows, cols, **arrays)
+
+
+def stack_plan(names: list[str], qtypes: list[str]) -> bool:
+    """Whether tensors `names` (of GGUF types `qtypes`) stacked by rows become one GpuMatrix (True: one type, the
+    raw rows concatenate) or a GpuStack of one matrix per tensor (False). Raises IncompatibleError for a type
+    the GPU lacks, and for F16 mixed with quantized tensors (they read different activations)."""
+    for name, q in zip(names, qtypes, strict=True):
+        if q not in GPU_QTYPES + _CONVERTED:
+            raise IncompatibleError(
+                f"{name}: quant type {q} is not supported on the GPU yet",
+                hint=f"requantize to one of {', '.join(GPU_QTYPES)}, or run on the CPU (--engine cpu)",
+            )
+    if len(set(qtypes)) == 1:
+        return True
+    if len({q in GPU_QTYPES and q != "F16" for q in qtypes}) != 1:
+        raise IncompatibleError(
+            f"{', '.join(names)} mix float and quantized types {sorted(set(qtypes))}",
+            hint="the GPU engine multiplies these by one activation; requantize them all (e.g. llama-quantize)",
         )
-    if qtype == "Q8_0":
-        return GpuMatrix(qtype, rows, cols, qs=pool.alloc(n, name), d=pool.alloc(2 * nb, name))
-    return GpuMatrix("F16", rows, cols, w=pool.alloc(2 * n, name))
+    return False
 
 
 class WeightUploader:
@@ -64,19 +84,18 @@ class WeightUploader:
         self.staging: DeviceBuffer | None = None
         self._keep: list[np.ndarray] = []  # host arrays whose async copies may still be in flight
 
-    def matrix(self, names: list[str]) -> GpuMatrix:
+    def matrix(self, names: list[str]) -> GpuMatrix | GpuStack:
+        """Tensors `names` stacked by rows: one GpuMatrix when their types agree, else a GpuStack."""
         ts: list[QTensor] = [self.model.tensors[n] for n in names]
-        qtypes = {t.qtype for t in ts}
-        if len(qtypes) != 1:
-            raise IncompatibleError(
-                f"{', '.join(names)} mix quant types {sorted(qtypes)}",
-                hint="the GPU engine stacks these matrices; requantize them to one type",
-            )
-        qtype = qtypes.pop()
-        if qtype not in GPU_QTYPES + ("F32", "BF16"):
-            raise IncompatibleError(f"{names[0]}: quant type {qtype} is not supported on the GPU yet")
+        if stack_plan(names, [t.qtype for t in ts]):
+            return self._upload(names[0], ts)
+        return GpuStack([self._upload(n, [t]) for n, t in zip(names, ts, strict=True)])
+
+    def _upload(self, name: str, ts: list[QTensor]) -> GpuMatrix:
+        """Tensors of one GGUF type, concatenated by rows, as one matrix."""
+        qtype = ts[0].qtype
         rows, cols = sum(t.shape[0] for t in ts), ts[0].shape[1]
-        W = _alloc_matrix(self.pool, qtype, rows, cols, names[0])
+        W = _alloc_matrix(self.pool, qtype, rows, cols, name)
         if qtype == "F16":
             assert W.w is not None  # _alloc_matrix gives F16 matrices their w array
             offset = 0
@@ -94,6 +113,11 @@ class WeightUploader:
             offset += t.raw.nbytes
         self.k.repack(qtype, self.staging.ptr, W)(self.stream)
         return W
+
+    def single(self, name: str) -> GpuMatrix:
+        t = self.model.tensors[name]
+        stack_plan([name], [t.qtype])  # refuses a type the GPU lacks
+        return self._upload(name, [t])
 
     def vector(self, name: str) -> DeviceBuffer:
         v = np.ascontiguousarray(self.model.tensors[name].dequantize().astype(np.float32).ravel())
@@ -132,9 +156,8 @@ def upload_weights(model: Model, pool: DevicePool, stream: Stream, kernels: Kern
     c = model.config
     up = WeightUploader(model, pool, stream, kernels)
     before = pool.allocated
-    embed = up.matrix(["token_embd.weight"])
-    if embed.qtype not in ("Q4_0", "Q4_1", "Q8_0", "F16"):
-        raise IncompatibleError(f"token_embd.weight: {embed.qtype} embeddings are not supported on the GPU")
+    embed = up.single("token_embd.weight")
+    a = c.block
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
@@ -143,13 +166,17 @@ def upload_weights(model: Model, pool: DevicePool, stream: Stream, kernels: Kern
                 attn_norm=up.vector(p + "attn_norm.weight"),
                 wqkv=up.matrix([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
                 bqkv=up.vectors([p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]) if c.qkv_bias else None,
-                wo=up.matrix([p + "attn_output.weight"]),
+                wo=up.single(p + "attn_output.weight"),
                 ffn_norm=up.vector(p + "ffn_norm.weight"),
                 wgu=up.matrix([p + "ffn_gate.weight", p + "ffn_up.weight"]),
-                wdown=up.matrix([p + "ffn_down.weight"]),
+                wdown=up.single(p + "ffn_down.weight"),
+                q_norm=up.vector(p + "attn_q_norm.weight") if a.qk_norm else None,
+                k_norm=up.vector(p + "attn_k_norm.weight") if a.qk_norm else None,
+                post_attn_norm=up.vector(p + "post_attention_norm.weight") if a.post_norms else None,
+                post_ffn_norm=up.vector(p + "post_ffw_norm.weight") if a.post_norms else None,
             )
         )
     out_norm = up.vector("output_norm.weight")
-    head = embed if c.tied_embeddings else up.matrix(["output.weight"])
+    head = embed if c.tied_embeddings else up.single("output.weight")
     up.finish()
     return GpuWeights(embed=embed, layers=layers, out_norm=out_norm, head=head, nbytes=pool.allocated - before)

@@ -17,7 +17,8 @@ SHARED: dict[str, tuple[int, str]] = {
     "MODE_STORE": (0, "matvec/matmul epilogue: y = W x (+ bias)"),
     "MODE_ADD": (1, "matvec/matmul epilogue: y += W x (+ bias), the residual"),
     "MODE_SWIGLU": (2, "matvec epilogue: y = silu(W_gate x) * (W_up x), W = [gate; up] stacked"),
-    "MV_WARPS": (4, "warps per matvec block (2 rows each; 1 row pair each in MODE_SWIGLU)"),
+    "MODE_GEGLU": (3, "matvec epilogue: y = gelu_tanh(W_gate x) * (W_up x), W = [gate; up] stacked"),
+    "MV_WARPS": (4, "warps per matvec block (2 rows each; 1 row pair each in the gated modes)"),
     "MV_COLS": (4, "batch columns (sequences) per matvec block"),
     "MATMUL_BM": (64, "matmul tile rows (tokens)"),
     "MATMUL_BN": (64, "matmul tile columns (output features)"),
@@ -29,25 +30,30 @@ SHARED: dict[str, tuple[int, str]] = {
 
 QK = SHARED["QK"][0]
 PAGE = SHARED["PAGE"][0]
-MODE_STORE, MODE_ADD, MODE_SWIGLU = (SHARED[k][0] for k in ("MODE_STORE", "MODE_ADD", "MODE_SWIGLU"))
+MODE_STORE, MODE_ADD, MODE_SWIGLU, MODE_GEGLU = (
+    SHARED[k][0] for k in ("MODE_STORE", "MODE_ADD", "MODE_SWIGLU", "MODE_GEGLU")
+)
+GATED_MODES = (MODE_SWIGLU, MODE_GEGLU)
 MATVEC_COLS = SHARED["MV_COLS"][0]
 MATVEC_ROWS_PER_BLOCK = 2 * SHARED["MV_WARPS"][0]
 MATMUL_TILE = SHARED["MATMUL_BM"][0]
 assert SHARED["MATMUL_BM"][0] == SHARED["MATMUL_BN"][0], "kernels.py sizes matmul grids with one square tile"
 PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
+ATT_WARPS = SHARED["ATT_WARPS"][0]
 MAX_SPLITS = SHARED["MAX_SPLITS"][0]
 SAMPLE_THREADS = SHARED["SAMPLE_THREADS"][0]
 
 # The GPU engine's weight layout: recorded in a bundle's manifest so a runtime that repacks differently can
 # refuse it (cuda/common.cuh describes it).
 WEIGHT_LAYOUT = (
-    "soa-v1: quantized matrices repacked at load into separate quant/scale(/min) arrays; q,k,v and gate,up stacked"
+    "soa-v2: quantized matrices repacked at load into separate quant/high-bit/scale/min arrays, K-quant sub-block"
+    " scales as small integers; q,k,v and gate,up stacked when their types agree"
 )
 # The version of the contract between this host code and a bundle's kernels and weights: kernel signatures
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 2  # 2: sample_f32 takes allowed-token masks (constrained decoding)
+KERNEL_ABI = 2  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 
 
 def header() -> str:

@@ -16,12 +16,13 @@ from ingot.runtime import settings
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.archs import installed_kernel_dir
 from ingot.runtime.gpu.constants import (
+    ATT_WARPS,
+    GATED_MODES,
     MATMUL_TILE,
     MATVEC_COLS,
     MATVEC_ROWS_PER_BLOCK,
     MAX_SPLITS,
     MODE_STORE,
-    MODE_SWIGLU,
     PAGE,
     PREFILL_QUERIES,
     QK,
@@ -31,35 +32,113 @@ from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch, Memset, Modul
 from ingot.runtime.gpu.fatbin import parse_fatbin
 
 MODULES = ("activation", "attention", "embed", "matmul", "matvec", "norm", "repack", "rope", "sample")
-GPU_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "F16")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # the attention kernels' template instances (cuda/attention.cu)
+GQA_MAX = 8  # query heads per kv head one decode attention block serves (GMAX in cuda/attention.cu)
+
+# The soa-v2 layout of each GPU weight type (cuda/common.cuh documents the bit orders): its device arrays, in
+# kernel-argument order, as (GpuMatrix field, bytes per 256 weights). GGUF's own sizes are in
+# runtime/model/quants.py; each layout keeps within 4% of them (cuda/PERF.md, "K-quant layouts").
+LAYOUTS: dict[str, tuple[tuple[str, int], ...]] = {
+    "F16": (("w", 512),),
+    "Q8_0": (("qs", 256), ("d", 16)),
+    "Q4_0": (("qs", 128), ("d", 16)),
+    "Q4_1": (("qs", 128), ("d", 16), ("m", 16)),
+    "Q5_0": (("qs", 128), ("qh", 32), ("d", 16)),
+    "Q5_1": (("qs", 128), ("qh", 32), ("d", 16), ("m", 16)),
+    "Q4_K": (("qs", 128), ("sc", 16)),
+    "Q5_K": (("qs", 128), ("qh", 32), ("sc", 16)),
+    "Q6_K": (("qs", 128), ("qh", 64), ("sc", 16), ("d", 2)),
+    "Q3_K": (("qs", 64), ("qh", 32), ("sc", 16), ("d", 2)),
+    "Q2_K": (("qs", 64), ("sc", 16), ("d", 2), ("m", 2)),
+    "IQ4_NL": (("qs", 128), ("d", 16)),
+    "IQ4_XS": (("qs", 128), ("sc", 8), ("d", 2)),
+}
+GPU_QTYPES = tuple(LAYOUTS)
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPERBLOCK_TYPES = (*K_QUANTS, "IQ4_XS")  # 256-weight super-blocks: cols % 256 == 0
 
 i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
+
+# The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).
+ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
 
 
 @dataclass
 class GpuMatrix:
-    """A weight matrix [rows, cols] on the GPU in the soa-v1 layout (cuda/common.cuh)."""
+    """A weight matrix [rows, cols] on the GPU in the soa-v2 layout (cuda/common.cuh): the arrays LAYOUTS names."""
 
     qtype: str  # one of GPU_QTYPES
     rows: int
     cols: int
-    qs: DeviceBuffer | None = None  # quants (Q4: rows*cols/2 bytes, Q8_0: rows*cols)
-    d: DeviceBuffer | None = None  # f16 scales [rows, cols/32]
-    m: DeviceBuffer | None = None  # f16 mins [rows, cols/32] (Q4_1)
+    qs: DeviceBuffer | None = None  # low bits of the codes
+    qh: DeviceBuffer | None = None  # high bits (Q5_*, Q6_K, Q3_K)
+    sc: DeviceBuffer | None = None  # sub-block scales (and mins) of the K-quants and IQ4_XS (Q4_K/Q5_K: with d)
+    d: DeviceBuffer | None = None  # f16 scales [rows, cols/32], or [rows, cols/256] for the K-quants
+    m: DeviceBuffer | None = None  # f16 mins (Q4_1, Q5_1) or K-quant dmin
     w: DeviceBuffer | None = None  # f16 weights [rows, cols] (F16)
 
     def args(self) -> list:
-        return {
-            "Q4_0": [self.qs, self.d],
-            "Q4_1": [self.qs, self.d, self.m],
-            "Q8_0": [self.qs, self.d],
-            "F16": [self.w],
-        }[self.qtype]
+        return [getattr(self, field) for field, _ in LAYOUTS[self.qtype]]
 
     @property
     def quantized(self) -> bool:
         return self.qtype != "F16"
+
+    @property
+    def uniform(self) -> bool:
+        return True
+
+    @property
+    def parts(self) -> list[GpuMatrix]:
+        return [self]
+
+
+@dataclass
+class GpuStack:
+    """Matrices multiplied by the same input, stacked by rows but each in its own type (a GGUF that quantizes
+    q, k, v or gate, up differently): one kernel launch per part, each writing its rows of the output."""
+
+    parts: list[GpuMatrix]
+
+    def __post_init__(self) -> None:
+        if len({p.cols for p in self.parts}) != 1:
+            raise ValueError(f"stacked matrices differ in width: {[p.cols for p in self.parts]}")
+        if len({p.quantized for p in self.parts}) != 1:
+            raise IncompatibleError(
+                f"cannot stack F16 and quantized matrices ({', '.join(p.qtype for p in self.parts)}): they read "
+                "different activations (fp32 vs q8x2)",
+                hint="requantize the model so these tensors are all quantized (e.g. llama-quantize) or all F16",
+            )
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def cols(self) -> int:
+        return self.parts[0].cols
+
+    @property
+    def uniform(self) -> bool:
+        return len({p.qtype for p in self.parts}) == 1
+
+    @property
+    def quantized(self) -> bool:
+        return self.parts[0].quantized
+
+
+def _ptr(a: int | DeviceBuffer) -> int:
+    return a.ptr if isinstance(a, DeviceBuffer) else a
+
+
+def layout_bytes(qtype: str, rows: int, cols: int) -> dict[str, int]:
+    """Bytes of each device array of a [rows, cols] matrix in qtype's soa-v2 layout."""
+    if qtype not in LAYOUTS:
+        raise IncompatibleError(f"quant type {qtype} is not supported on the GPU", hint=f"GPU types: {GPU_QTYPES}")
+    block = 256 if qtype in SUPERBLOCK_TYPES else QK
+    if cols % block:
+        raise IncompatibleError(f"a {qtype} matrix needs a multiple of {block} columns, got {cols}")
+    return {field: rows * cols * per_256 // 256 for field, per_256 in LAYOUTS[qtype]}
 
 
 def kernel_images(kernel_dir: Path | None = None) -> dict[str, bytes]:
@@ -89,7 +168,11 @@ class Kernels:
             mod = Module(images[name], f"{name}.fatbin", list(parse_fatbin(images[name], name).kernels), device)
             self.modules.append(mod)
             self.k.update(mod.kernels)
-        self.k["attn_prefill_f16"].allow_dynamic_smem(self._prefill_smem(128))
+        # Prefill attention's shared memory grows with the head size (80 KiB at hd 256: more than sm_75's 64 KiB
+        # opt-in); one opt-in for the largest head size this GPU can hold, smaller ones launch with less.
+        self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_smem(h) <= device.info.max_smem_optin)
+        for hd in self.prefill_head_dims:
+            self.k[self._attn_kernel("attn_prefill_f16", hd)].allow_dynamic_smem(self.prefill_smem(hd))
         # the staged logits share the block's shared memory with the kernel's own static arrays
         self.sample_smem_limit = device.info.max_smem_optin - self.k["sample_f32"].static_smem
 
@@ -100,7 +183,7 @@ class Kernels:
     # --- weights ---------------------------------------------------------------------------------
 
     def repack(self, qtype: str, src: int, W: GpuMatrix) -> Launch:
-        """GGUF blocks at device address src -> W's soa-v1 arrays. One thread per 32-weight block."""
+        """GGUF blocks at device address src -> W's soa-v2 arrays. One thread per 32-weight block."""
         if qtype in ("BF16", "F32"):
             n = W.rows * W.cols
             return Launch(self.k[f"convert_{qtype.lower()}_f16"], ((n + 255) // 256,), 256, [src, W.w, i64(n)])
@@ -109,9 +192,9 @@ class Kernels:
 
     # --- per-token ops ---------------------------------------------------------------------------
 
-    def embed(self, E: GpuMatrix, tokens: int, x: DeviceBuffer, n: int) -> Launch:
-        """x[n, dim] fp32 = E[tokens[i]]."""
-        return Launch(self.k[f"embed_{E.qtype.lower()}"], (n,), 128, [tokens, *E.args(), x, i32(E.cols)])
+    def embed(self, E: GpuMatrix, tokens: int, x: DeviceBuffer, n: int, scale: float = 1.0) -> Launch:
+        """x[n, dim] fp32 = E[tokens[i]] * scale (each row dequantized in fp32, then multiplied in fp32)."""
+        return Launch(self.k[f"embed_{E.qtype.lower()}"], (n,), 128, [tokens, *E.args(), x, i32(E.cols), f32(scale)])
 
     def rmsnorm(
         self, x: int, w: DeviceBuffer, n: int, dim: int, eps: float, *, y=None, yq=None, yd=None, yh=None
@@ -121,21 +204,76 @@ class Kernels:
         threads = min(1024, dim)
         return Launch(self.k["rmsnorm_f32"], (n,), threads, [x, w, y, yq, yd, yh, i32(dim), f32(eps)])
 
-    def matvec(
-        self, W: GpuMatrix, x, y: int, ncols: int, *, ldy: int, mode: int = MODE_STORE, bias: DeviceBuffer | None = None
+    def add_rmsnorm(
+        self,
+        x: int,
+        o: int,
+        w: DeviceBuffer,
+        n: int,
+        dim: int,
+        eps: float,
+        *,
+        w_next: DeviceBuffer | None = None,
+        y=None,
+        yq=None,
+        yd=None,
+        yh=None,
     ) -> Launch:
-        """y[c, :] (op)= W · x[c, :] for c < ncols. x is (xq, xd) q8x2 for quantized W, fp32 for F16 W.
-        MODE_SWIGLU: W stacks [gate; up] and y gets silu(gate·x) * (up·x), rows/2 outputs per column."""
-        rows = W.rows // 2 if mode == MODE_SWIGLU else W.rows
-        per_block = MATVEC_ROWS_PER_BLOCK // 2 if mode == MODE_SWIGLU else MATVEC_ROWS_PER_BLOCK
-        grid = ((rows + per_block - 1) // per_block, (ncols + MATVEC_COLS - 1) // MATVEC_COLS)
-        xs = list(x) if W.quantized else [x]
+        """x[n, dim] += rmsnorm(o[n, dim]) * w: the post-norm residual (architectures with post_norms); then, with
+        w_next, the rows rmsnorm(x) * w_next in the forms given (as rmsnorm's y, yq/yd, yh)."""
         return Launch(
-            self.k[f"matvec_{W.qtype.lower()}"],
-            grid,
-            128,
-            [*W.args(), *xs, bias, y, i32(rows), i32(W.cols), i32(ncols), i32(ldy), i32(mode)],
+            self.k["add_rmsnorm_f32"],
+            (n,),
+            min(1024, dim),
+            [x, o, w, w_next, y, yq, yd, yh, i32(dim), f32(eps)],
         )
+
+    def matvec(
+        self,
+        W: GpuMatrix | GpuStack,
+        x,
+        y: int,
+        ncols: int,
+        *,
+        ldy: int,
+        mode: int = MODE_STORE,
+        bias: DeviceBuffer | None = None,
+    ) -> list[Launch]:
+        """y[c, :] (op)= W · x[c, :] for c < ncols. x is (xq, xd) q8x2 for quantized W, fp32 for F16 W.
+        Gated modes (MODE_SWIGLU, MODE_GEGLU): W stacks [gate; up] in one matrix and y gets act(gate·x) * (up·x),
+        rows/2 outputs per column. A GpuStack gets one launch per part, writing its rows at the part's offset."""
+        if mode in GATED_MODES and len(W.parts) > 1:
+            raise IncompatibleError(
+                f"a gated matvec needs [gate; up] in one matrix, got a stack of {[p.qtype for p in W.parts]}",
+                hint="run gate and up as MODE_STORE into one buffer, then the activation kernel",
+            )
+        launches, offset = [], 0
+        for part in W.parts:
+            rows = part.rows // 2 if mode in GATED_MODES else part.rows
+            per_block = MATVEC_ROWS_PER_BLOCK // 2 if mode in GATED_MODES else MATVEC_ROWS_PER_BLOCK
+            grid = ((rows + per_block - 1) // per_block, (ncols + MATVEC_COLS - 1) // MATVEC_COLS)
+            xs = list(x) if part.quantized else [x]
+            part_bias = None if bias is None else bias.at(4 * offset)
+            launches.append(
+                Launch(
+                    self.k[f"matvec_{part.qtype.lower()}"],
+                    grid,
+                    128,
+                    [
+                        *part.args(),
+                        *xs,
+                        part_bias,
+                        _ptr(y) + 4 * offset,
+                        i32(rows),
+                        i32(part.cols),
+                        i32(ncols),
+                        i32(ldy),
+                        i32(mode),
+                    ],
+                )
+            )
+            offset += part.rows
+        return launches
 
     def quantize(self, x: int, xq: int, xd: int, n_values: int) -> Launch:
         """x fp32 [n_values] -> q8x2: xq int8 [2 * n_values], xd float4 [n_values / 32] (cuda/common.cuh)."""
@@ -144,7 +282,7 @@ class Kernels:
 
     def matmul(
         self,
-        W: GpuMatrix,
+        W: GpuMatrix | GpuStack,
         A: int,
         C: int,
         M: int,
@@ -156,24 +294,41 @@ class Kernels:
     ) -> list:
         """C[M, N] (op)= A[M, K] fp16 · W[N, K]^T, C fp32 with row stride ldc. Returns the steps to run.
         split_k: when the tiles alone would not fill the GPU twice over, slice K too (decode batches; the sums
-        then go through atomics, so leave it off where bit-reproducibility matters)."""
+        then go through atomics, so leave it off where bit-reproducibility matters). A GpuStack gets one launch
+        per part, writing its columns of C at the part's offset."""
+        if mode in GATED_MODES:
+            raise ValueError("matmul has no gated epilogue: run the activation kernel on its output")
         tiles = -(-W.rows // MATMUL_TILE) * -(-M // MATMUL_TILE)
         nb = W.cols // QK
-        splits = min(nb, 16, -(-2 * self.device.info.sm_count // tiles)) if split_k else 1
-        grid = (-(-W.rows // MATMUL_TILE), -(-M // MATMUL_TILE), max(1, splits))
+        splits = max(1, min(nb, 16, -(-2 * self.device.info.sm_count // tiles)) if split_k else 1)
         steps: list = []
         if splits > 1 and mode == MODE_STORE:
             if ldc != W.rows:
                 raise ValueError("split-K MODE_STORE needs a dense output (ldc == N)")
             steps.append(Memset(C, 0, M * W.rows))  # the slices add into zeros
-        steps.append(
-            Launch(
-                self.k[f"matmul_{W.qtype.lower()}"],
-                grid,
-                128,
-                [*W.args(), A, bias, C, i32(M), i32(W.rows), i32(W.cols), i32(ldc), i32(mode)],
+        offset = 0
+        for part in W.parts:
+            grid = (-(-part.rows // MATMUL_TILE), -(-M // MATMUL_TILE), splits)
+            part_bias = None if bias is None else bias.at(4 * offset)
+            steps.append(
+                Launch(
+                    self.k[f"matmul_{part.qtype.lower()}"],
+                    grid,
+                    128,
+                    [
+                        *part.args(),
+                        A,
+                        part_bias,
+                        _ptr(C) + 4 * offset,
+                        i32(M),
+                        i32(part.rows),
+                        i32(part.cols),
+                        i32(ldc),
+                        i32(mode),
+                    ],
+                )
             )
-        )
+            offset += part.rows
         return steps
 
     def rope_kv(
@@ -188,8 +343,14 @@ class Kernels:
         v_cache: int,
         n: int,
         cfg,
+        *,
+        q_norm: DeviceBuffer | None = None,
+        k_norm: DeviceBuffer | None = None,
+        eps: float = 0.0,
     ) -> Launch:
-        """Rotate q,k of qkv[n, (H+2Hkv)*hd] in place; write k,v of token i to the cache at tok_pos[i]."""
+        """RMSNorm each q and k head of qkv[n, (H+2Hkv)*hd] (when q_norm, k_norm [hd] are given), rotate them in
+        place with the `rope` table [positions, rope_dim/2] (cos, sin); write k,v of token i to the cache at
+        tok_pos[i]. One block per token, one warp per head."""
         return Launch(
             self.k["rope_kv_f32"],
             (n,),
@@ -208,6 +369,9 @@ class Kernels:
                 i32(cfg.head_dim),
                 i32(cfg.rope_dim),
                 i32(1 if cfg.rope_neox else 0),
+                q_norm,
+                k_norm,
+                f32(eps),
             ],
         )
 
@@ -231,13 +395,21 @@ class Kernels:
         outq=None,
         outd=None,
         outh=None,
+        scale: float = 0.0,
+        window: int = 0,
+        softcap: float = 0.0,
+        q_norm: DeviceBuffer | None = None,
+        k_norm: DeviceBuffer | None = None,
+        eps: float = 0.0,
     ) -> Launch:
-        """One new token per sequence (at pos[b]): rope, KV write, split-KV attention and the merge, in one launch.
-        out [B, H*hd] fp32, also as q8x2 (outq, outd) and/or fp16 (outh) when given; partials [B, H, splits, hd];
-        counters [B*Hkv] zeroed. splits <= MAX_SPLITS."""
-        assert 1 <= splits <= MAX_SPLITS
+        """One new token per sequence (at pos[b]): [q/k head norms,] rope, KV write, split-KV attention and the
+        merge, in one launch. out [B, H*hd] fp32, also as q8x2 (outq, outd) and/or fp16 (outh) when given;
+        partials [B, H, splits, hd]; counters [B*Hkv] zeroed. splits <= MAX_SPLITS. scale on q.k (0:
+        1/sqrt(hd)); window > 0: the token sees the last `window` positions, itself included; softcap > 0:
+        scores -> softcap * tanh(scores / softcap); q_norm, k_norm [hd] fp32 (qk_norm architectures)."""
+        assert 1 <= splits <= MAX_SPLITS and cfg.n_heads // cfg.n_kv_heads <= GQA_MAX
         return Launch(
-            self.k["attn_decode_f16"],
+            self.k[self._attn_kernel("attn_decode_f16", cfg.head_dim)],
             (splits, cfg.n_kv_heads, B),
             128,
             [
@@ -261,20 +433,50 @@ class Kernels:
                 i32(cfg.n_kv_heads),
                 i32(cfg.head_dim),
                 i32(splits),
-                f32(cfg.head_dim**-0.5),
+                f32(scale or cfg.head_dim**-0.5),
+                q_norm,
+                k_norm,
+                f32(eps),
+                i32(window),
+                f32(softcap),
             ],
+            smem=self.decode_smem(cfg.head_dim),
         )
 
     @staticmethod
-    def _prefill_smem(hd: int) -> int:
+    def _attn_kernel(name: str, hd: int) -> str:
+        """hd 256 has kernels of its own (cuda/attention.cu: the 64/128 ones keep their register counts)."""
+        return f"{name}_hd256" if hd == 256 else name
+
+    @staticmethod
+    def decode_smem(hd: int) -> int:
+        """sq [GMAX][hd], sk [hd], sm_m and sm_l [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
+        return (GQA_MAX * hd + hd + 2 * ATT_WARPS * GQA_MAX + ATT_WARPS * GQA_MAX * hd) * 4
+
+    @staticmethod
+    def prefill_smem(hd: int) -> int:
         return (PREFILL_QUERIES * hd + PAGE * (hd + 1) + PAGE * hd) * 4
 
     def attn_prefill(
-        self, qkv: int, ldqkv: int, k_cache: int, v_cache: int, block_row: int, tok_pos: int, T: int, out: int, cfg
+        self,
+        qkv: int,
+        ldqkv: int,
+        k_cache: int,
+        v_cache: int,
+        block_row: int,
+        tok_pos: int,
+        T: int,
+        out: int,
+        cfg,
+        *,
+        scale: float = 0.0,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Launch:
-        """out[T, H*hd] fp16 for tokens at positions tok_pos[0]..tok_pos[0]+T-1 of one sequence (causal)."""
+        """out[T, H*hd] fp16 for tokens at positions tok_pos[0]..tok_pos[0]+T-1 of one sequence (causal; scale,
+        window and softcap as in attn_decode)."""
         return Launch(
-            self.k["attn_prefill_f16"],
+            self.k[self._attn_kernel("attn_prefill_f16", cfg.head_dim)],
             ((T + PREFILL_QUERIES - 1) // PREFILL_QUERIES, cfg.n_heads),
             128,
             [
@@ -289,15 +491,28 @@ class Kernels:
                 i32(cfg.n_heads),
                 i32(cfg.n_kv_heads),
                 i32(cfg.head_dim),
-                f32(cfg.head_dim**-0.5),
+                f32(scale or cfg.head_dim**-0.5),
+                i32(window),
+                f32(softcap),
             ],
-            smem=self._prefill_smem(cfg.head_dim),
+            smem=self.prefill_smem(cfg.head_dim),
+        )
+
+    def gated_act(self, activation: str, gu: int, F: int, n: int, *, hh: int | None = None, hf: int | None = None):
+        """h[n, F] = act(gu[:, :F]) * gu[:, F:] as fp16 (hh) and/or fp32 (hf); activation: "silu" (SwiGLU) or
+        "gelu_tanh" (GEGLU), the names of architectures.ACTIVATIONS."""
+        total = n * F
+        return Launch(
+            self.k[ACTIVATION_KERNELS[activation]], ((total + 255) // 256,), 256, [gu, hh, hf, i32(F), i64(n)]
         )
 
     def swiglu(self, gu: int, h: int, F: int, n: int) -> Launch:
         """h[n, F] fp16 = silu(gu[:, :F]) * gu[:, F:]."""
-        total = n * F
-        return Launch(self.k["swiglu_f16"], ((total + 255) // 256,), 256, [gu, h, i32(F), i64(n)])
+        return self.gated_act("silu", gu, F, n, hh=h)
+
+    def geglu(self, gu: int, h: int, F: int, n: int) -> Launch:
+        """h[n, F] fp16 = gelu_tanh(gu[:, :F]) * gu[:, F:]."""
+        return self.gated_act("gelu_tanh", gu, F, n, hh=h)
 
     def sample(self, logits: int, V: int, ld: int, B: int, p: dict, out_tokens: int) -> Launch:
         """One token per sequence from logits[B, ld] (first V used); p holds the per-sequence parameter arrays,

@@ -55,7 +55,9 @@ class Gpu:
         return out
 
     def run(self, launch) -> None:
-        launch(self.stream)
+        """Run one launch, or a list of steps (what Kernels.matvec/matmul return), and wait for it."""
+        for step in launch if isinstance(launch, list) else [launch]:
+            step(self.stream)
         self.stream.synchronize()
 
     def close(self):

@@ -22,8 +22,10 @@ from conftest import Gpu  # noqa: E402
 from ingot.runtime.engines.cuda_weights import _alloc_matrix  # noqa: E402
 from ingot.runtime.gpu import constants as C  # noqa: E402
 from ingot.runtime.gpu.driver import Event, Graph  # noqa: E402
+from ingot.runtime.gpu.kernels import LAYOUTS  # noqa: E402
 
-BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "F16": 2.0}
+# bytes each weight costs in the soa-v2 layout (what a decode step must read)
+BYTES_PER_WEIGHT = {q: sum(n for _, n in fields) / 256 for q, fields in LAYOUTS.items()}
 
 
 def timed(gpu: Gpu, launch, reps: int = 20) -> float:
@@ -44,10 +46,10 @@ def timed(gpu: Gpu, launch, reps: int = 20) -> float:
 
 def random_matrix(gpu: Gpu, rng, qtype: str, rows: int, cols: int):
     W = _alloc_matrix(gpu.pool, qtype, rows, cols, "w")
-    for buf in (W.qs, W.d, W.m, W.w):
+    for buf in W.args():
         if buf is not None:
             raw = rng.integers(0, 256, size=buf.nbytes, dtype=np.uint8)
-            if buf in (W.d, W.m) or buf is W.w:
+            if buf is W.d or buf is W.m or buf is W.w:
                 raw = (rng.standard_normal(buf.nbytes // 2) * 0.01).astype(np.float16).view(np.uint8)
             gpu.stream.upload(buf.ptr, raw)
     gpu.stream.synchronize()
@@ -65,7 +67,8 @@ def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=C.MODE_STORE):
         )
     else:
         x = gpu.put(rng.standard_normal(B * cols).astype(np.float32)).ptr
-    us = timed(gpu, gpu.k.matvec(W, x, y.ptr, B, ldy=out_rows, mode=mode))
+    launches = gpu.k.matvec(W, x, y.ptr, B, ldy=out_rows, mode=mode)
+    us = timed(gpu, lambda stream: [launch(stream) for launch in launches])
     gb = rows * cols * BYTES_PER_WEIGHT[qtype] / 1e9
     print(f"{name:<34} {qtype:<5} B={B:<3} {us:9.1f} us  {gb / (us * 1e-6):7.0f} GB/s")
     return us
@@ -186,6 +189,15 @@ def main():
     matvec_row(gpu, rng, "down 4096x14336", "Q4_0", 4096, 14336)
     matvec_row(gpu, rng, "head 128256x4096", "Q4_0", 128256, 4096)
     matvec_row(gpu, rng, "gate+up B=4", "Q4_0", 28672, 4096, B=4, mode=C.MODE_SWIGLU)
+    print("8B-shaped decode, the Q4_K_M types (Q4_K, Q6_K for half of down and of v) vs Q4_0 above:")
+    matvec_row(gpu, rng, "qkv 6144x4096", "Q4_K", 6144, 4096)
+    matvec_row(gpu, rng, "o 4096x4096", "Q4_K", 4096, 4096)
+    matvec_row(gpu, rng, "gate+up 28672x4096 (swiglu)", "Q4_K", 28672, 4096, mode=C.MODE_SWIGLU)
+    matvec_row(gpu, rng, "down 4096x14336", "Q4_K", 4096, 14336)
+    matvec_row(gpu, rng, "down 4096x14336", "Q6_K", 4096, 14336)
+    matvec_row(gpu, rng, "head 128256x4096", "Q6_K", 128256, 4096)
+    for qtype in ("Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"):
+        matvec_row(gpu, rng, "gate+up 28672x4096 (swiglu)", qtype, 28672, 4096, mode=C.MODE_SWIGLU)
     print("SmolLM2-shaped decode (Q4_1), per layer x30:")
     matvec_row(gpu, rng, "qkv 960x576", "Q4_1", 960, 576)
     matvec_row(gpu, rng, "o 576x576", "Q4_1", 576, 576)
@@ -196,6 +208,8 @@ def main():
     for M in (16, 64, 512):
         matmul_row(gpu, rng, "8B gate+up 28672x4096", "Q4_0", 28672, 4096, M)
         matmul_row(gpu, rng, "8B down 4096x14336", "Q4_0", 4096, 14336, M)
+        matmul_row(gpu, rng, "8B gate+up 28672x4096", "Q4_K", 28672, 4096, M)
+        matmul_row(gpu, rng, "8B down 4096x14336", "Q6_K", 4096, 14336, M)
     for M in (16, 64):
         matmul_row(gpu, rng, "smol gate+up 3072x576", "Q4_1", 3072, 576, M)
     gpu.close()

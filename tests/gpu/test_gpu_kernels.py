@@ -7,16 +7,27 @@ q8x2 input) ~1e-5 relative; fp16 operands (tensor-core GEMM, fp16 KV cache) ~2e-
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+import soa_reference as soa
 from gguf import GGMLQuantizationType, quants
 from sampling_reference import FILTERS, TEMPERATURES, assert_draws_match, filtered_distribution, penalized, top_p_margin
+from soa_reference import bits_equal, dequant_q8x2, q8x2
 
 from ingot.runtime.engines.cuda_weights import _alloc_matrix
 from ingot.runtime.gpu import constants as K
-from ingot.runtime.gpu.kernels import GpuMatrix
+from ingot.runtime.gpu.kernels import SUPERBLOCK_TYPES, GpuMatrix, GpuStack
 
-QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F16"]
+QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F16", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
+QUANTIZED = [q for q in QTYPES if q != "F16"]
+
+
+def width(qtype: str, cols: int) -> int:
+    """cols rounded up to the type's block: 256 for the K-quants (GGUF's super-block), else 32."""
+    block = 256 if qtype in SUPERBLOCK_TYPES else 32
+    return -(-cols // block) * block
 
 
 def rel_err(out, ref) -> float:
@@ -25,8 +36,17 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def make_weight(gpu, rng, qtype: str, rows: int, cols: int) -> tuple[GpuMatrix, np.ndarray]:
-    """A random matrix quantized by gguf, uploaded and repacked; returns it and gguf's dequantization."""
+def _run_steps(gpu, steps):
+    """Run a list of launches (matvec, matmul: one per part of a stack, and split-K's zeroing) and wait."""
+    for step in steps:
+        step(gpu.stream)
+    gpu.stream.synchronize()
+
+
+def make_weight(gpu, rng, qtype: str, rows: int, cols: int, odd: bool = False) -> tuple[GpuMatrix, np.ndarray]:
+    """A random matrix quantized by gguf (or, for the types gguf-py cannot quantize, random GGUF blocks with
+    sane scales: tests/soa_reference.py), uploaded and repacked; returns it and gguf's dequantization.
+    odd: random blocks with all-zero blocks and zero, subnormal and large scales."""
     w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
     if qtype == "F16":
         raw = w.astype(np.float16)
@@ -34,49 +54,63 @@ def make_weight(gpu, rng, qtype: str, rows: int, cols: int) -> tuple[GpuMatrix, 
         gpu.stream.upload(W.w.ptr, raw)
         gpu.stream.synchronize()
         return W, raw.astype(np.float64)
-    t = GGMLQuantizationType[qtype]
-    raw = quants.quantize(w, t)
-    ref = quants.dequantize(raw, t).reshape(rows, cols).astype(np.float64)
-    src = gpu.put(raw)
+    raw = gguf_blocks(rng, w, qtype, odd)
+    ref = quants.dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols).astype(np.float64)
+    return repacked(gpu, qtype, raw, rows, cols), ref
+
+
+def gguf_blocks(rng, w: np.ndarray, qtype: str, odd: bool = False) -> np.ndarray:
+    """w quantized by gguf-py where it can; else (and for odd) random blocks of the type."""
+    if not odd:
+        try:
+            return quants.quantize(w, GGMLQuantizationType[qtype])
+        except NotImplementedError:  # gguf-py quantizes no K-quant
+            pass
+    return soa.random_blocks(rng, qtype, w.shape[0], w.shape[1], odd=odd)
+
+
+def repacked(gpu, qtype: str, raw: np.ndarray, rows: int, cols: int) -> GpuMatrix:
     W = _alloc_matrix(gpu.pool, qtype, rows, cols, "w")
-    gpu.run(gpu.k.repack(qtype, src.ptr, W))
-    return W, ref
+    gpu.run(gpu.k.repack(qtype, gpu.put(raw).ptr, W))
+    return W
 
 
-def q8x2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """numpy emulation of the GPU's q8x2 (warp_quantize_q8x2 in cuda/common.cuh), operation for operation so the
-    int8 codes match exactly: per 32 values d1 = amax/127, d2 = d1/254, q1 = rint(x * rcp(d1)),
-    q2 = rint(fma(-q1, d1, x) * rcp(d2)) clipped to +-127, where rcp is the correctly rounded float32
-    reciprocal (__frcp_rn) and fma rounds once: -q1*d1 + x is exact in float64 (a 7-bit integer times a 24-bit
-    significand, then a difference smaller than d1), so one rounding to float32 is fmaf's.
-    Returns (xq int8 [blocks, 64], xd float32 [blocks, 4])."""
-    b = x.reshape(-1, 32).astype(np.float32)
-    d1 = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
-    d2 = (d1 / np.float32(254)).astype(np.float32)
-    safe1, safe2 = np.where(d1 > 0, d1, 1)[:, None], np.where(d2 > 0, d2, 1)[:, None]
-    r1, r2 = np.float32(1) / safe1, np.float32(1) / safe2  # float32 division: the correctly rounded reciprocal
-    q1 = np.where(d1[:, None] > 0, np.rint(b * r1), 0).astype(np.float32)
-    resid = (b.astype(np.float64) - q1.astype(np.float64) * d1[:, None].astype(np.float64)).astype(np.float32)
-    q2 = np.where(d1[:, None] > 0, np.clip(np.rint(resid * r2), -127, 127), 0).astype(np.float32)
-    s = d1 * q1.sum(axis=1) + d2 * q2.sum(axis=1)
-    xq = np.concatenate([q1, q2], axis=1).astype(np.int8)
-    return xq, np.stack([d1, d2, s, np.zeros_like(d1)], axis=1).astype(np.float32)
-
-
-def dequant_q8x2(xq: np.ndarray, xd: np.ndarray) -> np.ndarray:
-    xq, xd = xq.reshape(-1, 64).astype(np.float64), xd.reshape(-1, 4).astype(np.float64)
-    return xq[:, :32] * xd[:, :1] + xq[:, 32:] * xd[:, 1:2]
-
-
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_repack_and_embed_match_gguf_dequantization(gpu, rng, qtype):
-    rows, cols = 77, 96
-    W, ref = make_weight(gpu, rng, qtype, rows, cols)
+@pytest.mark.parametrize("qtype", QUANTIZED)
+@pytest.mark.parametrize("odd", [False, True])
+def test_repack_and_embed_match_gguf_dequantization(gpu, rng, qtype, odd):
+    rows, cols = 77, width(qtype, 96)
+    W, ref = make_weight(gpu, rng, qtype, rows, cols, odd=odd)
     tokens = rng.integers(0, rows, size=13).astype(np.int32)
     x = gpu.empty(4 * 13 * cols)
     gpu.run(gpu.k.embed(W, gpu.put(tokens).ptr, x, 13))
     out = gpu.get(x, np.float32, (13, cols))
-    assert rel_err(out, ref[tokens]) < 1e-6
+    # exact: each weight is gguf's fp32 value (same products, same rounding); Q4_0/Q4_1/Q8_0 from gguf's quantizer
+    assert bits_equal(out, ref[tokens].astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+def test_repack_writes_the_documented_layout(gpu, rng, qtype):
+    """The device arrays byte for byte against tests/soa_reference.py (which test_gpu_layouts.py holds to gguf)."""
+    rows, cols = 19, width(qtype, 512)
+    raw = gguf_blocks(rng, np.zeros((rows, cols), np.float32), qtype, odd=True)
+    W = repacked(gpu, qtype, raw, rows, cols)
+    want = soa.pack(qtype, raw, rows, cols)
+    for field, expected in want.items():
+        buf = getattr(W, field)
+        got = gpu.get(buf, np.uint8, (buf.nbytes,))
+        assert np.array_equal(got, expected), f"{qtype}.{field}: first difference at byte {np.argmax(got != expected)}"
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "F16"])
+def test_embed_scale_multiplies_the_fp32_row(gpu, rng, qtype):
+    """Gemma's x = embed(tokens) * sqrt(dim): the row in fp32, then one fp32 multiply (reference.forward)."""
+    rows, cols = 50, width(qtype, 640)
+    W, ref = make_weight(gpu, rng, qtype, rows, cols)
+    scale = np.float32(math.sqrt(640))
+    tokens = rng.integers(0, rows, size=5).astype(np.int32)
+    x = gpu.empty(4 * 5 * cols)
+    gpu.run(gpu.k.embed(W, gpu.put(tokens).ptr, x, 5, scale=float(scale)))
+    assert bits_equal(gpu.get(x, np.float32, (5, cols)), ref[tokens].astype(np.float32) * scale)
 
 
 @pytest.mark.parametrize("src_type", ["F32", "BF16"])
@@ -115,7 +149,7 @@ def test_quantize_q8x2(gpu, rng):
     q = gpu.get(xq, np.int8, (x.size // 32, 64))
     d = gpu.get(xd, np.float32, (x.size // 32, 4))
     assert np.array_equal(q, q_ref)
-    assert np.allclose(d[:, :2], d_ref[:, :2], rtol=1e-6) and np.allclose(d[:, 2], d_ref[:, 2], rtol=1e-5, atol=1e-7)
+    assert np.allclose(d[:, :2], d_ref[:, :2], rtol=1e-6) and np.allclose(d[:, 2:], d_ref[:, 2:], rtol=1e-5, atol=1e-7)
     assert rel_err(dequant_q8x2(q, d).ravel(), x) < 1e-4
 
 
@@ -130,45 +164,79 @@ def _activation(gpu, W, x):
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows,cols,ncols", [(37, 64, 1), (200, 576, 3), (1001, 4096, 8), (64, 1536, 11)])
 def test_matvec_store_with_bias(gpu, rng, qtype, rows, cols, ncols):
+    cols = width(qtype, cols)
     W, Wref = make_weight(gpu, rng, qtype, rows, cols)
     x = rng.standard_normal((ncols, cols)).astype(np.float32)
     bias = rng.standard_normal(rows).astype(np.float32)
     xin, xref = _activation(gpu, W, x)
     y = gpu.empty(4 * ncols * rows)
-    gpu.run(gpu.k.matvec(W, xin, y.ptr, ncols, ldy=rows, bias=gpu.put(bias)))
+    _run_steps(gpu, gpu.k.matvec(W, xin, y.ptr, ncols, ldy=rows, bias=gpu.put(bias)))
     ref = xref @ Wref.T + bias
     assert rel_err(gpu.get(y, np.float32, (ncols, rows)), ref) < 1e-5
     # and against the unquantized activation: q8x2 keeps ~15 bits, so the product is float-accurate
     assert rel_err(gpu.get(y, np.float32, (ncols, rows)), x @ Wref.T + bias) < 1e-4
 
 
+def _gelu_tanh(g):
+    return 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_matvec_add_and_swiglu(gpu, rng, qtype):
+def test_matvec_add_and_gated(gpu, rng, qtype):
     F, cols, ncols = 96, 256, 5
     W, Wref = make_weight(gpu, rng, qtype, 2 * F, cols)
     x = rng.standard_normal((ncols, cols)).astype(np.float32)
     xin, xref = _activation(gpu, W, x)
-    h = gpu.empty(4 * ncols * F)
-    gpu.run(gpu.k.matvec(W, xin, h.ptr, ncols, ldy=F, mode=K.MODE_SWIGLU))
     g, u = xref @ Wref[:F].T, xref @ Wref[F:].T
-    assert rel_err(gpu.get(h, np.float32, (ncols, F)), g / (1 + np.exp(-g)) * u) < 1e-4
+    for mode, act in ((K.MODE_SWIGLU, lambda g: g / (1 + np.exp(-g))), (K.MODE_GEGLU, _gelu_tanh)):
+        h = gpu.empty(4 * ncols * F)
+        _run_steps(gpu, gpu.k.matvec(W, xin, h.ptr, ncols, ldy=F, mode=mode))
+        # 1e-4: the product's ~1e-5 error passes through the activation's slope and the fp32 exp/tanh
+        assert rel_err(gpu.get(h, np.float32, (ncols, F)), act(g) * u) < 1e-4, mode
 
     resid = rng.standard_normal((ncols, 2 * F)).astype(np.float32)
     y = gpu.put(resid)
-    gpu.run(gpu.k.matvec(W, xin, y.ptr, ncols, ldy=2 * F, mode=K.MODE_ADD))
+    _run_steps(gpu, gpu.k.matvec(W, xin, y.ptr, ncols, ldy=2 * F, mode=K.MODE_ADD))
     assert rel_err(gpu.get(y, np.float32, (ncols, 2 * F)), resid + xref @ Wref.T) < 1e-5
 
 
-def _run_steps(gpu, steps):
-    for step in steps:
-        step(gpu.stream)
-    gpu.stream.synchronize()
+def _stack(gpu, rng, qtypes, rows, cols):
+    parts, refs = zip(*(make_weight(gpu, rng, q, r, cols) for q, r in zip(qtypes, rows, strict=True)), strict=True)
+    return GpuStack(list(parts)), np.concatenate(refs)
+
+
+@pytest.mark.parametrize(
+    "qtypes,rows",
+    [
+        (["Q5_0", "Q5_0", "Q8_0"], [256, 64, 64]),  # Gemma 3 270M Q4_K_M: q, k in Q5_0 and v in Q8_0
+        (["Q4_K", "Q6_K"], [37, 91]),
+        (["Q8_0", "Q4_0", "Q2_K", "Q3_K"], [8, 9, 10, 11]),
+    ],
+)
+def test_matvec_and_matmul_on_mixed_type_stacks(gpu, rng, qtypes, rows):
+    cols, ncols, M = 512, 3, 21
+    S, Sref = _stack(gpu, rng, qtypes, rows, cols)
+    N = S.rows
+    x = rng.standard_normal((ncols, cols)).astype(np.float32)
+    xq, xd = q8x2(x)
+    xref = dequant_q8x2(xq, xd).reshape(x.shape)
+    bias = rng.standard_normal(N).astype(np.float32)
+    y = gpu.empty(4 * ncols * N)
+    _run_steps(gpu, gpu.k.matvec(S, (gpu.put(xq).ptr, gpu.put(xd).ptr), y.ptr, ncols, ldy=N, bias=gpu.put(bias)))
+    assert rel_err(gpu.get(y, np.float32, (ncols, N)), xref @ Sref.T + bias) < 1e-5
+    A = rng.standard_normal((M, cols)).astype(np.float16)
+    Wh = Sref.astype(np.float16).astype(np.float64)
+    for split_k in (False, True):
+        C = gpu.empty(4 * M * N)
+        _run_steps(gpu, gpu.k.matmul(S, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias), split_k=split_k))
+        assert rel_err(gpu.get(C, np.float32, (M, N)), A.astype(np.float64) @ Wh.T + bias) < 1e-3, split_k
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("M,N,K_", [(1, 70, 64), (37, 130, 576), (200, 64, 1536)])
 @pytest.mark.parametrize("split_k", [False, True])
 def test_matmul(gpu, rng, qtype, M, N, K_, split_k):
+    K_ = width(qtype, K_)
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = rng.standard_normal((M, K_)).astype(np.float16)
     bias = rng.standard_normal(N).astype(np.float32)

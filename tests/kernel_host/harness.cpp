@@ -1,0 +1,62 @@
+// The weights.cuh types' device code on the CPU: repack.cu's kernels and embed.cu's lookups run thread by
+// thread; each weight struct's load/dot (the matvec inner product) and deq_half_row (the GEMM tile) per block.
+// One entry point, host_run, called through ctypes by tests/test_kernel_host.py.
+#include "weights.cuh"
+#include "repack.cu"
+#include "embed.cu"
+
+static void one_thread(long long b) { blockDim.x = 1; threadIdx.x = 0; blockIdx.x = (unsigned)b; }
+
+// y[c, r] = sum over blocks of W::dot (no epilogue), deq [rows, cols] fp16 = the GEMM's dequantized tiles.
+template <typename W>
+static void products(const W& w, int rows, int cols, const int8_t* xq, const float4* xd, int ncols, float* y,
+                     __half* deq) {
+    const int nb = cols / QK;
+    for (int c = 0; c < ncols; c++)
+        for (int r = 0; r < rows; r++) {
+            float acc = 0;
+            for (int kb = 0; kb < nb; kb++) acc += W::dot(w.load(r, kb), load_x(xq, xd, cols, c, kb));
+            y[(size_t)c * rows + r] = acc;
+        }
+    for (int r = 0; r < rows; r++)
+        for (int kb = 0; kb < nb; kb++)
+            for (int h = 0; h < 2; h++) {
+                __half v[16];
+                deq_half_row(w, r, kb, h, v);
+                memcpy(deq + (size_t)r * cols + kb * QK + h * 16, v, sizeof v);
+            }
+}
+
+// q: type name (q5_0, ...); src: GGUF bytes; p: the layout's arrays (kernels.py LAYOUTS order), written here;
+// tokens[n] -> x [n, cols] * scale (embed); (xq, xd) q8x2 [ncols, cols] -> y [ncols, rows]; deq [rows, cols].
+extern "C" int host_run(const char* q, const uint8_t* src, void** p, int rows, int cols, const int* tokens, int n,
+                        float scale, float* x, const int8_t* xq, const float4* xd, int ncols, float* y,
+                        __half* deq) {
+    const long long nblocks = (long long)rows * cols / QK;
+    const std::string t(q);
+#define RUN(NAME, WT, REPACK, ...)                                                              \
+    if (t == #NAME) {                                                                           \
+        for (long long b = 0; b < nblocks; b++) { one_thread(b); REPACK; }                     \
+        for (int i = 0; i < n; i++) { one_thread(i); embed_##NAME(tokens, __VA_ARGS__, x, cols, scale); } \
+        products(WT{__VA_ARGS__, cols / QK}, rows, cols, xq, xd, ncols, y, deq);                \
+        return 0;                                                                               \
+    }
+    RUN(q5_0, Q5_0W, repack_q5_0(src, (uint4*)p[0], (uint32_t*)p[1], (__half*)p[2], nblocks),
+        (const uint4*)p[0], (const uint32_t*)p[1], (const __half*)p[2])
+    RUN(q5_1, Q5_1W, repack_q5_1(src, (uint4*)p[0], (uint32_t*)p[1], (__half*)p[2], (__half*)p[3], nblocks),
+        (const uint4*)p[0], (const uint32_t*)p[1], (const __half*)p[2], (const __half*)p[3])
+    RUN(q4_k, Q4_KW, repack_q4_k(src, (uint4*)p[0], (uint4*)p[1], nblocks), (const uint4*)p[0], (const uint4*)p[1])
+    RUN(q5_k, Q5_KW, repack_q5_k(src, (uint4*)p[0], (uint32_t*)p[1], (uint4*)p[2], nblocks), (const uint4*)p[0],
+        (const uint32_t*)p[1], (const uint4*)p[2])
+    RUN(q6_k, Q6_KW, repack_q6_k(src, (uint4*)p[0], (uint2*)p[1], (char2*)p[2], (__half*)p[3], nblocks),
+        (const uint4*)p[0], (const uint2*)p[1], (const char2*)p[2], (const __half*)p[3])
+    RUN(q3_k, Q3_KW, repack_q3_k(src, (uint2*)p[0], (uint32_t*)p[1], (char2*)p[2], (__half*)p[3], nblocks),
+        (const uint2*)p[0], (const uint32_t*)p[1], (const char2*)p[2], (const __half*)p[3])
+    RUN(q2_k, Q2_KW, repack_q2_k(src, (uint2*)p[0], (uchar2*)p[1], (__half*)p[2], (__half*)p[3], nblocks),
+        (const uint2*)p[0], (const uchar2*)p[1], (const __half*)p[2], (const __half*)p[3])
+    RUN(iq4_nl, IQ4_NLW, repack_iq4_nl(src, (uint8_t*)p[0], (__half*)p[1], nblocks), (const uint4*)p[0],
+        (const __half*)p[1])
+    RUN(iq4_xs, IQ4_XSW, repack_iq4_xs(src, (uint4*)p[0], (int8_t*)p[1], (__half*)p[2], nblocks),
+        (const uint4*)p[0], (const int8_t*)p[1], (const __half*)p[2])
+    return 1;
+}

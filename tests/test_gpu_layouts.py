@@ -1,0 +1,240 @@
+"""The GPU weight layout (soa-v2) and the host's stacking and launch decisions, checked without a GPU.
+
+tests/soa_reference.py models cuda/repack.cu and cuda/weights.cuh in numpy; here that model must reproduce
+gguf's dequantization bit for bit for every GPU type (so the bit orders documented in cuda/common.cuh lose
+nothing), and its arrays must have the sizes runtime/gpu/kernels.py allocates. The GPU tests then hold the
+device arrays to the same model byte for byte (tests/gpu/test_gpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import soa_reference as soa
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from ingot.runtime.engines.cuda_weights import stack_plan, upload_weights
+from ingot.runtime.errors import IncompatibleError
+from ingot.runtime.gpu import constants
+from ingot.runtime.gpu.driver import DeviceBuffer
+from ingot.runtime.gpu.kernels import GPU_QTYPES, LAYOUTS, SUPERBLOCK_TYPES, GpuMatrix, GpuStack, Kernels, layout_bytes
+from ingot.runtime.model.quants import QUANT_TYPES
+
+QUANTIZED = [q for q in GPU_QTYPES if q != "F16"]
+
+
+def _cols(qtype: str) -> int:
+    return 768 if qtype in SUPERBLOCK_TYPES else 96
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+@pytest.mark.parametrize("odd", [False, True])
+def test_layout_model_dequantizes_like_gguf_bit_for_bit(qtype, odd):
+    rows, cols = 13, _cols(qtype)
+    raw = soa.random_blocks(np.random.default_rng(len(qtype) + odd), qtype, rows, cols, odd=odd)
+    if odd:
+        raw[-1] = 255  # every bit set: NaN f16 scales, the largest codes
+    arrays = soa.pack(qtype, raw, rows, cols)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ours = soa.dequantize(qtype, arrays, rows, cols)
+        ref = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
+    # bit for bit: the same fp32 values with the same signs of zero; NaNs (from NaN scales) only where gguf's are
+    same = (ours.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(ours) & np.isnan(ref))
+    assert same.all(), f"{(~same).sum()} weights differ, first at {np.argwhere(~same)[0]}"
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+def test_layout_sizes_match_the_allocation_and_stay_near_gguf(qtype):
+    rows, cols = 5, _cols(qtype)
+    arrays = soa.pack(qtype, soa.random_blocks(np.random.default_rng(0), qtype, rows, cols), rows, cols)
+    sizes = layout_bytes(qtype, rows, cols)
+    assert list(sizes) == [f for f, _ in LAYOUTS[qtype]]  # kernel argument order = allocation order
+    assert {f: a.nbytes for f, a in arrays.items()} == sizes
+    gguf_bytes = QUANT_TYPES[qtype].row_bytes(cols) * rows
+    # the layouts keep the bits packed: at most 4% over the GGUF (Q3_K: 114 vs 110 bytes per 256 weights)
+    assert gguf_bytes <= sum(sizes.values()) <= 1.04 * gguf_bytes
+
+
+@pytest.mark.parametrize("qtype,cols", [("Q4_K", 96), ("Q6_K", 640), ("Q5_0", 48)])
+def test_layout_refuses_widths_the_blocks_do_not_divide(qtype, cols):
+    with pytest.raises(IncompatibleError, match="multiple of"):
+        layout_bytes(qtype, 4, cols)
+
+
+def test_unsupported_type_is_refused_with_a_hint():
+    with pytest.raises(IncompatibleError) as e:
+        stack_plan(["blk.0.ffn_down.weight"], ["IQ3_S"])
+    assert "IQ3_S" in str(e.value) and e.value.hint
+
+
+@pytest.mark.parametrize(
+    "qtypes,one_matrix",
+    [
+        (["Q4_0", "Q4_0", "Q4_0"], True),
+        (["Q5_0", "Q5_0", "Q8_0"], False),  # Gemma 3 Q4_K_M: v in Q8_0 on half the layers
+        (["Q4_K", "Q6_K"], False),
+        (["F16", "F16"], True),
+        (["F32", "BF16"], False),  # both become F16, from different sources: one part each
+    ],
+)
+def test_stack_plan(qtypes, one_matrix):
+    assert stack_plan([f"t{i}" for i in range(len(qtypes))], qtypes) is one_matrix
+
+
+def test_stack_plan_refuses_float_mixed_with_quantized():
+    with pytest.raises(IncompatibleError) as e:
+        stack_plan(["q", "k", "v"], ["Q4_0", "Q4_0", "F16"])
+    assert e.value.hint
+
+
+def _matrix(qtype, rows, cols):
+    return GpuMatrix(
+        qtype, rows, cols, **{f: DeviceBuffer(1 << 20, n, f) for f, n in layout_bytes(qtype, rows, cols).items()}
+    )
+
+
+def test_gpu_stack_properties():
+    s = GpuStack([_matrix("Q5_0", 64, 256), _matrix("Q5_0", 32, 256), _matrix("Q8_0", 32, 256)])
+    assert (s.rows, s.cols, s.uniform, s.quantized) == (128, 256, False, True)
+    assert GpuStack([_matrix("Q4_K", 8, 256)] * 2).uniform
+    m = _matrix("Q6_K", 8, 256)
+    assert m.uniform and m.parts == [m] and m.args() == [m.qs, m.qh, m.sc, m.d]
+    with pytest.raises(IncompatibleError):
+        GpuStack([_matrix("F16", 8, 256), _matrix("Q8_0", 8, 256)])
+
+
+class _FakeKernel:
+    def __init__(self, name):
+        self.name, self.fn = name, None
+
+
+def _kernels(sm_count=132):
+    """Kernels without a device: the launch geometry only (kernel lookups give named stand-ins)."""
+    k = Kernels.__new__(Kernels)
+    k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count))
+    k.k = {n: _FakeKernel(n) for q in GPU_QTYPES for n in (f"matvec_{q.lower()}", f"matmul_{q.lower()}")}
+    return k
+
+
+def _ptr_args(launch) -> list[int]:
+    return [int(h) for h in launch._held]
+
+
+def test_matvec_on_a_stack_launches_one_kernel_per_part_at_its_row_offset():
+    parts = [_matrix("Q5_0", 40, 256), _matrix("Q5_0", 8, 256), _matrix("Q8_0", 8, 256)]
+    y, bias, xq, xd = 10_000, DeviceBuffer(50_000, 4 * 56, "b"), 1, 2
+    launches = _kernels().matvec(GpuStack(parts), (xq, xd), y, 3, ldy=56, bias=bias)
+    assert [launch.kernel.name for launch in launches] == ["matvec_q5_0", "matvec_q5_0", "matvec_q8_0"]
+    offsets = [0, 40, 48]
+    for launch, part, off in zip(launches, parts, offsets, strict=True):
+        args = _ptr_args(launch)
+        n = len(part.args())
+        assert args[n : n + 2] == [xq, xd]
+        assert args[n + 2] == bias.ptr + 4 * off and args[n + 3] == y + 4 * off  # bias, y at the part's rows
+        assert args[n + 4 :] == [part.rows, 256, 3, 56, constants.MODE_STORE]
+
+
+def test_matvec_on_one_matrix_is_one_launch_and_gated_modes_halve_the_rows():
+    W = _matrix("Q4_K", 96, 512)
+    (launch,) = _kernels().matvec(W, (1, 2), 100, 1, ldy=48, mode=constants.MODE_GEGLU)
+    assert _ptr_args(launch)[-5:] == [48, 512, 1, 48, constants.MODE_GEGLU]
+    assert launch.grid[0] == -(-48 // (constants.MATVEC_ROWS_PER_BLOCK // 2))
+
+
+@pytest.mark.parametrize("mode", [constants.MODE_SWIGLU, constants.MODE_GEGLU])
+def test_gated_matvec_refuses_a_stack(mode):
+    s = GpuStack([_matrix("Q5_0", 8, 256), _matrix("Q8_0", 8, 256)])
+    with pytest.raises(IncompatibleError) as e:
+        _kernels().matvec(s, (1, 2), 100, 1, ldy=8, mode=mode)
+    assert e.value.hint
+
+
+def test_matmul_on_a_stack_zeroes_once_then_one_launch_per_part():
+    parts = [_matrix("Q4_K", 64, 256), _matrix("Q6_K", 32, 256)]
+    C = 1 << 30
+    steps = _kernels().matmul(GpuStack(parts), 7, C, 2, ldc=96, split_k=True)
+    memset, *launches = steps
+    assert (memset.ptr, memset.count) == (C, 2 * 96)  # split-K slices add into zeros: the whole output
+    assert [launch.kernel.name for launch in launches] == ["matmul_q4_k", "matmul_q6_k"]
+    for launch, part, off in zip(launches, parts, [0, 64], strict=True):
+        args = _ptr_args(launch)
+        n = len(part.args())
+        assert args[n] == 7 and args[n + 2] == C + 4 * off
+        assert args[n + 3 : n + 7] == [2, part.rows, 256, 96]
+        assert launch.grid[2] > 1
+
+
+def test_weight_layout_and_abi_name_the_new_layout():
+    # bundles packed with soa-v1 kernels must be refused by this runtime (runtime/bundle/manifest.check_runtime)
+    assert constants.WEIGHT_LAYOUT.startswith("soa-v2:") and constants.KERNEL_ABI == 2
+    assert constants.MODE_GEGLU not in (constants.MODE_STORE, constants.MODE_ADD, constants.MODE_SWIGLU)
+
+
+class _FakePool:
+    """Device memory as numbers only: enough for the upload plan (sizes, which arrays exist)."""
+
+    def __init__(self):
+        self.allocated = 0
+        self.by_name: dict[str, int] = {}
+
+    def alloc(self, nbytes, name=""):
+        buf = DeviceBuffer(1 << 40 | self.allocated, nbytes, name)
+        self.allocated += nbytes
+        self.by_name[name] = self.by_name.get(name, 0) + nbytes
+        return buf
+
+
+class _FakeStream:
+    def upload(self, ptr, array):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _FakeKernels:
+    def __init__(self):
+        self.repacked: list[str] = []
+
+    def repack(self, qtype, src, W):
+        self.repacked.append(qtype)
+        return lambda stream: None
+
+
+def test_gemma3_q4_k_m_uploads_as_mixed_stacks_with_its_norms(gemma3_model):
+    """The real Gemma 3 270M Q4_K_M, planned for the GPU without one: v in Q8_0 on half the layers makes q,k,v a
+    stack there; Q4_K/Q6_K attn_output and ffn_down are single matrices; the block's extra norms are uploaded."""
+    c = gemma3_model.config
+    pool, k = _FakePool(), _FakeKernels()
+    w = upload_weights(gemma3_model, pool, _FakeStream(), k)
+    kinds = set()
+    for i, lw in enumerate(w.layers):
+        p = f"blk.{i}."
+        types = [gemma3_model.tensors[p + f"attn_{n}.weight"].qtype for n in "qkv"]
+        assert isinstance(lw.wqkv, GpuStack) == (len(set(types)) > 1)
+        assert [m.qtype for m in lw.wqkv.parts] == (types if len(set(types)) > 1 else types[:1])
+        assert lw.wqkv.rows == (c.n_heads + 2 * c.n_kv_heads) * c.head_dim and lw.wqkv.cols == c.dim
+        assert lw.wgu.uniform and lw.wgu.rows == 2 * c.ffn_dim
+        assert lw.wdown.qtype == gemma3_model.tensors[p + "ffn_down.weight"].qtype
+        kinds.add((type(lw.wqkv).__name__, lw.wdown.qtype))
+        for norm, n in ((lw.q_norm, c.head_dim), (lw.k_norm, c.head_dim), (lw.post_attn_norm, c.dim)):
+            assert norm is not None and norm.nbytes == 4 * n
+        assert lw.post_ffn_norm is not None and lw.post_ffn_norm.nbytes == 4 * c.dim
+    # both halves of the mix occur (the file's point), and the embedding is Q8_0 and tied
+    assert {"GpuStack", "GpuMatrix"} <= {kind for kind, _ in kinds} and {"Q4_K", "Q6_K"} <= {q for _, q in kinds}
+    assert w.embed.qtype == "Q8_0" and w.head is w.embed
+    # the bits stay packed: the matrices take at most 4% more than in the GGUF
+    gguf = sum(t.raw.nbytes for t in gemma3_model.tensors.values() if t.qtype != "F32")
+    norms = sum(t.raw.nbytes for t in gemma3_model.tensors.values() if t.qtype == "F32")
+    matrices = w.nbytes - pool.by_name["staging"] - norms
+    assert gguf <= matrices < 1.04 * gguf
+
+
+def test_llama_layers_have_no_extra_norms(real_model):
+    w = upload_weights(real_model, _FakePool(), _FakeStream(), _FakeKernels())
+    lw = w.layers[0]
+    assert (lw.q_norm, lw.k_norm, lw.post_attn_norm, lw.post_ffn_norm) == (None, None, None, None)
+    assert isinstance(lw.wqkv, GpuMatrix) and isinstance(lw.wgu, GpuMatrix)

@@ -1,0 +1,315 @@
+"""The GPU engine's launch lists, built without a GPU: the block is described once (CudaEngine._forward) and each
+path (batch decode, wide-batch decode, prefill) supplies its primitives, so for every architecture the launches
+per layer, the layer's sliding window and RoPE table, the q/k norms, post-norms and the FFN activation can be
+checked here against Config (the CPU reference's source of truth). Kernels are fakes with the real launch
+geometry code (runtime/gpu/kernels.py); buffers are DeviceBuffers at made-up addresses, never dereferenced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ingot.runtime.engines.cuda import GPU_ARCHITECTURES, CudaEngine
+from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
+from ingot.runtime.errors import IncompatibleError
+from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
+from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch
+from ingot.runtime.gpu.kernels import GpuMatrix, Kernels
+from ingot.runtime.model.architectures import ARCHITECTURES, Architecture
+from ingot.runtime.model.synth import SHAPES, config_of
+
+GEMM_MIN_BATCH = 8
+
+
+class _Pool:
+    """Made-up, distinct device addresses."""
+
+    def __init__(self):
+        self.next = 1 << 20
+
+    def alloc(self, nbytes: int, name: str = "") -> DeviceBuffer:
+        b = DeviceBuffer(self.next, nbytes, name)
+        self.next += (nbytes + 511) // 256 * 256
+        return b
+
+
+class _Recorder(Kernels):
+    """The real launch geometry, with fake kernels, recording the arguments of the ops the block is made of."""
+
+    def __init__(self):
+        self.device = SimpleNamespace(info=SimpleNamespace(sm_count=132))
+        self.k = _FakeKernels()
+        self.sample_smem_limit = 0  # the sampler's global-memory path: no smem opt-in to fake
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def _record(name):  # noqa: N805 - a decorator factory used in the class body
+        def wrap(self, *args, **kw):
+            self.calls.append((name, args, kw))
+            return getattr(Kernels, name)(self, *args, **kw)
+
+        return wrap
+
+    embed = _record("embed")
+    matvec = _record("matvec")
+    matmul = _record("matmul")
+    attn_decode = _record("attn_decode")
+    attn_prefill = _record("attn_prefill")
+    rope_kv = _record("rope_kv")
+    gated_act = _record("gated_act")
+    add_rmsnorm = _record("add_rmsnorm")
+    del _record
+
+    def of(self, name: str) -> list[tuple[tuple, dict]]:
+        return [(a, kw) for n, a, kw in self.calls if n == name]
+
+
+class _FakeKernels(dict):
+    def __missing__(self, name: str) -> Kernel:
+        self[name] = Kernel(None, name)
+        return self[name]
+
+
+class _Uneven(GpuMatrix):
+    """A gate/up stack whose parts are in different quant types (helper A's GpuStack has uniform False)."""
+
+    @property
+    def uniform(self) -> bool:
+        return False
+
+
+def _matrix(pool: _Pool, qtype: str, rows: int, cols: int, cls=GpuMatrix) -> GpuMatrix:
+    if qtype == "F16":
+        return cls(qtype, rows, cols, w=pool.alloc(2 * rows * cols))
+    return cls(qtype, rows, cols, qs=pool.alloc(rows * cols), d=pool.alloc(rows * cols // 16))
+
+
+BUFFERS = (
+    "x xf xq xd qkv att h xh gu o logits_buf part_acc part_ml counters out_tokens px pxh pqkv pgu po plogits"
+).split()
+
+
+def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
+    """A CudaEngine with everything the launch lists read, and no device."""
+    pool, a = _Pool(), c.block
+    e = object.__new__(CudaEngine)
+    e.config, e.k = c, _Recorder()
+    e.qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    e.gemm_min_batch, e.max_pages = GEMM_MIN_BATCH, 64
+    e.dev = SimpleNamespace(info=SimpleNamespace(sm_count=132))
+    for name in BUFFERS:
+        setattr(e, name, pool.alloc(4096, name))
+    e._all_logits = pool.alloc(4096, "all logits")
+    e.step = SimpleNamespace(ptr={n: pool.alloc(64).ptr for n in _STEP_FIELDS})
+    e.pre = SimpleNamespace(ptr={n: pool.alloc(64).ptr for n in _STEP_FIELDS})
+    e.k_cache = [pool.alloc(64) for _ in range(c.n_layers)]
+    e.v_cache = [pool.alloc(64) for _ in range(c.n_layers)]
+    e.rope_tables = {c.layer_rope(i): pool.alloc(64, f"rope {c.layer_rope(i)}") for i in range(c.n_layers)}
+    D, F, HD = c.dim, c.ffn_dim, c.head_dim
+
+    def vec(n):
+        return pool.alloc(4 * n)
+
+    layers = [
+        LayerWeights(
+            attn_norm=vec(D),
+            wqkv=_matrix(pool, qtype, e.qkv_dim, D),
+            bqkv=vec(e.qkv_dim) if c.qkv_bias else None,
+            wo=_matrix(pool, qtype, D, c.n_heads * HD),
+            ffn_norm=vec(D),
+            wgu=_matrix(pool, qtype, 2 * F, D, _Uneven if uneven_gu else GpuMatrix),
+            wdown=_matrix(pool, qtype, D, F),
+            q_norm=vec(HD) if a.qk_norm else None,
+            k_norm=vec(HD) if a.qk_norm else None,
+            post_attn_norm=vec(D) if a.post_norms else None,
+            post_ffn_norm=vec(D) if a.post_norms else None,
+        )
+        for _ in range(c.n_layers)
+    ]
+    embed = _matrix(pool, qtype, c.n_vocab, D)
+    head = embed if c.tied_embeddings else _matrix(pool, qtype, c.n_vocab, D)
+    e.w = GpuWeights(embed=embed, layers=layers, out_norm=vec(D), head=head, nbytes=0)
+    return e
+
+
+_STEP_FIELDS = "tokens pos slots top_k hist_len counter temperature top_p min_p penalty seed hist block_table".split()
+
+
+def kernel_names(steps) -> list[str]:
+    return [s.kernel.name for s in steps if isinstance(s, Launch)]
+
+
+SHAPE_OF = {"llama": "tiny-k", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3", "gemma3": "tiny-gemma3"}
+
+
+def test_every_described_architecture_runs_on_the_gpu():
+    assert set(GPU_ARCHITECTURES) == set(ARCHITECTURES)
+
+
+def test_a_new_architecture_is_an_entry_in_architectures_py(monkeypatch):
+    """A Llama-like architecture that mixes the features differently (NEOX rope, q/k norms, post-norms, GELU,
+    windows of 3 local layers per global one) is planned from its description alone."""
+    new = Architecture(
+        "newarch",
+        "test",
+        rope_neox=True,
+        qk_norm=True,
+        post_norms=True,
+        activation="gelu_tanh",
+        swa_pattern=4,
+        local_rope_theta=5000.0,
+    )
+    monkeypatch.setitem(ARCHITECTURES, "newarch", new)
+    c = dataclasses.replace(
+        config_of(SHAPES["tiny-qwen3"]), arch="newarch", n_layers=8, sliding_window=64, rope_theta_local=5000.0
+    )
+    e = plan_engine(c)
+    names = kernel_names(e._decode_launches(1))
+    assert names.count("add_rmsnorm_f32") == 2 * c.n_layers
+    attn = e.k.of("attn_decode")
+    assert [kw["window"] for _, kw in attn] == [0 if i % 4 == 3 else 64 for i in range(8)]
+    assert all(kw["q_norm"] is not None for _, kw in attn) and len(e.rope_tables) == 2
+    assert [kw["mode"] for _, kw in e.k.of("matvec") if kw.get("mode") == MODE_GEGLU] == [MODE_GEGLU] * 8
+
+
+def test_llama_launch_counts_are_unchanged():
+    """Llama's launches per layer: 8 in batch decode (the CUDA graph the tg128 speed depends on), 8 kernels in
+    wide-batch decode, 9 in prefill (rope/KV write and flash attention are two); plus embed, norm, head, sample."""
+    c = config_of(SHAPES["tiny-k"])
+    e = plan_engine(c)
+    decode = kernel_names(e._decode_launches(2))
+    layer = ["rmsnorm_f32", "matvec_q8_0", "attn_decode_f16", "matvec_q8_0"]
+    layer += ["rmsnorm_f32", "matvec_q8_0", "quantize_q8x2", "matvec_q8_0"]
+    assert decode == ["embed_q8_0", *layer * c.n_layers, "rmsnorm_f32", "matvec_q8_0", "sample_f32"]
+    wide = kernel_names(e._decode_launches(GEMM_MIN_BATCH))
+    assert len(wide) == 1 + 8 * c.n_layers + 3 and wide.count("swiglu_f16") == c.n_layers
+    prefill = kernel_names(e._prefill_launches(7, all_logits=False))
+    assert len(prefill) == 1 + 9 * c.n_layers + 3
+    assert kernel_names(e._prefill_launches(7, all_logits=True))[-2:] == ["rmsnorm_f32", "matmul_q8_0"]
+
+
+@pytest.mark.parametrize("arch", sorted(SHAPE_OF))
+@pytest.mark.parametrize("path", ["decode", "wide", "prefill"])
+def test_block_follows_the_architecture(arch, path):
+    """Each layer's attention gets the layer's window, RoPE table, scale and q/k norms from Config; the FFN the
+    architecture's activation; post-norm architectures store the projections and add them normed."""
+    c = config_of(SHAPES[SHAPE_OF[arch]])
+    a = c.block
+    e = plan_engine(c)
+    k = e.k
+    if path == "prefill":
+        steps = e._prefill_launches(5, all_logits=False)
+        attn = k.of("attn_prefill")
+        for i, (args, kw) in enumerate(k.of("rope_kv")):
+            assert args[1] is e.rope_tables[c.layer_rope(i)]
+            assert kw["q_norm"] is e.w.layers[i].q_norm and kw["k_norm"] is e.w.layers[i].k_norm
+    else:
+        B = 3 if path == "decode" else GEMM_MIN_BATCH
+        steps = e._decode_launches(B)
+        attn = k.of("attn_decode")
+        for i, (args, kw) in enumerate(attn):
+            assert args[1] is e.rope_tables[c.layer_rope(i)]
+            assert kw["q_norm"] is e.w.layers[i].q_norm and kw["k_norm"] is e.w.layers[i].k_norm
+    assert len(attn) == c.n_layers
+    for i, (_, kw) in enumerate(attn):
+        assert kw["window"] == c.layer_window(i) and kw["scale"] == c.attn_scale and kw["softcap"] == c.attn_softcap
+    assert (kw_q := [kw["q_norm"] for _, kw in k.of("rope_kv" if path == "prefill" else "attn_decode")])
+    assert all(q is not None for q in kw_q) == a.qk_norm
+
+    (args, kw), *_ = k.of("embed")
+    assert kw["scale"] == pytest.approx(math.sqrt(c.dim) if a.embed_scale_sqrt_dim else 1.0)
+
+    names = kernel_names(steps)
+    post = k.of("add_rmsnorm")
+    assert len(post) == (2 * c.n_layers if a.post_norms else 0)
+    if a.post_norms:
+        norms = [(lw.post_attn_norm, lw.post_ffn_norm) for lw in e.w.layers]
+        assert [args[2] for args, _ in post] == [w for pair in norms for w in pair]
+    products = k.of("matvec" if path == "decode" else "matmul")
+    residual = [W for lw in e.w.layers for W in (lw.wo, lw.wdown)]
+    residual_modes = [kw.get("mode", MODE_STORE) for args, kw in products if any(args[0] is W for W in residual)]
+    assert residual_modes == [MODE_STORE if a.post_norms else MODE_ADD] * 2 * c.n_layers
+    if path == "decode":  # the activation fused into the gate/up product
+        gated = [kw["mode"] for _, kw in products if kw.get("mode") in (MODE_SWIGLU, MODE_GEGLU)]
+        assert gated == [MODE_GEGLU if a.activation == "gelu_tanh" else MODE_SWIGLU] * c.n_layers
+    else:
+        assert [args[0] for args, _ in k.of("gated_act")] == [a.activation] * c.n_layers
+    # Llama's counts for every architecture: a post-norm add carries the norm after it, except the last one
+    # before prefill's last-row head (which norms that row alone)
+    per_layer = 8 if path != "prefill" else 9
+    assert len(names) == 1 + per_layer * c.n_layers + 3 + (a.post_norms and path == "prefill")
+    if a.post_norms:
+        L = e.w.layers
+        head = None if path == "prefill" else e.w.out_norm
+        following = [(lw.ffn_norm, L[i + 1].attn_norm if i + 1 < len(L) else head) for i, lw in enumerate(L)]
+        assert [kw["w_next"] for _, kw in post] == [w for pair in following for w in pair]
+
+
+def test_gemma3_layers_get_their_window_and_rope_base():
+    """gemma3-270m's pattern: five local layers (window 512, base 10k) then a global one (base 1M), repeated."""
+    c = config_of(SHAPES["gemma3-270m"])
+    e = plan_engine(c)
+    names = kernel_names(e._decode_launches(1))
+    assert names.count("attn_decode_f16_hd256") == c.n_layers  # head_dim 256: its own kernel
+    assert kernel_names(e._prefill_launches(3, all_logits=False)).count("attn_prefill_f16_hd256") == c.n_layers
+    got = [(kw["window"], args[1]) for args, kw in e.k.of("attn_decode")]
+    local, glob = e.rope_tables[(10000.0, 1.0)], e.rope_tables[(1000000.0, 1.0)]
+    assert len(e.rope_tables) == 2
+    assert got == [(0, glob) if i % 6 == 5 else (512, local) for i in range(c.n_layers)]
+
+
+def test_unevenly_quantized_gate_up_goes_through_a_store_and_the_activation_kernel():
+    c = config_of(SHAPES["tiny-gemma3"])
+    e = plan_engine(c, uneven_gu=True)
+    e._decode_launches(2)
+    modes = [kw.get("mode", MODE_STORE) for args, kw in e.k.of("matvec") if isinstance(args[0], _Uneven)]
+    assert modes == [MODE_STORE] * c.n_layers
+    acts = e.k.of("gated_act")
+    assert [a[0] for a, _ in acts] == ["gelu_tanh"] * c.n_layers and all(kw["hf"] == e.h.ptr for _, kw in acts)
+
+
+def test_f16_weights_read_fp32_activations():
+    c = config_of(SHAPES["tiny-qwen3"])
+    e = plan_engine(c, qtype="F16")
+    names = kernel_names(e._decode_launches(1))
+    assert "quantize_q8x2" not in names and names.count("matvec_f16") == 4 * c.n_layers + 1
+
+
+def _refused(config) -> IncompatibleError:
+    model = SimpleNamespace(config=config)
+    with pytest.raises(IncompatibleError) as e:
+        CudaEngine(model)  # type: ignore[arg-type]
+    assert e.value.exit_code == 3 and "--device cpu" in str(e.value)
+    return e.value
+
+
+def test_refusals_name_what_is_missing():
+    gemma = config_of(SHAPES["tiny-gemma3"])
+    assert "architecture phi3 is not supported" in str(_refused(dataclasses.replace(gemma, arch="phi3")))
+    assert "final logit softcapping" in str(_refused(dataclasses.replace(gemma, final_softcap=30.0)))
+    assert "groups of up to 8" in str(_refused(dataclasses.replace(gemma, n_heads=16, n_kv_heads=1)))
+    assert "head_dim 96" in str(_refused(dataclasses.replace(gemma, head_dim=96, rope_dim=96)))
+
+
+def test_an_activation_without_a_kernel_is_refused(monkeypatch):
+    monkeypatch.setitem(
+        ARCHITECTURES, "relu2arch", Architecture("relu2arch", "test", rope_neox=False, activation="relu2")
+    )
+    e = _refused(dataclasses.replace(config_of(SHAPES["tiny-k"]), arch="relu2arch"))
+    assert "relu2 FFN activation of relu2arch has no GPU kernel" in str(e)
+
+
+def test_rope_tables_follow_the_reference():
+    """One table per distinct (base, scale); each is the CPU reference's angles (rope_inv_freq), so linear RoPE
+    scaling of the global layers needs no refusal."""
+    from ingot.runtime.model.reference import rope_inv_freq
+
+    c = dataclasses.replace(config_of(SHAPES["tiny-gemma3"]), rope_scale=8.0)
+    keys = {c.layer_rope(i) for i in range(c.n_layers)}
+    assert keys == {(c.rope_theta_local, 1.0), (c.rope_theta, 8.0)}
+    glob = next(i for i in range(c.n_layers) if not c.layer_window(i))
+    assert np.allclose(rope_inv_freq(c, glob) * 8.0, c.rope_theta ** (-np.arange(0, c.rope_dim, 2) / c.rope_dim))

@@ -1,0 +1,88 @@
+"""The new weight types' device code, run on the CPU: cuda/repack.cu, cuda/embed.cu and cuda/weights.cuh compiled
+as host C++ (tests/kernel_host: a shim for the built-ins, a harness that runs them thread by thread).
+
+Without a GPU this is how the kernels' bit manipulation is tested: the repacked arrays must equal
+tests/soa_reference.py's byte for byte, the embedding rows and the GEMM's fp16 tiles must equal gguf's
+dequantization bit for bit, and the matvec inner products (each struct's load/dot on q8x2 blocks) must match a
+float64 product to ~1e-7. What stays for the GPU tests (tests/gpu/test_gpu_kernels.py) is the parallel part:
+the warp loop, shuffles, tensor cores and launch geometry. Needs nvcc (for its host compiler and CUDA headers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soa_reference as soa
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from kernel_sources import require_nvcc
+
+from ingot.runtime.gpu.kernels import LAYOUTS, SUPERBLOCK_TYPES, layout_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERIC = [
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q3_K",
+    "Q2_K",
+    "IQ4_NL",
+    "IQ4_XS",
+]  # the types with a weights.cuh struct
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    tk = require_nvcc()
+    lib = tmp_path_factory.mktemp("kernel_host") / "harness.so"
+    here = ROOT / "tests" / "kernel_host"
+    cmd = [str(tk.nvcc), "-x", "c++", "-std=c++17", "-O1", "-Xcompiler", "-fPIC", "-shared"]
+    cmd += ["-I", str(ROOT / "cuda"), "-include", str(here / "shim.h"), str(here / "harness.cpp"), "-o", str(lib)]
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    return ctypes.CDLL(str(lib))
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+@pytest.mark.parametrize("qtype", GENERIC)
+@pytest.mark.parametrize("odd", [False, True])
+def test_kernel_code_repacks_embeds_tiles_and_dots_exactly(harness, qtype, odd):
+    rng = np.random.default_rng(GENERIC.index(qtype) * 2 + odd)
+    rows, cols, ncols = 9, (512 if qtype in SUPERBLOCK_TYPES else 96), 2
+    raw = soa.random_blocks(rng, qtype, rows, cols, odd=odd)
+    with np.errstate(over="ignore"):
+        ref = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
+    sizes = layout_bytes(qtype, rows, cols)
+    arrays = {f: np.zeros(n, np.uint8) for f, n in sizes.items()}
+    ptrs = (ctypes.c_void_p * len(arrays))(*[_ptr(a) for a in arrays.values()])
+    tokens = np.array([3, 0, 8, 3], np.int32)
+    scale = np.float32(math.sqrt(640))
+    x = np.full((len(tokens), cols), np.nan, np.float32)
+    xq, xd = soa.q8x2(rng.standard_normal((ncols, cols)).astype(np.float32))
+    y = np.full((ncols, rows), np.nan, np.float32)
+    deq = np.full((rows, cols), np.nan, np.float16)
+    rc = harness.host_run(
+        qtype.lower().encode(), _ptr(raw), ptrs, rows, cols, _ptr(tokens), len(tokens), ctypes.c_float(scale),
+        _ptr(x), _ptr(xq), _ptr(xd), ncols, _ptr(y), _ptr(deq),
+    )  # fmt: skip
+    assert rc == 0 and list(arrays) == [f for f, _ in LAYOUTS[qtype]]
+    for field, want in soa.pack(qtype, raw, rows, cols).items():
+        got = arrays[field]
+        assert np.array_equal(got, want), f"{field}: first difference at byte {np.argmax(got != want)}"
+    assert soa.bits_equal(x, ref[tokens] * scale)  # embed: the fp32 row, then one fp32 multiply
+    with np.errstate(over="ignore"):  # odd scales overflow fp16 in both: inf == inf
+        assert np.array_equal(deq.view(np.uint16), ref.astype(np.float16).view(np.uint16))  # GEMM tile
+    xref = soa.dequant_q8x2(xq, xd).reshape(ncols, cols)
+    yref = xref @ ref.astype(np.float64).T
+    # 1e-6: fp32 accumulation over cols/32 blocks of exact integer dot products (measured ~1e-7)
+    assert np.linalg.norm(y - yref) / np.linalg.norm(yref) < 1e-6
