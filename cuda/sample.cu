@@ -2,7 +2,10 @@
 //
 // Per sequence b, from logits [B, V] fp32 and per-sequence parameters:
 //   1. repetition penalty over the distinct tokens in hist[b, :hist_len[b]] (llama.cpp's rule: divide positive
-//      logits by the penalty, multiply negative ones);
+//      logits by the penalty, multiply negative ones); then, for a constrained sequence (masked[b] != 0;
+//      runtime/structured.py), every token whose bit is clear in its allowed-token bitmask
+//      mask[b, :mask_words] (uint32 words, bit t % 32 of word t / 32) gets logit -inf, in place, so it is out of
+//      the argmax and of every filter below (the CPU sampler masks at the same point);
 //   2. temperature <= 0: argmax (ties -> lowest id). Otherwise a candidate threshold t (logit >= t) on the
 //      untempered logits, in llama.cpp's order (runtime/sampling.py is the reference): top-k (the k-th largest
 //      logit, by bisection on t), then top-p over the top-k candidates (the largest t whose candidates still hold
@@ -52,6 +55,7 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
            const int* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ min_p,
            const float* __restrict__ penalty, const int* __restrict__ hist, const int* __restrict__ hist_len,
            int hist_cap, const unsigned long long* __restrict__ seed, const int* __restrict__ counter,
+           const int* __restrict__ masked, const unsigned* __restrict__ mask, int mask_words,
            int* __restrict__ out_token, int use_smem) {
     extern __shared__ float staged[];
     __shared__ float red[WARP];
@@ -71,6 +75,13 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
             for (int j = 0; j < i && first; j++) first = hb[j] != tok;
             if (first) { const float l = row[tok]; row[tok] = l > 0.0f ? l / pen : l * pen; }
         }
+        __syncthreads();
+    }
+    // 1b. the allowed-token mask (masked == nullptr: no sequence of this launch is constrained)
+    if (masked != nullptr && masked[b]) {
+        const unsigned* mb = mask + (size_t)b * mask_words;
+        for (int i = tid; i < V; i += blockDim.x)
+            if (!((mb[i >> 5] >> (i & 31)) & 1u)) row[i] = -INFINITY;
         __syncthreads();
     }
     // 2. greedy: one pass over the logits (staging them in shared memory would only pay off for sampling)
@@ -93,8 +104,8 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
     float t = -INFINITY;                                       // candidates: z >= t
     const int k = top_k[b];
     if (k > 0 && k < V) {                                      // largest t with count(z >= t) >= k
-        float zmin = INFINITY;
-        for (int i = tid; i < V; i += blockDim.x) zmin = fminf(zmin, z[i]);
+        float zmin = INFINITY;                                 // over the allowed (finite) logits
+        for (int i = tid; i < V; i += blockDim.x) if (z[i] > -INFINITY) zmin = fminf(zmin, z[i]);
         float lo = -block_max(-zmin, red), hi = zmax;
         for (int step = 0; step < BISECT_STEPS; step++) {
             const float mid = 0.5f * (lo + hi);
@@ -142,7 +153,7 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
         if (owner >= 0) {
             const int a = owner * per, e = min(V, a + per);
             for (int i = a; i < e; i++) {
-                if (z[i] < t) continue;
+                if (z[i] < t || z[i] == -INFINITY) continue;   // a masked token has no weight
                 run += __expf((z[i] - zmax) * inv_t);
                 tok = i;
                 if (run > target) break;

@@ -60,14 +60,34 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, recent: Sequence[int]) -> int:
-    """logits [V] float32 -> token id. `recent` is the sequence so far (the penalty reads its tail)."""
+def allowed_tokens(mask: np.ndarray, n_vocab: int) -> np.ndarray:
+    """bool [n_vocab] from a bitmask row, np.uint32 [ceil(V/32)], bit t % 32 of word t // 32 for token t."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, dtype="<u4").view(np.uint8), bitorder="little")
+    return bits[:n_vocab].astype(bool)
+
+
+def sample(
+    logits: np.ndarray,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    recent: Sequence[int],
+    mask: np.ndarray | None = None,
+) -> int:
+    """logits [V] float32 -> token id. `recent` is the sequence so far (the penalty reads its tail); `mask`, a
+    bitmask row of the tokens allowed (constrained decoding), takes the others out before every rule."""
     window = recent[-params.repeat_last_n :] if params.repeat_last_n else []
     logits = penalize_repeats(logits, window, params.repetition_penalty)
+    if mask is not None:
+        ok = allowed_tokens(mask, len(logits))
+        if not ok.any():
+            raise UsageError("the output constraint allows no token")
+        logits = np.where(ok, logits, -np.inf)
     if params.greedy:
         return int(np.argmax(logits))
 
     ids = np.argsort(-logits, kind="stable")  # most likely first; ties: lower id first
+    if mask is not None:
+        ids = ids[: int(ok.sum())]  # the allowed tokens only, before top-k counts them
     if params.top_k:
         ids = ids[: params.top_k]
     x = logits[ids].astype(np.float64)

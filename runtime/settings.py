@@ -103,6 +103,13 @@ KV_FRACTION = Setting(
     "a fraction in (0, 1]",
     "The largest share of free GPU memory the GPU engine's KV cache takes.",
 )
+PREFIX_CACHE = Setting(
+    "INGOT_PREFIX_CACHE",
+    True,
+    _flag,
+    "1 or 0",
+    "Engines reuse the KV pages of a prompt prefix seen before instead of recomputing it; 0 turns it off (benchmarks).",
+)
 API_KEY = Setting(
     "INGOT_API_KEY",
     None,
@@ -144,6 +151,13 @@ TEST_MODELS = Setting(
     "a list of GGUF or bundle paths separated by ':'",
     "Tests only: extra real models the GPU engine tests run against (tests/gpu).",
 )
+TEST_ORACLE_LONG = Setting(
+    "INGOT_TEST_ORACLE_LONG",
+    False,
+    _flag,
+    "1 or 0",
+    "Tests only: 1 runs the long transformers-oracle tests (tests/oracle: Gemma 3 270M perplexity, minutes on CPU).",
+)
 
 ALL: tuple[Setting, ...] = (
     CACHE_DIR,
@@ -152,11 +166,13 @@ ALL: tuple[Setting, ...] = (
     CPU_WEIGHT_CACHE_MIB,
     DECODE_GEMM_MIN_BATCH,
     KV_FRACTION,
+    PREFIX_CACHE,
     API_KEY,
     TEST_MODEL,
     TEST_GEMMA3,
     TRUSTED_KEYS,
     TEST_MODELS,
+    TEST_ORACLE_LONG,
 )
 
 

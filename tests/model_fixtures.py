@@ -64,14 +64,15 @@ def gemma3_tokenizer(gemma3_model):
 
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory):
-    """synth_model(shape, qtype) -> path of a synthetic GGUF, written once per session."""
-    made: dict[tuple[str, str], Path] = {}
+    """synth_model(shape, qtype, template) -> path of a synthetic GGUF, written once per session."""
+    made: dict[tuple[str, str, str], Path] = {}
     folder = tmp_path_factory.mktemp("synth")
 
-    def make(shape: str = "tiny", qtype: str = "Q4_1") -> Path:
-        if (shape, qtype) not in made:
-            made[shape, qtype] = synthesize(shape, qtype, folder / f"{shape}-{qtype}.gguf", seed=7)
-        return made[shape, qtype]
+    def make(shape: str = "tiny", qtype: str = "Q4_1", template: str = "chatml") -> Path:
+        if (shape, qtype, template) not in made:
+            name = f"{shape}-{qtype}.gguf" if template == "chatml" else f"{shape}-{qtype}-{template}.gguf"
+            made[shape, qtype, template] = synthesize(shape, qtype, folder / name, seed=7, template=template)
+        return made[shape, qtype, template]
 
     return make
 
@@ -120,7 +121,7 @@ def rewrite_gguf(
         if replace and t.name in replace:
             qtype, shape, raw = replace[t.name]
             block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-            data = np.frombuffer(raw, dtype=np.uint8).reshape(shape[0], shape[1] // block * size)
+            data = np.frombuffer(raw, dtype=np.uint8).reshape(*shape[:-1], shape[-1] // block * size)
             w.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType[qtype])
         else:
             w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)

@@ -337,8 +337,8 @@ LONG = " ".join(["the model"] * 300)  # ~600 tokens: more than the tiny model's 
     [
         ("malformed json", 400, "not valid JSON"),
         ("unknown model", 404, "not found"),
-        ("wrong type", 400, "must be an array"),
-        ("missing field", 400, "model is required"),
+        ("wrong type", 400, "messages: input should be a valid list"),
+        ("missing field", 400, "model: field required"),
         ("oversized body", 413, "limit"),
         ("prompt too long", 400, "longer than the context"),
         ("max_tokens past the context", 400, "context"),
@@ -375,14 +375,15 @@ def test_dialect_specific_errors(server, model_id):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model_id, "messages": QUESTION, "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     r = httpx.post(f"{server.url}/v1/messages", json={"model": model_id, "messages": QUESTION})
-    assert r.status_code == 400 and "max_tokens is required" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens: field required")
     r = httpx.post(f"{server.url}/v1/messages", json={"model": model_id, "messages": QUESTION, "max_tokens": "4"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(
         f"{server.url}/v1/chat/completions",
         json={"model": model_id, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
     )
-    assert r.status_code == 400 and "only text" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].type"
+    assert "should be 'text'" in r.json()["error"]["message"]  # only text parts
     for path, shape in [
         ("/v1/nothing", openai_shape),
         ("/v1/messages/nothing", anthropic_shape),

@@ -9,29 +9,29 @@ import pytest
 
 from ingot.runtime.sampling import SamplingParams
 from ingot.runtime.server import anthropic, ollama, openai
-from ingot.runtime.server.request import ApiError, Fields, text_of
+from ingot.runtime.server.request import ApiError, joined_text, validate
 
 MSGS = [{"role": "user", "content": "hi"}]
 
 
 def _chat(**kw):
-    return openai.parse_chat(Fields({"model": "m", "messages": MSGS} | kw))
+    return openai.parse_chat({"model": "m", "messages": MSGS} | kw)
 
 
 def _completion(**kw):
-    return openai.parse_completion(Fields({"model": "m", "prompt": "hi"} | kw))
+    return openai.parse_completion({"model": "m", "prompt": "hi"} | kw)
 
 
 def _messages(**kw):
-    return anthropic.parse_messages(Fields({"model": "m", "messages": MSGS, "max_tokens": 5} | kw))
+    return anthropic.parse_messages({"model": "m", "messages": MSGS, "max_tokens": 5} | kw)
 
 
 def _ollama_chat(body=None, **options):
-    return ollama.parse_chat(Fields({"model": "m", "messages": MSGS, "options": options} | (body or {})))
+    return ollama.parse_chat({"model": "m", "messages": MSGS, "options": options} | (body or {}))
 
 
 def _ollama_generate(body=None, **options):
-    return ollama.parse_generate(Fields({"model": "m", "prompt": "hi", "options": options} | (body or {})))
+    return ollama.parse_generate({"model": "m", "prompt": "hi", "options": options} | (body or {}))
 
 
 # --- sampling parameters reach SamplingParams ------------------------------------------------------
@@ -112,11 +112,11 @@ def test_anthropic_system_prompt_and_stop_sequences():
         (_chat, {"seed": 1.5}, "seed"),
         (_chat, {"n": 2}, "n"),
         (_chat, {"max_tokens": 0}, "max_tokens"),
-        (_chat, {"stop": [1]}, "stop"),
+        (_chat, {"stop": [1]}, "stop[0]"),  # the deepest offending item
         (_chat, {"messages": []}, "messages"),
         (_chat, {"messages": [{"content": "x"}]}, "messages[0].role"),
-        (_completion, {"prompt": [1, "a"]}, "prompt"),
-        (_completion, {"prompt": [True]}, "prompt"),
+        (_completion, {"prompt": [1, "a"]}, "prompt[1]"),
+        (_completion, {"prompt": [True]}, "prompt[0]"),
         (_completion, {"echo": True}, "echo"),
         (_messages, {"top_k": -1}, "top_k"),
         (_messages, {"max_tokens": None}, "max_tokens"),
@@ -129,52 +129,52 @@ def test_bad_fields_name_the_param(parse, body, param):
 
 
 @pytest.mark.parametrize(
-    "parse, kw",
+    "parse, kw, param",
     [
-        (_chat, {"temperature": -0.5}),
-        (_chat, {"top_p": 0}),
-        (_messages, {"top_p": 1.5}),
-        (_ollama_chat, {"min_p": 2.0}),
+        (_chat, {"temperature": -0.5}, "temperature"),
+        (_chat, {"temperature": 5}, "temperature"),  # OpenAI's range is 0..2
+        (_chat, {"top_p": 0}, "top_p"),
+        (_completion, {"top_p": 1.01}, "top_p"),
+        (_messages, {"top_p": 1.5}, "top_p"),
+        (_messages, {"temperature": 1.5}, "temperature"),  # Anthropic's range is 0..1
+        (_ollama_chat, {"min_p": 2.0}, "options.min_p"),
+        (_ollama_chat, {"temperature": 3}, "options.temperature"),
+        (_ollama_generate, {"top_p": 0}, "options.top_p"),
     ],
 )
-def test_out_of_range_sampling_values_are_refused(parse, kw):
-    from ingot.runtime.errors import UsageError
-
-    with pytest.raises(UsageError):  # app.py turns a UsageError into a 400 in the dialect's shape
-        parse(**kw)
-
-
-def test_fields_and_text_parts():
-    f = Fields({"a": 1, "b": None, "s": "x", "o": {"k": 2}}, "body")
-    assert f.get("a", int) == 1 and f.get("b", int, default=7) == 7 and f.get("a", float) == 1.0
-    assert isinstance(f.get("a", float), float) and f.get("a", int, float) == 1
-    assert f.fields("o").get("k", int) == 2 and f.fields("o").name("k") == "body.o.k"
-    assert f.fields("missing") is None and f.strings("s") == ("x",) and f.strings("missing") == ()
-    with pytest.raises(ApiError, match="body.missing is required"):
-        f.fields("missing", required=True)
+def test_out_of_range_sampling_values_are_refused(parse, kw, param):
     with pytest.raises(ApiError) as e:
-        f.get("s", int, float)
-    assert e.value.message == "body.s must be an integer or a number"
-    assert f.at_least("a", 1) == 1 and f.at_least("missing", 5, default=6) == 6
-    for call, param in (
-        (lambda: f.get("missing", int, required=True), "body.missing"),
-        (lambda: f.get("s", int), "body.s"),
-        (lambda: f.at_least("a", 2), "body.a"),
-        (lambda: Fields([1], "x"), "x"),
-    ):
-        with pytest.raises(ApiError) as e:
-            call()
-        assert e.value.status == 400 and e.value.param == param
+        parse(**kw)
+    assert e.value.status == 400 and e.value.param == param and param in e.value.message
+
+
+@pytest.mark.parametrize(
+    "parse, messages, param",
+    [
+        (_chat, [{"role": "wizard", "content": "x"}], "messages[0].role"),
+        (_chat, [{"role": "user", "content": 5}], "messages[0].content"),
+        (_chat, [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0].type"),
+        (_messages, [{"role": "system", "content": "x"}], "messages[0].role"),
+        (_messages, [{"role": "user", "content": [{"type": "image", "source": {}}]}], "messages[0].content[0]"),
+        (_ollama_chat, [{"role": "robot", "content": "x"}], "messages[0].role"),
+        (_ollama_chat, [{"role": "user", "content": "x", "images": ["aGk="]}], "messages[0].images"),
+    ],
+)
+def test_unknown_roles_and_parts_are_refused(parse, messages, param):
+    with pytest.raises(ApiError) as e:
+        parse(**{"messages": messages}) if parse is not _ollama_chat else parse({"messages": messages})
+    assert e.value.status == 400 and e.value.param == param and param in e.value.message
+
+
+def test_validation_errors_and_text_parts():
     with pytest.raises(ApiError, match="request body must be a JSON object"):
-        Fields("text")
-    assert text_of("plain", "c") == "plain"
-    assert text_of([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "c") == "a\nb"
-    for bad, says, param in (
-        ([{"type": "image", "text": "a"}], "c[0].type 'image' is not supported; only text is", "c[0].type"),
-        (5, "c must be a string or an array of text parts", "c"),
-        ([{"type": "text"}], "c[0].text is required", "c[0].text"),
-        ([{"text": "a"}], "c[0].type is required", "c[0].type"),
-    ):
-        with pytest.raises(ApiError) as e:
-            text_of(bad, "c")
-        assert (e.value.status, e.value.message, e.value.param) == (400, says, param)
+        validate(openai.ChatBody, "text")
+    with pytest.raises(ApiError) as e:
+        validate(openai.ChatBody, {"messages": MSGS})
+    assert (e.value.status, e.value.param) == (400, "model") and e.value.message.startswith("model: field required")
+    with pytest.raises(ApiError) as e:
+        validate(openai.ChatBody, {"model": "m", "messages": MSGS, "stream": "yes"})
+    assert e.value.param == "stream"  # strict JSON types: a string is not a boolean
+    assert joined_text("plain") == "plain" and joined_text(None) == ""
+    parts = [openai.TextPart(type="text", text="a"), openai.TextPart(type="text", text="b")]
+    assert joined_text(parts) == "a\nb"

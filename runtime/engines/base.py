@@ -6,7 +6,13 @@ from the SamplingParams the sequence was created with (see runtime/sampling.py f
 
 KV capacity is counted in pages of `kv_page_size` tokens by every engine (the GPU engine's cache is paged;
 the CPU engine keeps a whole-context cache per sequence and counts it in pages of the same size), so the
-server's admission control treats both alike.
+server's admission control treats both alike. Both keep a prefix cache over those pages (kvcache.py): a
+prefill whose leading full pages were computed before adopts them instead of computing them again.
+
+Constrained decoding (runtime/structured.py) reaches an engine as token masks: a bitmask row, np.uint32
+[ceil(V/32)] with bit t % 32 of word t // 32 set when token t may be sampled, for the token prefill samples
+and for each sequence of a decode step (None: unconstrained). Masked tokens are out before every sampling
+rule (the repetition penalty, top-k/top-p/min-p, the argmax), as llama.cpp applies its grammar sampler first.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ class Engine(Protocol):
     def new_sequence(self, params: SamplingParams) -> int:
         """Allocate KV state; returns the sequence id."""
 
-    def prefill(self, seq: int, tokens: Sequence[int]) -> int:
-        """Append tokens; return the next sampled token."""
+    def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
+        """Append tokens; return the next sampled token (one `mask` allows, when given)."""
 
-    def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> list[int]:
-        """One step: feed tokens[i] to seqs[i]; return the next sampled token of each."""
+    def decode(
+        self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None
+    ) -> list[int]:
+        """One step: feed tokens[i] to seqs[i]; return the next sampled token of each (masks[i] allows it)."""
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         """Append tokens; return float32 logits [len(tokens), n_vocab], one row per position."""
@@ -47,11 +55,15 @@ class Engine(Protocol):
         """Tokens in the sequence so far."""
 
     def kv_pages_used(self) -> int:
-        """KV pages held by live sequences now."""
+        """KV pages held by live sequences now (a shared page once; cached pages no sequence holds are free)."""
+
+    def prefix_stats(self) -> dict[str, Any]:
+        """The prefix cache: {"enabled", "queried_tokens", "hit_tokens", "hit_rate", "pages_cached",
+        "pages_evictable", "pages_evicted"} (kvcache.PagePool.prefix_stats)."""
 
     def memory_report(self) -> dict[str, Any]:
         """Where the engine's memory is: {"device", "weights_bytes", "engine_bytes", "kv_pages", ...}; the GPU
-        engine adds the device's "free" and "total" bytes."""
+        engine adds the device's "free" and "total" bytes and its "compute_capability" (90 for 9.0)."""
 
     def close(self) -> None:
         """Free everything the engine holds (device memory, contexts). Safe to call twice."""

@@ -52,7 +52,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 2
+KERNEL_ABI = 3  # 2: sample_f32 takes allowed-token masks (constrained decoding); 3: the soa-v2 weight layout
 
 
 def header() -> str:

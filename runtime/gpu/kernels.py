@@ -425,7 +425,9 @@ class Kernels:
         return Launch(self.k["swiglu_f16"], ((total + 255) // 256,), 256, [gu, h, i32(F), i64(n)])
 
     def sample(self, logits: int, V: int, ld: int, B: int, p: dict, out_tokens: int) -> Launch:
-        """One token per sequence from logits[B, ld] (first V used); p holds the per-sequence parameter arrays."""
+        """One token per sequence from logits[B, ld] (first V used); p holds the per-sequence parameter arrays,
+        and for constrained decoding "masked" (int32 [B] flags) and "mask" (uint32 [B, mask_words] allowed-token
+        bitmasks) with "mask_words"; without them no row is masked. The logits of masked tokens become -inf."""
         use_smem = V * 4 <= self.sample_smem_limit
         smem = V * 4 if use_smem else 0
         if use_smem and smem > 48 * 1024:
@@ -448,6 +450,9 @@ class Kernels:
                 i32(p["hist_cap"]),
                 p["seed"],
                 p["counter"],
+                p.get("masked", 0),  # a null pointer: no row is masked
+                p.get("mask", 0),
+                i32(p.get("mask_words", 0)),
                 out_tokens,
                 i32(1 if use_smem else 0),
             ],

@@ -182,8 +182,9 @@ def render(
         sys.setprofile(previous)
 
 
-def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of the templated conversation, ready for the assistant's reply.
+def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of the templated conversation, ready for the assistant's reply; `tools` (OpenAI-style
+    {"type": "function", "function": {...}} entries) go to the template, which renders them its own way.
 
     BOS is added when the model's add_bos flag asks for it, unless the template already wrote it (as most do
     via {{ bos_token }}): the same double-BOS rule as llama.cpp's server."""
@@ -196,7 +197,14 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[in
         return vocab.tokens[i] if i is not None else ""
 
     bos = text_of(vocab.bos_id)
-    text = render(template, messages, bos_token=bos, eos_token=text_of(vocab.eos_id), unk_token=text_of(vocab.unk_id))
+    text = render(
+        template,
+        messages,
+        bos_token=bos,
+        eos_token=text_of(vocab.eos_id),
+        unk_token=text_of(vocab.unk_id),
+        tools=tools or None,
+    )
     ids = tokenizer.encode(text, add_special=False, parse_special=True)
     if vocab.add_bos and vocab.bos_id is not None and ids[:1] != [vocab.bos_id]:
         ids = [vocab.bos_id] + ids

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 from ingot.runtime.model.architectures import ARCHITECTURES
 from ingot.runtime.model.gguf import Config, expected_shapes
 from ingot.runtime.model.quants import QUANT_TYPES, dequantize
-from ingot.runtime.model.templates import CHATML_TEMPLATE
+from ingot.runtime.model.templates import TOOL_TEMPLATES
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,8 @@ class Shape:
 
 SHAPES = {
     "tiny": Shape("llama", 64, 2, 4, 2, 192, 512, 256, 10000.0, tied=True),
+    # tiny with a 4,096-token context: a tool list rendered by a tool-calling template fits its prompt
+    "tiny-4k": Shape("llama", 64, 2, 4, 2, 192, 512, 4096, 10000.0, tied=True),
     "tiny-qwen2": Shape("qwen2", 64, 2, 4, 2, 192, 512, 256, 1000000.0, tied=False, qkv_bias=True),
     "tiny-llama3": Shape("llama", 64, 2, 4, 1, 192, 512, 256, 500000.0, tied=False, llama3_rope_scaling=True),
     # K-quant-sized tiny shapes (rows of 256 or 512 weights); head_dim != dim / n_heads as in the real ones.
@@ -281,14 +283,23 @@ def _tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], qtype: 
 
 
 def synthesize(
-    shape_name: str, qtype: str, out: str | Path, *, seed: int = 0, on_tensor: Callable[[int, int], None] | None = None
+    shape_name: str,
+    qtype: str,
+    out: str | Path,
+    *,
+    seed: int = 0,
+    on_tensor: Callable[[int, int], None] | None = None,
+    template: str = "chatml",
 ) -> Path:
     """Write a random model of the named shape with its matrices in `qtype`; returns the path.
-    on_tensor(done, total) is called after each tensor."""
+    on_tensor(done, total) is called after each tensor. `template` names its chat template (TOOL_TEMPLATES:
+    plain ChatML, or one that renders tools: "hermes", "llama3.1")."""
     if shape_name not in SHAPES:
         raise UsageError(f"unknown shape {shape_name!r}", hint=f"known: {', '.join(SHAPES)}")
     if qtype not in QUANTS:
         raise UsageError(f"unknown quant type {qtype!r}", hint=f"use one of {', '.join(QUANTS)}")
+    if template not in TOOL_TEMPLATES:
+        raise UsageError(f"unknown chat template {template!r}", hint=f"use one of {', '.join(TOOL_TEMPLATES)}")
     shape, out = SHAPES[shape_name], Path(out)
     c = config_of(shape)
     specs = expected_shapes(c)
@@ -301,7 +312,7 @@ def synthesize(
         from gguf import GGMLQuantizationType, GGUFWriter  # deferred: only when writing (keeps CLI start-up light)
 
         w = GGUFWriter(tmp, shape.arch)
-        _write_metadata(w, shape_name, shape, c)
+        _write_metadata(w, shape_name, shape, c, TOOL_TEMPLATES[template])
         types = {name: tensor_type(qtype, name, s, c.n_layers, c.tied_embeddings) for name, s in specs.items()}
         for name, s in specs.items():
             q = types[name]
@@ -324,7 +335,7 @@ def synthesize(
     return out
 
 
-def _write_metadata(w: GGUFWriter, shape_name: str, shape: Shape, c: Config) -> None:
+def _write_metadata(w: GGUFWriter, shape_name: str, shape: Shape, c: Config, template: str) -> None:
     w.add_name(f"ingot synthetic {shape_name}")
     w.add_context_length(c.n_ctx_train)
     w.add_embedding_length(c.dim)
@@ -349,4 +360,4 @@ def _write_metadata(w: GGUFWriter, shape_name: str, shape: Shape, c: Config) -> 
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    w.add_chat_template(template)

@@ -5,7 +5,9 @@ user turn unless `raw` is set, as Ollama does. Responses stream by default, as N
 delta with done false, then a final one with done true, done_reason ("stop" or "length"), and counts and
 durations in nanoseconds (prompt_eval_* for the prefill, eval_* for the generated tokens). Sampling defaults
 are Ollama's (temperature 0.8, top_k 40, top_p 0.9, repeat_penalty 1.1 over the last 64 tokens); `options`
-overrides them. Errors are {"error": message}.
+overrides them. `format` ("json" or a JSON schema) constrains the output; `tools` (on a model whose template
+renders them) come back as message.tool_calls, in one final object even when streaming. Errors are
+{"error": message}, the message naming the offending field.
 """
 
 from __future__ import annotations
@@ -13,17 +15,33 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import datetime, timezone
 from importlib.metadata import version
+from typing import Annotated, Any, Literal
 
-from starlette.requests import Request
+from pydantic import Field, Strict
+from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
+from ingot.runtime.model.gguf import Vocab
 from ingot.runtime.model.templates import chat_template
+from ingot.runtime.model.toolcalls import parse_calls, tool_format
 from ingot.runtime.sampling import SamplingParams
-from ingot.runtime.server.request import ApiError, Fields, TextRequest, text_of
+from ingot.runtime.server.request import (
+    ApiError,
+    Body,
+    Bool,
+    Int,
+    Str,
+    TextRequest,
+    checked,
+    validate,
+    with_tools,
+)
 from ingot.runtime.server.scheduler import Job
 from ingot.runtime.server.server import Server
+from ingot.runtime.structured import Constraint, json_schema
 
 DONE_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -39,56 +57,134 @@ def _now() -> str:
 # --- requests ------------------------------------------------------------------------------------
 
 
-def _options(body: Fields) -> dict:
-    """TextRequest fields from `options` (Ollama's Modelfile parameters)."""
-    o = body.fields("options") or Fields({}, "options")
+class Options(Body):
+    """Ollama's Modelfile parameters this server uses (others, e.g. num_ctx, are ignored as Ollama's own
+    server ignores what a runner does not use)."""
+
+    temperature: Annotated[float, Strict(), Field(ge=0, le=2)] = 0.8
+    top_k: Annotated[int, Strict(), Field(ge=0)] = 40
+    top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.9
+    min_p: Annotated[float, Strict(), Field(ge=0, le=1)] = 0.0
+    repeat_penalty: Annotated[float, Strict(), Field(gt=0)] = 1.1
+    repeat_last_n: Annotated[int, Strict(), Field(ge=0)] = 64
+    seed: Annotated[int, Strict(), Field(ge=0)] | None = None
+    num_predict: Int = -1  # -1: no limit, -2: fill the context
+    stop: Str | list[Str] | None = None
+
+
+class Function(Body):
+    name: Str
+    arguments: dict
+
+
+class ToolCallIn(Body):
+    function: Function
+
+
+class Message(Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Str = ""
+    images: Annotated[list, Field(max_length=0)] | None = None  # images are not supported
+    tool_calls: list[ToolCallIn] | None = None
+    tool_name: Str | None = None
+
+
+class FunctionDef(Body):
+    name: Annotated[str, Strict(), Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Str | None = None
+    parameters: dict | None = None
+
+
+class Tool(Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class Request(Body):
+    model: Str
+    format: Literal["json", ""] | dict | None = None
+    options: Options = Options()
+    stream: Bool = True
+
+
+class ChatBody(Request):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Tool] | None = None
+
+
+class GenerateBody(Request):
+    prompt: Str = ""
+    system: Str | None = None
+    raw: Bool = False
+    template: Annotated[str, Strict(), Field(max_length=0)] | None = None  # not supported
+    suffix: Annotated[str, Strict(), Field(max_length=0)] | None = None  # not supported
+    images: Annotated[list, Field(max_length=0)] | None = None  # not supported
+
+
+class ShowBody(Body):
+    model: Str | None = None
+    name: Str | None = None
+
+
+def _fields(b: Request) -> dict:
+    """TextRequest fields from `options` (Ollama's Modelfile parameters) and `format`."""
+    o = b.options
     params = SamplingParams(
-        temperature=o.get("temperature", float, default=0.8),
-        top_k=o.at_least("top_k", 0, 40),
-        top_p=o.get("top_p", float, default=0.9),
-        min_p=o.get("min_p", float, default=0.0),
-        repetition_penalty=o.get("repeat_penalty", float, default=1.1),
-        repeat_last_n=o.at_least("repeat_last_n", 0, 64),
-        seed=o.seed(),
+        temperature=float(o.temperature),
+        top_k=o.top_k,
+        top_p=float(o.top_p),
+        min_p=float(o.min_p),
+        repetition_penalty=float(o.repeat_penalty),
+        repeat_last_n=o.repeat_last_n,
+        seed=o.seed,
     )
-    num_predict = o.get("num_predict", int, default=-1)  # -1: no limit, -2: fill the context
-    if num_predict < -2 or num_predict == 0:
-        raise ApiError(400, "options.num_predict must be positive, -1 (no limit) or -2 (fill the context)")
+    if o.num_predict < -2 or o.num_predict == 0:
+        raise ApiError(
+            400, "options.num_predict must be positive, -1 (no limit) or -2 (fill the context)", param="options"
+        )
+    constraint = None
+    if b.format == "json":
+        constraint = Constraint("json")
+    elif isinstance(b.format, dict):
+        constraint = checked(json_schema(b.format), "format")
     return {
-        "model": body.get("model", str, required=True),
+        "model": b.model,
         "params": params,
-        "stop": o.strings("stop"),
-        "max_tokens": num_predict if num_predict > 0 else None,
-        "stream": body.get("stream", bool, default=True),
+        "stop": (o.stop,) if isinstance(o.stop, str) else tuple(o.stop or ()),
+        "max_tokens": o.num_predict if o.num_predict > 0 else None,
+        "stream": b.stream,
+        "constraint": constraint,
     }
 
 
-def parse_chat(body: Fields) -> TextRequest:
-    turns = []
-    for i, m in enumerate(body.get("messages", list, required=True)):
-        m = Fields(m, f"messages[{i}]")
-        if m.obj.get("images"):
-            raise ApiError(400, f"{m.name('images')}: images are not supported")
-        turns.append(
-            {
-                "role": m.get("role", str, required=True),
-                "content": text_of(m.get("content", str, default=""), m.name("content")),
-            }
-        )
-    if not turns:
-        raise ApiError(400, "messages must not be empty")
-    return TextRequest(messages=turns, **_options(body))
+def _turn(m: Message) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        turn["tool_calls"] = [
+            {"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in m.tool_calls
+        ]
+    if m.tool_name is not None:
+        turn["name"] = m.tool_name
+    return turn
 
 
-def parse_generate(body: Fields) -> TextRequest:
-    prompt = body.get("prompt", str, default="")
-    if body.get("template", str) or body.get("suffix", str) or body.get("images", list):
-        raise ApiError(400, "template, suffix and images are not supported")
-    if body.get("raw", bool, default=False):
-        return TextRequest(prompt=prompt, **_options(body))
-    system = body.get("system", str)
-    turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return TextRequest(messages=turns, **_options(body))
+def parse_chat(body: Any, vocab: Vocab | None = None) -> TextRequest:
+    b = validate(ChatBody, body)
+    req = TextRequest(messages=[_turn(m) for m in b.messages], **_fields(b))
+    if not b.tools:
+        return req
+    if vocab is None:
+        raise ApiError(400, "tools: no model to render them with", param="tools")
+    return with_tools(req, vocab, [t.model_dump(exclude_none=True) for t in b.tools], "auto")
+
+
+def parse_generate(body: Any) -> TextRequest:
+    b = validate(GenerateBody, body)
+    if b.raw:
+        return TextRequest(prompt=b.prompt, **_fields(b))
+    turns = ([{"role": "system", "content": b.system}] if b.system else []) + [{"role": "user", "content": b.prompt}]
+    return TextRequest(messages=turns, **_fields(b))
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -122,7 +218,7 @@ def _stream_error(e: ApiError) -> str:
     return _line({"error": e.message})
 
 
-async def _respond(server: Server, request: Request, req: TextRequest, wrap) -> Response:
+async def _respond(server: Server, request: HttpRequest, req: TextRequest, wrap) -> Response:
     """wrap(text) -> the part of a response object that carries text (message or response)."""
     server.check_model(req.model)
     job = await server.start(req)
@@ -133,15 +229,33 @@ async def _respond(server: Server, request: Request, req: TextRequest, wrap) -> 
     return JSONResponse(head | {"created_at": _now()} | wrap(text) | _final(job))
 
 
-async def chat(server: Server, request: Request) -> Response:
-    req = parse_chat(Fields(await server.read_json(request)))
-    return await _respond(server, request, req, lambda text: {"message": {"role": "assistant", "content": text}})
+def _message(text: str, tools: str | None) -> dict:
+    """The reply message; with tools on, the calls parsed out of the text as message.tool_calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tools is not None and text:
+        rest, calls = parse_calls(text, tools)
+        if calls:
+            message = {
+                "role": "assistant",
+                "content": rest,
+                "tool_calls": [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls],
+            }
+    return {"message": message}
 
 
-async def generate(server: Server, request: Request) -> Response:
-    body = Fields(await server.read_json(request))
+async def chat(server: Server, request: HttpRequest) -> Response:
+    req = parse_chat(await server.read_json(request), server.model.vocab)
+    if req.tool_format is not None and req.stream:
+        req = replace(req, stream=False)  # calls are parsed from the whole reply: sent as one final object
+        response = await _respond(server, request, req, lambda text: _message(text, req.tool_format))
+        return Response(bytes(response.body) + b"\n", media_type="application/x-ndjson")
+    return await _respond(server, request, req, lambda text: _message(text, req.tool_format))
+
+
+async def generate(server: Server, request: HttpRequest) -> Response:
+    body = await server.read_json(request)
     req = parse_generate(body)
-    if not body.get("prompt", str):  # an empty prompt only loads the model (Ollama's "load" reply)
+    if not body.get("prompt"):  # an empty prompt only loads the model (Ollama's "load" reply)
         server.check_model(req.model)
         return JSONResponse(
             {"model": req.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
@@ -165,7 +279,7 @@ def _details(server: Server) -> dict:
     }
 
 
-async def tags(server: Server, request: Request) -> Response:
+async def tags(server: Server, request: HttpRequest) -> Response:
     m = server.model
     modified = datetime.fromtimestamp(m.path.stat().st_mtime, timezone.utc).isoformat().replace("+00:00", "Z")
     name = f"{server.model_id}:latest"
@@ -185,9 +299,11 @@ async def tags(server: Server, request: Request) -> Response:
     )
 
 
-async def show(server: Server, request: Request) -> Response:
-    body = Fields(await server.read_json(request))
-    server.check_model(body.get("model", str) or body.get("name", str, required=True))
+async def show(server: Server, request: HttpRequest) -> Response:
+    b = validate(ShowBody, await server.read_json(request))
+    if not (b.model or b.name):
+        raise ApiError(400, "model: field required", param="model")
+    server.check_model(b.model or b.name or "")
     m, c = server.model, server.model.config
     info = {
         "general.architecture": c.arch,
@@ -207,13 +323,13 @@ async def show(server: Server, request: Request) -> Response:
             "template": chat_template(m.vocab) or "",  # the GGUF's own, else its family's built-in one
             "details": _details(server),
             "model_info": info,
-            "capabilities": ["completion"],
+            "capabilities": ["completion"] + (["tools"] if tool_format(chat_template(m.vocab)) else []),
             "modified_at": _now(),
         }
     )
 
 
-async def ollama_version(server: Server, request: Request) -> Response:
+async def ollama_version(server: Server, request: HttpRequest) -> Response:
     return JSONResponse({"version": version("ingot-llm")})
 
 

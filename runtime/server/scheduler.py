@@ -27,11 +27,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from ingot.runtime.engines.base import Engine
 from ingot.runtime.errors import UsageError
 from ingot.runtime.generate import Chunk, Generation, GenerationRequest, StopStrings
 from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.server.request import ApiError
+from ingot.runtime.structured import Constraint, Grammars, Matcher
 
 
 class Observer(Protocol):
@@ -61,8 +64,17 @@ class Job:
     """One request inside the server: its Generation, and the asyncio queue its chunks (then the end) go to.
     Written by the engine thread, read on the event loop; `cancelled` is the one field the loop writes."""
 
-    def __init__(self, tokenizer: Tokenizer, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        constraint: Constraint | None = None,
+    ):
         self.request = request
+        self.tokenizer = tokenizer
+        self.constraint = constraint  # what the output must be (serializable); the matcher is built at prefill
+        self.matcher: Matcher | None = None
         self.generation = Generation(tokenizer, request)
         self.generation.stops = self._stops = _StopMatch(request.stop)
         self.cancelled = False
@@ -134,6 +146,8 @@ class Stats:
     running: int = 0
     kv_pages_used: int = 0
     kv_pages_total: int = 0
+    prefix_queried_tokens: int = 0  # prompt tokens the engine looked up in its prefix cache (engine.prefix_stats)
+    prefix_hit_tokens: int = 0  # of those, adopted from cached pages: prefill work saved
 
 
 class Scheduler:
@@ -150,6 +164,7 @@ class Scheduler:
         self._draining = False  # set by drain(): new requests get a 503
         self._deadline: float | None = None  # set by drain()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._grammars: Grammars | None = None  # built at the first constrained request
         self._reserved = 0  # KV pages reserved by running jobs
         self._kv_total = self._page_tokens = 0
         self._thread: threading.Thread | None = None
@@ -293,7 +308,10 @@ class Scheduler:
             job.seq = seq = engine.new_sequence(job.request.params)
             self._reserved += job.kv_pages
             self._running.append(job)
-            token = engine.prefill(seq, job.request.prompt_tokens)
+            if job.constraint is not None:
+                job.matcher = self._grammars_of(job).matcher(job.constraint)
+            prompt = job.request.prompt_tokens
+            token = engine.prefill(seq, prompt, job.matcher.mask()) if job.matcher else engine.prefill(seq, prompt)
         except Exception as e:
             self._fail(job, e)
             return
@@ -307,7 +325,9 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         try:
-            tokens = self._live_engine().decode([j.live_seq for j in batch], [j.last_token for j in batch])
+            seqs, last, masks = [j.live_seq for j in batch], [j.last_token for j in batch], self._masks(batch)
+            engine = self._live_engine()
+            tokens = engine.decode(seqs, last, masks) if masks else engine.decode(seqs, last)
         except Exception as e:
             for job in batch:
                 self._fail(job, e)
@@ -315,10 +335,25 @@ class Scheduler:
         self.observer.step(len(batch), time.perf_counter() - t0)
         self.observer.generated(sum(self._accept(job, token) for job, token in zip(batch, tokens, strict=False)))
 
+    # Constrained decoding (runtime/structured.py): masks before a step, matchers advanced after it. Jobs
+    # without a constraint never reach a matcher, and a step with none of them computes no mask.
+
+    def _grammars_of(self, job: Job) -> Grammars:
+        if self._grammars is None:
+            self._grammars = Grammars(job.tokenizer, self._live_engine().config.n_vocab)
+        return self._grammars
+
+    def _masks(self, batch: list[Job]) -> list[np.ndarray | None] | None:
+        if all(j.matcher is None for j in batch):
+            return None
+        return [j.matcher.mask() if j.matcher else None for j in batch]
+
     def _accept(self, job: Job, token: int) -> int:
         """Feed one sampled token to the job's Generation and emit the chunk; returns tokens generated (0 for
         the end-of-generation token)."""
         engine = self._live_engine()
+        if job.matcher is not None:
+            job.matcher.advance(token)
         chunk = job.generation.accept(token, context_full=engine.seq_len(job.live_seq) >= engine.max_ctx)
         job.last_token = token
         if chunk.finish_reason:
@@ -343,7 +378,16 @@ class Scheduler:
         job.emit(e if isinstance(e, ApiError) else ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
 
     def _publish(self) -> None:
-        self.stats = Stats(len(self._waiting), len(self._running), self._live_engine().kv_pages_used(), self._kv_total)
+        engine = self._live_engine()
+        prefix = engine.prefix_stats()
+        self.stats = Stats(
+            len(self._waiting),
+            len(self._running),
+            engine.kv_pages_used(),
+            self._kv_total,
+            prefix["queried_tokens"],
+            prefix["hit_tokens"],
+        )
 
     def _end_all(self) -> None:
         """End every queued and running request with a 503 (shutdown)."""

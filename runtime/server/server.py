@@ -82,6 +82,7 @@ class Server:
         self.model_id = Path(spec).stem  # `smollm2`, or the file name without .gguf/.ingot
         self.created = int(time.time())
         self._loaded: tuple[Model, Tokenizer, Engine] | None = None  # set by load(), on the engine thread
+        self.scheduler: Scheduler
         self.metrics = Metrics(lambda: self.scheduler.stats)
         self.scheduler = Scheduler(self.metrics)
         self.on_failure: Callable[[BaseException], None] = lambda e: None
@@ -164,7 +165,7 @@ class Server:
     async def prompt_tokens(self, req: TextRequest) -> list[int]:
         """The prompt's token ids, built exactly as `ingot run` builds them (with and without --chat)."""
         if req.messages is not None:
-            return await run_in_threadpool(chat_prompt, self.tokenizer, req.messages)
+            return await run_in_threadpool(chat_prompt, self.tokenizer, req.messages, req.tools)
         if isinstance(req.prompt, str):
             return await run_in_threadpool(self.tokenizer.encode, req.prompt)
         ids = list(req.prompt or [])
@@ -184,7 +185,7 @@ class Server:
             tuple(tokens), req.params, req.max_tokens or max(1, max_ctx - len(tokens)), req.stop
         )
         request.check(max_ctx)  # UsageError (-> 400) for a prompt longer than the context
-        job = Job(self.tokenizer, request, asyncio.get_running_loop())
+        job = Job(self.tokenizer, request, asyncio.get_running_loop(), req.constraint)
         self.scheduler.submit(job)
         return job
 

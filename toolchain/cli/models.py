@@ -18,7 +18,7 @@ from ingot.runtime.model.chat import chat_prompt
 from ingot.runtime.model.fetch import MODELS
 from ingot.runtime.model.fetch import fetch as fetch_model
 from ingot.runtime.model.synth import QUANTS, SHAPES, synthesize
-from ingot.runtime.model.templates import builtin_template
+from ingot.runtime.model.templates import TOOL_TEMPLATES, builtin_template
 from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.perplexity import perplexity, tokenize_for_perplexity
 from ingot.runtime.resolve import Opened, open_model
@@ -229,7 +229,14 @@ def fetch(name):
 )
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, type=int)
-def synth(shape, qtype, out_path, seed):
+@click.option(
+    "--template",
+    default="chatml",
+    show_default=True,
+    type=click.Choice(list(TOOL_TEMPLATES)),
+    help="Chat template: ChatML, or one that renders tools (Qwen 2.5's Hermes style, Llama 3.1's JSON calls).",
+)
+def synth(shape, qtype, out_path, seed, template):
     """Write a random-weight GGUF of a named shape (for tests and benchmarks)."""
 
     with steps_bar("writing", "tensors") as bar:
@@ -239,6 +246,7 @@ def synth(shape, qtype, out_path, seed):
             qtype,
             out_path,
             seed=seed,
+            template=template,
             on_tensor=lambda done, total: bar.update(task, completed=done, total=total),
         )
     click.echo(path)
