@@ -73,8 +73,8 @@ class GpuMatrix:
     qs: DeviceBuffer | None = None  # low bits of the codes
     qh: DeviceBuffer | None = None  # high bits (Q5_*, Q6_K, Q3_K)
     sc: DeviceBuffer | None = None  # sub-block scales (and mins) of the K-quants and IQ4_XS (Q4_K/Q5_K: with d)
-    d: DeviceBuffer | None = None  # f16 scales [rows, cols/32], or [rows, cols/256] for the K-quants
-    m: DeviceBuffer | None = None  # f16 mins (Q4_1, Q5_1) or K-quant dmin
+    d: DeviceBuffer | None = None  # f16 scales [rows, cols/32], or [rows, cols/256] (Q6_K, Q3_K, Q2_K, IQ4_XS)
+    m: DeviceBuffer | None = None  # f16 mins [rows, cols/32] (Q4_1, Q5_1), or Q2_K's dmin [rows, cols/256]
     w: DeviceBuffer | None = None  # f16 weights [rows, cols] (F16)
 
     def args(self) -> list:
@@ -137,7 +137,10 @@ def layout_bytes(qtype: str, rows: int, cols: int) -> dict[str, int]:
         raise IncompatibleError(f"quant type {qtype} is not supported on the GPU", hint=f"GPU types: {GPU_QTYPES}")
     block = 256 if qtype in SUPERBLOCK_TYPES else QK
     if cols % block:
-        raise IncompatibleError(f"a {qtype} matrix needs a multiple of {block} columns, got {cols}")
+        raise IncompatibleError(
+            f"a {qtype} matrix needs a multiple of {block} columns, got {cols}",
+            hint="the GGUF is malformed (its blocks cannot split these rows); re-quantize it",
+        )
     return {field: rows * cols * per_256 // 256 for field, per_256 in LAYOUTS[qtype]}
 
 
