@@ -100,6 +100,7 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
     e.config, e.k = c, _Recorder()
     e.qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     e.gemm_min_batch, e.max_pages = GEMM_MIN_BATCH, 64
+    e.mask_words = (c.n_vocab + 31) // 32
     e.dev = SimpleNamespace(info=SimpleNamespace(sm_count=132))
     for name in BUFFERS:
         setattr(e, name, pool.alloc(4096, name))
@@ -136,7 +137,7 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
     return e
 
 
-_STEP_FIELDS = "tokens pos slots top_k hist_len counter temperature top_p min_p penalty seed hist block_table".split()
+_STEP_FIELDS = "tokens pos slots top_k hist_len counter temperature top_p min_p penalty seed hist block_table masked mask".split()
 
 
 def kernel_names(steps) -> list[str]:

@@ -568,12 +568,10 @@ class CudaEngine:
         )
         return ops.L
 
-    @staticmethod
-    def _sample_args(io: _HostDevice) -> dict:
+    def _sample_args(self, io: _HostDevice) -> dict:
         names: tuple[str, ...] = ("temperature", "top_k", "top_p", "min_p", "penalty", "hist", "hist_len", "seed")
         names += ("counter", "masked", "mask")  # masked, mask: constrained decoding
-        mask_words = io.host["mask"].size // io.host["masked"].size  # the same width for every row
-        return {n: io.ptr[n] for n in names} | {"hist_cap": HIST_CAP, "mask_words": mask_words}
+        return {n: io.ptr[n] for n in names} | {"hist_cap": HIST_CAP, "mask_words": self.mask_words}
 
     def _prefill_launches(self, T: int, all_logits: bool) -> list[Launch]:
         """The layers over T tokens of one sequence at positions pre.pos[0..T). Ends with logits of every row
