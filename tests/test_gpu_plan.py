@@ -137,7 +137,9 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
     return e
 
 
-_STEP_FIELDS = "tokens pos slots top_k hist_len counter temperature top_p min_p penalty seed hist block_table masked mask".split()
+_STEP_FIELDS = (
+    "tokens pos slots top_k hist_len counter temperature top_p min_p penalty seed hist block_table masked mask"
+).split()
 
 
 def kernel_names(steps) -> list[str]:
