@@ -186,6 +186,9 @@ class _FakePool:
         self.by_name[name] = self.by_name.get(name, 0) + nbytes
         return buf
 
+    def close(self):
+        pass
+
 
 class _FakeStream:
     def upload(self, ptr, array):

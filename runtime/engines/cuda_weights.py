@@ -84,7 +84,7 @@ class WeightUploader:
     def __init__(self, model: Model, pool: DevicePool, stream: Stream, kernels: Kernels):
         self.model, self.pool, self.stream, self.k = model, pool, stream, kernels
         self.staging: DeviceBuffer | None = None
-        self._staging_pool = DevicePool()
+        self._staging_pool = type(pool)()  # a pool of the same kind (tests plan uploads with a pool of numbers)
         self._keep: list[np.ndarray] = []  # host arrays whose async copies may still be in flight
 
     def matrix(self, names: list[str]) -> GpuMatrix | GpuStack:
