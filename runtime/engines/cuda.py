@@ -40,7 +40,7 @@ from ingot.runtime.engines.cuda_weights import LayerWeights, upload_weights
 from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
 from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
-from ingot.runtime.gpu.driver import Device, DeviceBuffer, DevicePool, Graph, Launch, PinnedBuffer, Stream
+from ingot.runtime.gpu.driver import Device, DeviceBuffer, DevicePool, Event, Graph, Launch, PinnedBuffer, Stream
 from ingot.runtime.gpu.kernels import ACTIVATION_KERNELS, GQA_MAX, HEAD_DIMS, Kernels, kernel_images
 from ingot.runtime.model.architectures import ARCHITECTURES
 from ingot.runtime.model.gguf import Model
@@ -65,7 +65,13 @@ class _Seq:
 
 
 class _HostDevice:
-    """Named arrays mirrored in pinned host memory and one device buffer, uploaded with one copy."""
+    """Named arrays mirrored in pinned host memory and one device buffer, uploaded with one copy.
+
+    The copy from pinned memory is truly asynchronous: it runs when the stream reaches it, possibly after the
+    host has moved on. So the host must not rewrite the arrays until the last upload has executed
+    (wait_copied), or that upload sends the new values: a prefill of three or more chunks, whose third chunk's
+    tokens were written while the second's copy still queued behind the first chunk's kernels, did exactly that.
+    """
 
     def __init__(self, pool: DevicePool, spec: list[tuple[str, type, int]]):
         offsets, off = {}, 0
@@ -79,6 +85,8 @@ class _HostDevice:
         self.host = {n: self.pinned.view(dt, o, c) for n, (o, dt, c) in offsets.items()}
         self.ptr = {n: self.dev.ptr + o for n, (o, dt, c) in offsets.items()}
         self._offsets = offsets
+        self._copied = Event()  # recorded after each upload
+        self._pending = False
 
     def upload(self, stream: Stream, first: str | None = None, last: str | None = None) -> None:
         """Copy the fields from `first` through `last` (in declaration order; default: all) in one transfer."""
@@ -89,8 +97,17 @@ class _HostDevice:
         else:
             hi = self.nbytes
         stream.upload(self.dev.ptr + lo, self.pinned.array[lo:hi])
+        self._copied.record(stream)
+        self._pending = True
+
+    def wait_copied(self) -> None:
+        """Block until the last upload has read the host arrays, so they may be rewritten."""
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
 
     def close(self) -> None:
+        self._copied.close()
         self.pinned.close()
 
 
@@ -653,6 +670,7 @@ class CudaEngine:
     # --- the Engine interface ----------------------------------------------------------------------
 
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
+        self.pre.wait_copied()
         self.pre.host["masked"][0] = mask is not None
         if mask is not None:
             self.pre.host["mask"][:] = mask
@@ -682,6 +700,7 @@ class CudaEngine:
         for start in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
             T = len(chunk)
+            p.wait_copied()  # the previous chunk's upload has read the host arrays (see _HostDevice)
             last = start + T == len(tokens)
             p.host["tokens"][:T] = chunk
             p.host["pos"][:T] = np.arange(st.pos, st.pos + T)

@@ -86,7 +86,7 @@ def test_engine_masks_match_the_cpu_engine(gpu):
     from ingot.runtime.model.synth import synthesize
 
     with tempfile.TemporaryDirectory() as d:
-        model = load_model(synthesize("tiny", "Q8_0", Path(d) / "t.gguf", seed=3))
+        model = load_model(synthesize("tiny-k", "Q8_0", Path(d) / "t.gguf", seed=3))  # head_dim 64: a GPU shape
         V = model.config.n_vocab
         rng = np.random.default_rng(11)
         cpu, cuda = CpuEngine(model, max_seqs=2), CudaEngine(model, max_seqs=2, max_ctx=256)
