@@ -214,3 +214,23 @@ def test_seeded_sampling_is_reproducible(engines):
     # share a whole continuation; the first draw has at most half its mass on one token, so among 12 seeds
     # at least two continuations differ unless the seed is ignored (chance of a false failure < 0.1%).
     assert len({tuple(run(seed)) for seed in range(2, 14)}) > 1
+
+
+def test_prompt_of_three_chunks_prefilled_for_sampling_matches_cpu(engines):
+    """prefill() (the sampling path, not logits()) of a prompt of three PREFILL_CHUNKs, then one decode step:
+    every chunk's keys and values must be the prompt's. (Its host inputs are rewritten per chunk while earlier
+    chunks still run: an upload that had not yet executed once sent the next chunk's tokens.)"""
+    from ingot.runtime.engines.cuda import PREFILL_CHUNK
+
+    model, cpu, gpu = engines
+    tokens = _prompt(model, 2 * PREFILL_CHUNK + 77, seed=3)
+    c, g = cpu.new_sequence(SamplingParams()), gpu.new_sequence(SamplingParams())
+    try:
+        nxt = int(np.argmax(cpu.logits(c, tokens)[-1]))
+        gpu.prefill(g, tokens)
+        ref = cpu.logits(c, [nxt])[-1]
+        out = gpu.decode_logits([g], [nxt])[0]
+        assert rel_err(out, ref) < TOL and same_choice(out, ref, gpu.strict)
+    finally:
+        cpu.release(c)
+        gpu.release(g)
