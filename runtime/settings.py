@@ -110,6 +110,13 @@ API_KEY = Setting(
     "a key string",
     "`ingot serve` requires this key (Authorization: Bearer KEY or x-api-key: KEY); same as --api-key.",
 )
+PREFILL_CHUNK = Setting(
+    "INGOT_PREFILL_CHUNK",
+    512,
+    _positive_int,
+    "a positive integer",
+    "`ingot serve`: prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long.",
+)
 TEST_MODEL = Setting(
     "INGOT_TEST_MODEL",
     None,
@@ -153,6 +160,7 @@ ALL: tuple[Setting, ...] = (
     DECODE_GEMM_MIN_BATCH,
     KV_FRACTION,
     API_KEY,
+    PREFILL_CHUNK,
     TEST_MODEL,
     TEST_GEMMA3,
     TRUSTED_KEYS,

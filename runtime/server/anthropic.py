@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ingot.runtime.sampling import SamplingParams
+from ingot.runtime.server.client import Job
 from ingot.runtime.server.request import ApiError, Fields, TextRequest, text_of
-from ingot.runtime.server.scheduler import Job
 from ingot.runtime.server.server import Server
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens"}

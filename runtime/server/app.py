@@ -1,5 +1,5 @@
-"""The HTTP server: one Starlette app speaking three API dialects over one scheduler (server.py holds the
-shared state; this module only assembles routes and runs uvicorn).
+"""The HTTP server: one Starlette app speaking three API dialects over one engine core process (server.py holds
+the shared state, client.py talks to the core; this module only assembles routes and runs uvicorn).
 
     OpenAI      POST /v1/chat/completions, /v1/completions   GET /v1/models, /v1/models/{model}   (openai.py)
     Anthropic   POST /v1/messages, /v1/messages/count_tokens                                    (anthropic.py)
@@ -8,24 +8,24 @@ shared state; this module only assembles routes and runs uvicorn).
 
 Every API route goes through the same steps here: the API key (if --api-key), readiness, the body (JSON, at
 most MAX_BODY_BYTES), the dialect's parser into a TextRequest, tokenizing it as `ingot run` does (the chat
-template via chat.chat_prompt, raw text via Tokenizer.encode), a Job on the scheduler, and back through the
+template via chat.chat_prompt, raw text via Tokenizer.encode), a Job sent to the engine core, and back through the
 dialect's shaping. Any error becomes the dialect's error body with its status code.
 
 A streamed response cancels its job whenever it ends (finished, client gone, shutdown); a non-streamed one
 watches for the client's disconnect while it waits. Cancelling frees the sequence's KV cache before the
 next decode step. On SIGINT/SIGTERM uvicorn stops accepting connections and in-flight requests get
 SHUTDOWN_GRACE_S to finish; what is left then ends with a 503 in its API's shape (an error event in a
-stream), then the engine thread stops and the engine closes.
+stream), then the engine core closes the engine and exits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from contextlib import asynccontextmanager
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -33,9 +33,9 @@ from starlette.routing import Route
 
 from ingot.runtime.errors import IngotError, ModelError, UsageError
 from ingot.runtime.server import anthropic, ollama, openai
+from ingot.runtime.server.client import EngineClient
 from ingot.runtime.server.metrics import RequestCounter
 from ingot.runtime.server.request import ApiError
-from ingot.runtime.server.scheduler import Scheduler
 from ingot.runtime.server.server import SHUTDOWN_GRACE_S, Options, Server, log
 
 # --- the app ---------------------------------------------------------------------------------------
@@ -69,8 +69,8 @@ def _api_route(server: Server, path: str, handler, methods: list[str], dialect) 
 
 def create_app(server: Server) -> Starlette:
     async def health(request: Request) -> Response:
-        if server.scheduler.failure is not None:
-            return JSONResponse({"status": "error", "error": str(server.scheduler.failure)}, status_code=503)
+        if server.failure is not None:
+            return JSONResponse({"status": "error", "error": str(server.failure)}, status_code=503)
         if not server.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok", "model": server.model_id})
@@ -84,9 +84,10 @@ def create_app(server: Server) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        server.scheduler.start(server.load, server.on_failure)
+        loading = asyncio.create_task(server.start_engine())
         yield
-        await run_in_threadpool(server.scheduler.stop)
+        loading.cancel()
+        await server.client.stop()
 
     routes = [Route("/health", health, methods=["GET"]), Route("/metrics", server.metrics.endpoint, methods=["GET"])]
     for dialect in (openai, anthropic, ollama):
@@ -112,20 +113,20 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, which also starts the scheduler's drain when SIGINT/SIGTERM arrives: requests still
+    """uvicorn's server, which also starts the engine client's drain when SIGINT/SIGTERM arrives: requests still
     running SHUTDOWN_GRACE_S later end with a 503 in their API's shape, before uvicorn's own deadline (a little
     later) would cut them off mid-response."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler):
+    def __init__(self, config: uvicorn.Config, client: EngineClient):
         super().__init__(config)
-        self.scheduler = scheduler
+        self.client = client
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signals it caught once it is done (the process would then die of SIGTERM,
         # exit -15); a clean drain is a normal exit, status 0.
         self._captured_signals.clear()
-        self.scheduler.drain(SHUTDOWN_GRACE_S)
+        self.client.drain(SHUTDOWN_GRACE_S)
 
 
 def serve(spec: str, options: Options, host: str = "127.0.0.1", port: int = 8080) -> None:
@@ -136,17 +137,17 @@ def serve(spec: str, options: Options, host: str = "127.0.0.1", port: int = 8080
     config = uvicorn.Config(
         create_app(server), lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 2, access_log=False
     )
-    http = _Uvicorn(config, server.scheduler)
+    http = _Uvicorn(config, server.client)
     log.info(
         "serving %s on http://%s:%d (/health answers 200 once the model is loaded)", spec, host, sock.getsockname()[1]
     )
 
     def stop_on_failure(e: BaseException) -> None:
-        log.error("%s: %s", "the engine thread failed" if server.loaded else "loading the model failed", e)
+        log.error("loading the model failed: %s", e)
         http.should_exit = True
 
     server.on_failure = stop_on_failure
     http.run(sockets=[sock])
-    failure = server.scheduler.failure
+    failure = server.failure
     if failure is not None:
         raise failure if isinstance(failure, IngotError) else IngotError(f"{type(failure).__name__}: {failure}")

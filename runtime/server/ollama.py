@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response
 
 from ingot.runtime.model.templates import chat_template
 from ingot.runtime.sampling import SamplingParams
+from ingot.runtime.server.client import Job
 from ingot.runtime.server.request import ApiError, Fields, TextRequest, text_of
-from ingot.runtime.server.scheduler import Job
 from ingot.runtime.server.server import Server
 
 DONE_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}

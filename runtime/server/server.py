@@ -1,4 +1,4 @@
-"""The server's shared state: `Server` (the model once loaded, the scheduler, the metrics, the limits) and
+"""The server's shared state: `Server` (the model once loaded, the engine core's client, the metrics, the limits) and
 what every route does with a request before and after its dialect (API key, body, prompt tokens, jobs,
 streaming). The dialects (openai.py, anthropic.py, ollama.py) build on this module; app.py assembles them.
 """
@@ -10,7 +10,6 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,97 +19,74 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ingot.runtime.engines import open_engine
-from ingot.runtime.engines.base import Engine
-from ingot.runtime.errors import IncompatibleError, UsageError
+from ingot.runtime.errors import UsageError
 from ingot.runtime.generate import GenerationRequest
-from ingot.runtime.gpu import probe
 from ingot.runtime.limits import bounded_json_loads
 from ingot.runtime.model.chat import chat_prompt
 from ingot.runtime.model.gguf import Model
 from ingot.runtime.model.tokenizer import Tokenizer
-from ingot.runtime.resolve import Opened, open_model
+from ingot.runtime.resolve import open_model
+from ingot.runtime.server.client import EngineClient, Job
+from ingot.runtime.server.core import Options
 from ingot.runtime.server.metrics import Metrics
+from ingot.runtime.server.protocol import Ready, Stats
 from ingot.runtime.server.request import ApiError, TextRequest
-from ingot.runtime.server.scheduler import Job, Scheduler
 
 MAX_BODY_BYTES = 1 << 20
 SHUTDOWN_GRACE_S = 5
 log = logging.getLogger("uvicorn.error")
-
-
-@dataclass(frozen=True)
-class Options:
-    device: str = "auto"
-    gpu: int | None = None  # None: the GPU with the most free memory
-    max_seqs: int = 32  # sequences decoded together
-    ctx: int | None = None  # tokens per sequence; None: the engine's default
-    api_key: str | None = None
-    pubkeys: tuple[str, ...] = ()  # trusted public keys (with INGOT_TRUSTED_KEYS: the trust policy)
-
-
-def pick_gpu(requested: int | None) -> int:
-    """--gpu N, checked against the machine; without it the GPU with the most free memory (NVML)."""
-    gpus = probe.probe().gpus
-    if requested is not None:
-        if gpus and not 0 <= requested < len(gpus):
-            raise UsageError(f"--gpu {requested}: this machine has {len(gpus)} GPU(s)", hint=f"use 0..{len(gpus) - 1}")
-        return requested
-    return max(gpus, key=lambda g: g.memory_free or 0).index if gpus else 0
-
-
-def open_serving_engine(opened: Opened, options: Options) -> Engine:
-    """open_engine's device rule (auto: the GPU engine when a GPU is present and the engine loads), with a
-    choice of GPU and the server's batch width and context."""
-    model = opened.model
-    kw: dict[str, Any] = {"max_seqs": options.max_seqs, "max_ctx": options.ctx}
-    if options.device == "cpu" or (options.device == "auto" and not probe.probe().gpus):
-        return open_engine(model, "cpu", **kw)
-    try:
-        return open_engine(model, "cuda", kernels=opened.kernels, gpu=pick_gpu(options.gpu), **kw)
-    except IncompatibleError:
-        if options.device == "cuda":
-            raise
-        return open_engine(model, "cpu", **kw)
+__all__ = ["Options", "Server"]
 
 
 class Server:
-    """What the routes share: the model once loaded, the scheduler, the metrics and the limits."""
+    """What the routes share: the model (for its tokenizer and metadata) once loaded, the engine core's client,
+    the metrics and the limits."""
 
     def __init__(self, spec: str, options: Options):
         self.spec, self.options = spec, options
         self.model_id = Path(spec).stem  # `smollm2`, or the file name without .gguf/.ingot
         self.created = int(time.time())
-        self._loaded: tuple[Model, Tokenizer, Engine] | None = None  # set by load(), on the engine thread
-        self.metrics = Metrics(lambda: self.scheduler.stats)
-        self.scheduler = Scheduler(self.metrics)
+        self._loaded: tuple[Model, Tokenizer] | None = None  # set by load()
+        self.metrics = Metrics(self._stats)
+        self.client = EngineClient(spec, options, self.metrics)
+        self.failure: BaseException | None = None  # what loading raised
+        self.ready = False
         self.on_failure: Callable[[BaseException], None] = lambda e: None
 
-    def load(self) -> Engine:
-        """On the engine thread, while the socket already answers."""
-        t0 = time.perf_counter()
+    def _stats(self) -> Stats:
+        return self.client.stats
+
+    def load(self) -> None:
+        """The front end's copy of the model (tokenizer, chat template, /api/show), in a worker thread."""
         opened = open_model(self.spec, pubkeys=self.options.pubkeys)
-        tokenizer = Tokenizer.from_model(opened.model)
-        self._loaded = (opened.model, tokenizer, open_serving_engine(opened, self.options))
+        self._loaded = (opened.model, Tokenizer.from_model(opened.model))
+
+    async def start_engine(self) -> None:
+        """Load the model here and in the engine core process, while the socket already answers /health."""
+        t0 = time.perf_counter()
+        try:
+            await run_in_threadpool(self.load)
+            info = await self.client.start()
+        except BaseException as e:  # reported by `ingot serve` as its exit status
+            self.failure = e
+            self.on_failure(e)
+            return
+        self.ready = True
         log.info(
-            "model %s loaded in %.1f s: %s, %d sequences of %d tokens",
+            "model %s loaded in %.1f s: %s engine in process %s, %d sequences of %d tokens",
             self.model_id,
             time.perf_counter() - t0,
-            self.engine.name,
-            self.engine.max_seqs,
-            self.engine.max_ctx,
+            info.name,
+            self.client.process.pid if self.client.process else "?",
+            info.max_seqs,
+            info.max_ctx,
         )
-        return self.engine
-
-    @property
-    def ready(self) -> bool:
-        return self.scheduler.ready.is_set()
 
     @property
     def loaded(self) -> bool:
         return self._loaded is not None
 
-    def _parts(self) -> tuple[Model, Tokenizer, Engine]:
+    def _parts(self) -> tuple[Model, Tokenizer]:
         if self._loaded is None:  # routes check `ready` first, so this is a bug, not a client error
             raise RuntimeError("the model is used before it was loaded")
         return self._loaded
@@ -124,8 +100,10 @@ class Server:
         return self._parts()[1]
 
     @property
-    def engine(self) -> Engine:
-        return self._parts()[2]
+    def engine_info(self) -> Ready:
+        if self.client.info is None:
+            raise RuntimeError("the engine is used before it was loaded")
+        return self.client.info
 
     # --- per request ------------------------------------------------------------------------------
 
@@ -175,7 +153,7 @@ class Server:
 
     async def start(self, req: TextRequest) -> Job:
         tokens = await self.prompt_tokens(req)
-        max_ctx = self.engine.max_ctx
+        max_ctx = self.engine_info.max_ctx
         if req.max_tokens is not None and req.max_tokens > max_ctx:
             raise ApiError(
                 400, f"max_tokens {req.max_tokens} is more than the context of {max_ctx} tokens", param="max_tokens"
@@ -184,8 +162,8 @@ class Server:
             tuple(tokens), req.params, req.max_tokens or max(1, max_ctx - len(tokens)), req.stop
         )
         request.check(max_ctx)  # UsageError (-> 400) for a prompt longer than the context
-        job = Job(self.tokenizer, request, asyncio.get_running_loop())
-        self.scheduler.submit(job)
+        job = Job(self.tokenizer, request)
+        await self.client.submit(job)
         return job
 
     async def collect(self, request: Request, job: Job) -> str:
@@ -194,7 +172,7 @@ class Server:
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self.scheduler.cancel(job)
+            self.client.cancel(job)
 
         watcher = asyncio.create_task(watch())
         try:
@@ -220,7 +198,7 @@ class Server:
             response = EventSourceResponse(guarded(), sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S + 2)
         else:
             response = StreamingResponse(guarded(), media_type=media_type)
-        return _CancelAtEnd(response, lambda: self.scheduler.cancel(job))
+        return _CancelAtEnd(response, lambda: self.client.cancel(job))
 
 
 class _CancelAtEnd(Response):
