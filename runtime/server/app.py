@@ -5,6 +5,7 @@ the shared state, client.py talks to the core; this module only assembles routes
     Anthropic   POST /v1/messages, /v1/messages/count_tokens                                    (anthropic.py)
     Ollama      POST /api/chat, /api/generate, /api/show      GET /api/tags, /api/version       (ollama.py)
     Operations  GET /health (503 while the model loads, 200 once it serves), GET /metrics (metrics.py)
+                POST /api/reload (hot swap; also SIGHUP), GET /api/ps, GET /, Anthropic's /v1/models (operations.py)
 
 Every API route goes through the same steps here: the API key (if --api-key), readiness, the body (JSON, at
 most MAX_BODY_BYTES), the dialect's parser into a TextRequest, tokenizing it as `ingot run` does (the chat
@@ -21,6 +22,7 @@ stream), then the engine core closes the engine and exits.
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 from contextlib import asynccontextmanager
 
@@ -32,11 +34,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ingot.runtime.errors import IngotError, ModelError, UsageError
-from ingot.runtime.server import anthropic, ollama, openai
-from ingot.runtime.server.client import EngineClient
+from ingot.runtime.server import anthropic, ollama, openai, operations
 from ingot.runtime.server.metrics import RequestCounter
 from ingot.runtime.server.request import ApiError
-from ingot.runtime.server.server import SHUTDOWN_GRACE_S, Options, Server, log
+from ingot.runtime.server.server import ANSWERED_BY, SHUTDOWN_GRACE_S, Options, Server, log
 
 # --- the app ---------------------------------------------------------------------------------------
 
@@ -53,7 +54,11 @@ def _api_route(server: Server, path: str, handler, methods: list[str], dialect) 
             server.authorize(request)
             if not server.ready:
                 raise ApiError(503, "the model is still loading; retry when /health answers 200")
-            return await handler(server, request)
+            response = await handler(server, request)
+            version = ANSWERED_BY.get(None)  # set by Server.start in this request's task
+            if version is not None:
+                response.headers["x-ingot-model-version"] = version
+            return response
         except ApiError as e:
             return dialect.error_response(e)
         except (UsageError, ModelError) as e:  # a prompt that cannot run, a conversation the template refuses
@@ -85,16 +90,47 @@ def create_app(server: Server) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette):
         loading = asyncio.create_task(server.start_engine())
+        _on_sighup(server)
         yield
         loading.cancel()
-        await server.client.stop()
+        await server.stop()
 
-    routes = [Route("/health", health, methods=["GET"]), Route("/metrics", server.metrics.endpoint, methods=["GET"])]
+    openai_models = next(handler for path, handler, _ in openai.ROUTES if path == "/v1/models")
+
+    async def models(server: Server, request: Request) -> Response:
+        """/v1/models: Anthropic's shape for Anthropic clients (anthropic-version header), else OpenAI's."""
+        if operations.wants_anthropic(request):
+            return await operations.anthropic_models(server, request)
+        return await openai_models(server, request)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", server.metrics.endpoint, methods=["GET"]),
+        Route("/", operations.root, methods=["GET"]),
+        _api_route(server, "/v1/models", models, ["GET"], openai),
+    ]
+    routes += [_api_route(server, path, handler, methods, ollama) for path, handler, methods in operations.ROUTES]
     for dialect in (openai, anthropic, ollama):
         routes += [_api_route(server, path, handler, methods, dialect) for path, handler, methods in dialect.ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
     app.add_middleware(RequestCounter, metrics=server.metrics)
     return app
+
+
+def _on_sighup(server: Server) -> None:
+    """SIGHUP reloads the model (hot swap), as POST /api/reload does; a failed reload is logged, the old
+    version keeps serving."""
+
+    async def reload() -> None:
+        try:
+            await server.reload()
+        except Exception as e:
+            log.error("reloading %s failed: %s", server.spec, e)
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, lambda: asyncio.create_task(reload()))
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (tests' TestClient)
+        pass
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -117,16 +153,16 @@ class _Uvicorn(uvicorn.Server):
     running SHUTDOWN_GRACE_S later end with a 503 in their API's shape, before uvicorn's own deadline (a little
     later) would cut them off mid-response."""
 
-    def __init__(self, config: uvicorn.Config, client: EngineClient):
+    def __init__(self, config: uvicorn.Config, server: Server):
         super().__init__(config)
-        self.client = client
+        self.ingot = server
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signals it caught once it is done (the process would then die of SIGTERM,
         # exit -15); a clean drain is a normal exit, status 0.
         self._captured_signals.clear()
-        self.client.drain(SHUTDOWN_GRACE_S)
+        self.ingot.drain(SHUTDOWN_GRACE_S)
 
 
 def serve(spec: str, options: Options, host: str = "127.0.0.1", port: int = 8080) -> None:
@@ -137,7 +173,7 @@ def serve(spec: str, options: Options, host: str = "127.0.0.1", port: int = 8080
     config = uvicorn.Config(
         create_app(server), lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 2, access_log=False
     )
-    http = _Uvicorn(config, server.client)
+    http = _Uvicorn(config, server)
     log.info(
         "serving %s on http://%s:%d (/health answers 200 once the model is loaded)", spec, host, sock.getsockname()[1]
     )

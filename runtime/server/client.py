@@ -79,6 +79,7 @@ class Job:
         self.generation.stops = self._stops = _StopMatch(request.stop)
         self.eog_ids = sorted(tokenizer.eog_ids)
         self.id = 0  # the core's request id, set by submit
+        self.client: EngineClient | None = None  # the core it went to, set by submit
         self.cancelled = False
         self.submitted = time.monotonic_ns()
         # time.monotonic_ns() (CLOCK_MONOTONIC, the same clock in the core process): prefill start, first token, end
@@ -96,6 +97,11 @@ class Job:
     @property
     def stop_sequence(self) -> str | None:
         return self._stops.matched
+
+    def cancel(self) -> None:
+        """The client went away (or the response is over): release its sequence if it is still running."""
+        if self.client is not None:
+            self.client.cancel(self)
 
     def emit(self, item: Chunk | ApiError) -> None:
         """On the event loop."""
@@ -137,7 +143,7 @@ class EngineClient:
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
-        self._draining = self._stopping = False
+        self._draining = self._stopping = self._retiring = self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._receiver: asyncio.Task | None = None
         self._closed = asyncio.Event()
@@ -181,9 +187,18 @@ class EngineClient:
         self._receiver = asyncio.create_task(self._receive(process))
         return message
 
+    async def retire(self) -> None:
+        """After a reload: new requests go elsewhere; once the ones running here are done, stop."""
+        self._retiring = True
+        while self._jobs and self.process is not None:
+            await asyncio.sleep(0.05)
+        await self.stop()
+
     async def stop(self) -> None:
         """Shutdown: the core ends what is left with 503, closes the engine and exits."""
-        self._stopping = True
+        if self._stopped:
+            return
+        self._stopped = self._stopping = True
         process = self.process
         if process is not None and process.is_alive():
             self._send(Shutdown())
@@ -234,12 +249,12 @@ class EngineClient:
     # --- requests ----------------------------------------------------------------------------------
 
     async def submit(self, job: Job) -> None:
-        if self._stopping or self._draining:
+        if self._stopping or self._draining or self._retiring:
             raise ApiError(503, "the server is shutting down")
         async with self._lock:
             if self.process is None:  # the core crashed: start another
                 await self.start()
-        job.id = next(self._ids)
+        job.id, job.client = next(self._ids), self
         self._jobs[job.id] = job
         r = job.request
         self._send(Add(job.id, list(r.prompt_tokens), r.params, r.max_tokens, job.eog_ids, job.constraint))

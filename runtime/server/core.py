@@ -14,6 +14,7 @@ Closed. If the front end dies, the core notices within a second (its parent chan
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 from dataclasses import dataclass
@@ -70,6 +71,18 @@ def open_serving_engine(opened: Opened, options: Options) -> Engine:
         return open_engine(model, "cpu", **kw)
 
 
+def model_version(opened: Opened) -> str:
+    """Which model this is, so that every response can say which one answered it: a bundle's root digest (its
+    content); for a bare GGUF, a digest of its path, size, modification time and inode (hashing gigabytes at
+    every load would cost more than it tells: replacing the file changes these)."""
+    if opened.bundle is not None:
+        return opened.bundle.root_digest
+    path = opened.model.path.resolve()
+    st = path.stat()
+    ident = f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return "file:" + hashlib.sha256(ident.encode()).hexdigest()[:32]
+
+
 def _failed(e: BaseException) -> Failed:
     try:
         error = pickle.dumps(e)
@@ -89,14 +102,23 @@ def main(spec: str, options: Options, to_core: str, from_core: str) -> None:
     outbox.setsockopt(zmq.LINGER, 5000)  # the last messages (Closed) still go out as the process ends
     try:
         try:
-            engine = open_serving_engine(open_model(spec, pubkeys=options.pubkeys), options)
+            opened = open_model(spec, pubkeys=options.pubkeys)
+            version = model_version(opened)
+            engine = open_serving_engine(opened, options)
             chunk = options.prefill_chunk or settings.PREFILL_CHUNK.get()
         except BaseException as e:
             outbox.send(protocol.encode(_failed(e)))
             return
         outbox.send(
             protocol.encode(
-                Ready(engine.name, engine.max_seqs, engine.max_ctx, engine.kv_pages_total, engine.memory_report())
+                Ready(
+                    engine.name,
+                    engine.max_seqs,
+                    engine.max_ctx,
+                    engine.kv_pages_total,
+                    engine.memory_report(),
+                    version,
+                )
             )
         )
         try:

@@ -48,6 +48,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     max_ctx: int
     kv_pages_total: int
     memory: dict  # engine.memory_report()
+    version: str  # the model's identity as the core opened it (core.model_version)
 
 
 class Failed(msgspec.Struct, tag=True, array_like=True):
