@@ -110,12 +110,15 @@ API_KEY = Setting(
     "a key string",
     "`ingot serve` requires this key (Authorization: Bearer KEY or x-api-key: KEY); same as --api-key.",
 )
+# 512: the GPU and CPU engines' own prefill pass (PREFILL_CHUNK in engines/), so a chunk costs one pass and no
+# extra launches; on the H200 a 512-token pass of a small model takes a few ms, well inside the 50 ms a running
+# stream may be delayed. Smaller chunks cut that delay further but add a pass (and a sampled token) per chunk.
 PREFILL_CHUNK = Setting(
     "INGOT_PREFILL_CHUNK",
     512,
     _positive_int,
     "a positive integer",
-    "`ingot serve`: prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long.",
+    "`ingot serve`: prompt tokens prefilled per engine step (the engines' own prefill pass), so a long prompt never stalls running streams for long.",
 )
 TEST_MODEL = Setting(
     "INGOT_TEST_MODEL",

@@ -34,7 +34,9 @@ def serve(model_spec, host, port, device, gpu, api_key, max_seqs, ctx, pubkeys):
 
     MODEL is a .gguf file, a .ingot bundle, or `smollm2`. The socket opens at once and /health answers 503
     until the model is loaded, then 200; /metrics is Prometheus text. Concurrent requests are batched into
-    one decode step. Stop with Ctrl-C or SIGTERM: in-flight requests get a few seconds to finish.
+    one decode step, in an engine process of its own. Stop with Ctrl-C or SIGTERM: in-flight requests get a few
+    seconds to finish. Replace the model file and send SIGHUP (or POST /api/reload) to swap it without dropping
+    requests.
     """
     require_server_libraries()
     # deferred: the server's libraries are the optional `serve` extra (checked just above)
