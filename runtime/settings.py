@@ -120,6 +120,18 @@ PREFILL_CHUNK = Setting(
     "a positive integer",
     "`ingot serve`: prompt tokens prefilled per engine step (the engines' own prefill pass), so a long prompt never stalls running streams for long.",
 )
+
+def _seconds(text: str) -> float:
+    return float(text)
+
+
+KEEP_ALIVE = Setting(
+    "INGOT_KEEP_ALIVE",
+    300.0,
+    _seconds,
+    "a number of seconds (negative: forever)",
+    "`ingot serve` with several models: seconds a model stays loaded after its last request (Ollama's keep_alive).",
+)
 TEST_MODEL = Setting(
     "INGOT_TEST_MODEL",
     None,
@@ -164,6 +176,7 @@ ALL: tuple[Setting, ...] = (
     KV_FRACTION,
     API_KEY,
     PREFILL_CHUNK,
+    KEEP_ALIVE,
     TEST_MODEL,
     TEST_GEMMA3,
     TRUSTED_KEYS,

@@ -146,17 +146,18 @@ def test_health_answers_while_loading(model_path, monkeypatch):
     from starlette.testclient import TestClient
 
     from ingot.runtime.server import app as server_app
+    from ingot.runtime.server import server as server_module
 
     gate = threading.Event()
-    real_load = server_app.Server.load
+    real_load = server_module.Server.load
 
     def slow_load(self):
         gate.wait(30)
         return real_load(self)
 
-    monkeypatch.setattr(server_app.Server, "load", slow_load)
-    server = server_app.Server(str(model_path), server_app.Options(device="cpu"))
-    with TestClient(server_app.create_app(server)) as client:
+    monkeypatch.setattr(server_module.Server, "load", slow_load)
+    models = server_app.Models([str(model_path)], server_app.Options(device="cpu"))
+    with TestClient(server_app.create_app(models)) as client:
         r = client.get("/health")
         assert (r.status_code, r.json()) == (503, {"status": "loading"})
         r = client.post("/v1/chat/completions", json={"model": model_path.stem, "messages": QUESTION})

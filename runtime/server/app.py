@@ -36,8 +36,9 @@ from starlette.routing import Route
 from ingot.runtime.errors import IngotError, ModelError, UsageError
 from ingot.runtime.server import anthropic, ollama, openai, operations
 from ingot.runtime.server.metrics import RequestCounter
+from ingot.runtime.server.models import Models, model_specs
 from ingot.runtime.server.request import ApiError
-from ingot.runtime.server.server import ANSWERED_BY, SHUTDOWN_GRACE_S, Options, Server, log
+from ingot.runtime.server.server import ANSWERED_BY, SHUTDOWN_GRACE_S, Options, log
 
 # --- the app ---------------------------------------------------------------------------------------
 
@@ -48,13 +49,20 @@ def _dialect(path: str):
     return next((d for prefix, d in DIALECTS if path.startswith(prefix)), None)
 
 
-def _api_route(server: Server, path: str, handler, methods: list[str], dialect) -> Route:
+def _api_route(models: Models, path: str, handler, methods: list[str], dialect) -> Route:
+    """A dialect's route: handler(server, request) with the Server of the model the request names."""
+
+    async def run(request: Request) -> Response:
+        return await handler(await models.route(request), request)
+
+    return _route(models, path, run, methods, dialect)
+
+
+def _route(models: Models, path: str, run, methods: list[str], dialect) -> Route:
     async def endpoint(request: Request) -> Response:
         try:
-            server.authorize(request)
-            if not server.ready:
-                raise ApiError(503, "the model is still loading; retry when /health answers 200")
-            response = await handler(server, request)
+            models.servers[0].authorize(request)  # one key for the whole server
+            response = await run(request)
             version = ANSWERED_BY.get(None)  # set by Server.start in this request's task
             if version is not None:
                 response.headers["x-ingot-model-version"] = version
@@ -72,13 +80,17 @@ def _api_route(server: Server, path: str, handler, methods: list[str], dialect) 
     return Route(path, endpoint, methods=methods)
 
 
-def create_app(server: Server) -> Starlette:
+def create_app(models: Models) -> Starlette:
+    single = models.single
+
     async def health(request: Request) -> Response:
-        if server.failure is not None:
-            return JSONResponse({"status": "error", "error": str(server.failure)}, status_code=503)
-        if not server.ready:
+        if single is None:
+            return JSONResponse({"status": "ok", "models": [s.model_id for s in models.servers if s.ready]})
+        if single.failure is not None:
+            return JSONResponse({"status": "error", "error": str(single.failure)}, status_code=503)
+        if not single.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": server.model_id})
+        return JSONResponse({"status": "ok", "model": single.model_id})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)  # registered for 404 and 405 only
@@ -89,43 +101,61 @@ def create_app(server: Server) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        loading = asyncio.create_task(server.start_engine())
-        _on_sighup(server)
+        loading = asyncio.create_task(models.start())
+        _on_sighup(models)
         yield
         loading.cancel()
-        await server.stop()
+        await models.stop()
 
-    openai_models = next(handler for path, handler, _ in openai.ROUTES if path == "/v1/models")
+    openai_list = next(handler for path, handler, _ in openai.ROUTES if path == "/v1/models")
+    ollama_tags = next(handler for path, handler, _ in ollama.ROUTES if path == "/api/tags")
 
-    async def models(server: Server, request: Request) -> Response:
+    async def model_list(request: Request) -> Response:
         """/v1/models: Anthropic's shape for Anthropic clients (anthropic-version header), else OpenAI's."""
         if operations.wants_anthropic(request):
-            return await operations.anthropic_models(server, request)
-        return await openai_models(server, request)
+            return operations.anthropic_models(models)
+        if single is None:
+            return operations.openai_models(models)
+        return await openai_list(await models.route(request), request)
+
+    async def tags(request: Request) -> Response:
+        if single is None:
+            return await operations.tags(models, request)
+        return await ollama_tags(await models.route(request), request)
+
+    async def ps(request: Request) -> Response:
+        return await operations.ps(models, request)
+
+    async def reload(request: Request) -> Response:
+        return await operations.reload(models, request)
 
     routes = [
         Route("/health", health, methods=["GET"]),
-        Route("/metrics", server.metrics.endpoint, methods=["GET"]),
+        Route("/metrics", models.metrics.endpoint, methods=["GET"]),
         Route("/", operations.root, methods=["GET"]),
-        _api_route(server, "/v1/models", models, ["GET"], openai),
+        _route(models, "/v1/models", model_list, ["GET"], openai),
+        _route(models, "/api/tags", tags, ["GET"], ollama),
+        _route(models, "/api/ps", ps, ["GET"], ollama),
+        _route(models, "/api/reload", reload, ["POST"], ollama),
     ]
-    routes += [_api_route(server, path, handler, methods, ollama) for path, handler, methods in operations.ROUTES]
     for dialect in (openai, anthropic, ollama):
-        routes += [_api_route(server, path, handler, methods, dialect) for path, handler, methods in dialect.ROUTES]
+        routes += [_api_route(models, path, handler, methods, dialect) for path, handler, methods in dialect.ROUTES]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
-    app.add_middleware(RequestCounter, metrics=server.metrics)
+    app.add_middleware(RequestCounter, metrics=models.metrics)
     return app
 
 
-def _on_sighup(server: Server) -> None:
-    """SIGHUP reloads the model (hot swap), as POST /api/reload does; a failed reload is logged, the old
-    version keeps serving."""
+def _on_sighup(models: Models) -> None:
+    """SIGHUP reloads every loaded model (hot swap), as POST /api/reload does; a failed reload is logged, the
+    old version keeps serving."""
 
     async def reload() -> None:
-        try:
-            await server.reload()
-        except Exception as e:
-            log.error("reloading %s failed: %s", server.spec, e)
+        for server in models.servers:
+            if server.ready:
+                try:
+                    await server.reload()
+                except Exception as e:
+                    log.error("reloading %s failed: %s", server.spec, e)
 
     try:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, lambda: asyncio.create_task(reload()))
@@ -153,9 +183,9 @@ class _Uvicorn(uvicorn.Server):
     running SHUTDOWN_GRACE_S later end with a 503 in their API's shape, before uvicorn's own deadline (a little
     later) would cut them off mid-response."""
 
-    def __init__(self, config: uvicorn.Config, server: Server):
+    def __init__(self, config: uvicorn.Config, models: Models):
         super().__init__(config)
-        self.ingot = server
+        self.ingot = models
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
@@ -165,25 +195,30 @@ class _Uvicorn(uvicorn.Server):
         self.ingot.drain(SHUTDOWN_GRACE_S)
 
 
-def serve(spec: str, options: Options, host: str = "127.0.0.1", port: int = 8080) -> None:
-    """Run the server until SIGINT/SIGTERM. If the model fails to load, the server stops and the error is
-    raised (its exit code is the model's: 2, 3, 5 ...)."""
-    server = Server(spec, options)
+def serve(specs: list[str], options: Options, host: str = "127.0.0.1", port: int = 8080) -> None:
+    """Run the server until SIGINT/SIGTERM. With one model, if it fails to load, the server stops and the error
+    is raised (its exit code is the model's: 2, 3, 5 ...); with several, models load on their first request."""
+    models = Models(model_specs(tuple(specs)), options)
     sock = _listen(host, port)
     config = uvicorn.Config(
-        create_app(server), lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 2, access_log=False
+        create_app(models), lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 2, access_log=False
     )
-    http = _Uvicorn(config, server)
+    http = _Uvicorn(config, models)
     log.info(
-        "serving %s on http://%s:%d (/health answers 200 once the model is loaded)", spec, host, sock.getsockname()[1]
+        "serving %s on http://%s:%d (/health answers 200 once the model is loaded)",
+        ", ".join(s.spec for s in models.servers),
+        host,
+        sock.getsockname()[1],
     )
+    single = models.single
+    if single is not None:
 
-    def stop_on_failure(e: BaseException) -> None:
-        log.error("loading the model failed: %s", e)
-        http.should_exit = True
+        def stop_on_failure(e: BaseException) -> None:
+            log.error("loading the model failed: %s", e)
+            http.should_exit = True
 
-    server.on_failure = stop_on_failure
+        single.on_failure = stop_on_failure
     http.run(sockets=[sock])
-    failure = server.failure
+    failure = single.failure if single is not None else None
     if failure is not None:
         raise failure if isinstance(failure, IngotError) else IngotError(f"{type(failure).__name__}: {failure}")

@@ -246,6 +246,10 @@ class EngineClient:
         self.process = None
         self._close_sockets()
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
     # --- requests ----------------------------------------------------------------------------------
 
     async def submit(self, job: Job) -> None:

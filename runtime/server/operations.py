@@ -1,59 +1,91 @@
-"""Routes about the server's models rather than generation: hot swap and what Ollama and Anthropic clients ask.
+"""Routes about the server's models rather than generation: hot swap, and what Ollama and Anthropic clients ask.
 
-POST /api/reload   load the model from disk again (hot swap; SIGHUP does the same): {"model": name}
-                   optional; answers {"model", "version"} once the new version serves new requests
-GET  /api/ps       Ollama's running models: name, size, digest (the version), details, expires_at, size_vram
-GET  /             "Ollama is running", as Ollama answers (clients probe it)
-GET  /v1/models    in Anthropic's shape ({"data": [{"type": "model", "id", "display_name", "created_at"}],
-                   "has_more", "first_id", "last_id"}) when the request has an anthropic-version header;
-                   app.py sends other /v1/models requests to the OpenAI dialect
+    POST /api/reload   load a model from disk again (hot swap; SIGHUP reloads every loaded model): body
+                       {"model": name}, optional with one model; answers {"model", "version"} once the new version
+                       serves new requests
+    GET  /api/ps       Ollama's running models: name, size, digest (the version), details, expires_at, size_vram
+    GET  /             "Ollama is running", as Ollama answers (clients probe it)
+    GET  /v1/models    Anthropic's shape ({"data": [{"type": "model", "id", "display_name", "created_at"}],
+                       "has_more", "first_id", "last_id"}) when the request has an anthropic-version header; else
+                       OpenAI's (the dialect's own route with one model, every model's id with several)
+    GET  /api/tags     with several models: every model, loaded or not (with one: the Ollama dialect's route)
+Handlers take the Models (models.py), not one Server.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from ingot.runtime.server.models import Models
 from ingot.runtime.server.request import ApiError, Fields
-from ingot.runtime.server.server import Server
 
-NEVER_EXPIRES = "0001-01-01T00:00:00Z"  # what Ollama shows for a model kept loaded (keep_alive < 0)
+NEVER_EXPIRES = "2318-01-01T00:00:00Z"  # what Ollama shows for a model kept loaded (keep_alive < 0)
 
 
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-async def reload(server: Server, request: Request) -> Response:
-    body = Fields(await server.read_json(request) if request.headers.get("content-length", "0") != "0" else {})
+async def reload(models: Models, request: Request) -> Response:
+    server = models.servers[0]
+    has_body = int(request.headers.get("content-length") or 0) > 0
+    body = Fields(await server.read_json(request) if has_body else {})
     name = body.get("model", str)
-    if name is not None:
-        server.check_model(name)
+    if name is None and models.single is None:
+        raise ApiError(400, "this server serves several models: name the one to reload in the model field")
+    server = models.single if name is None else await models.acquire(name)
+    assert server is not None  # a single server, or the one acquired
     version = await server.reload()
     return JSONResponse({"model": server.model_id, "version": version})
 
 
-async def ps(server: Server, request: Request) -> Response:
-    info, m = server.engine_info, server.model
-    name = f"{server.model_id}:latest"
-    vram = info.memory.get("engine_bytes", 0) if info.name == "cuda" else 0
-    return JSONResponse(
-        {
-            "models": [
-                {
-                    "name": name,
-                    "model": name,
-                    "size": m.size,
-                    "digest": server.version,
-                    "details": {"format": "gguf", "family": m.config.arch, "families": [m.config.arch]},
-                    "expires_at": NEVER_EXPIRES,
-                    "size_vram": vram,
-                }
-            ]
-        }
-    )
+async def ps(models: Models, request: Request) -> Response:
+    now_wall, now = time.time(), time.monotonic()
+    out = []
+    for slot in models.slots.values():
+        server = slot.server
+        if not server.ready:
+            continue
+        info, m = server.engine_info, server.model
+        keep = slot.keep_alive if models.single is None else -1
+        expires = NEVER_EXPIRES if keep < 0 else _iso(now_wall + max(0.0, slot.last_used + keep - now))
+        name = f"{server.model_id}:latest"
+        out.append(
+            {
+                "name": name,
+                "model": name,
+                "size": m.size,
+                "digest": server.version,
+                "details": {"format": "gguf", "family": m.config.arch, "families": [m.config.arch]},
+                "expires_at": expires,
+                "size_vram": info.memory.get("engine_bytes", 0) if info.name == "cuda" else 0,
+            }
+        )
+    return JSONResponse({"models": out})
+
+
+async def tags(models: Models, request: Request) -> Response:
+    """Every model (several-model server), loaded or not: what the file says without opening it."""
+    out = []
+    for name, slot in models.slots.items():
+        path = Path(slot.server.spec)
+        st = path.stat() if path.is_file() else None
+        out.append(
+            {
+                "name": f"{name}:latest",
+                "model": f"{name}:latest",
+                "modified_at": _iso(st.st_mtime if st else slot.server.created),
+                "size": st.st_size if st else 0,
+                "digest": slot.server.version if slot.server.ready else "",
+                "details": {"format": "gguf"},
+            }
+        )
+    return JSONResponse({"models": out})
 
 
 async def root(request: Request) -> Response:
@@ -64,19 +96,14 @@ def wants_anthropic(request: Request) -> bool:
     return "anthropic-version" in request.headers
 
 
-async def anthropic_models(server: Server, request: Request) -> Response:
-    if not server.ready:
-        raise ApiError(503, "the model is still loading; retry when /health answers 200")
-    model = {
-        "type": "model",
-        "id": server.model_id,
-        "display_name": server.model_id,
-        "created_at": _iso(server.created),
-    }
-    return JSONResponse({"data": [model], "has_more": False, "first_id": model["id"], "last_id": model["id"]})
+def anthropic_models(models: Models) -> Response:
+    data = [
+        {"type": "model", "id": s.model_id, "display_name": s.model_id, "created_at": _iso(s.created)}
+        for s in models.servers
+    ]
+    return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]})
 
 
-ROUTES = [
-    ("/api/reload", reload, ["POST"]),
-    ("/api/ps", ps, ["GET"]),
-]
+def openai_models(models: Models) -> Response:
+    data = [{"id": s.model_id, "object": "model", "created": s.created, "owned_by": "ingot"} for s in models.servers]
+    return JSONResponse({"object": "list", "data": data})

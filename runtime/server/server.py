@@ -64,11 +64,11 @@ class Server:
     to it, while requests already running finish on the old core, which then stops. Every response carries the
     version that answered it (header x-ingot-model-version)."""
 
-    def __init__(self, spec: str, options: Options):
+    def __init__(self, spec: str, options: Options, metrics: Metrics | None = None):
         self.spec, self.options = spec, options
         self.model_id = Path(spec).stem  # `smollm2`, or the file name without .gguf/.ingot
         self.created = int(time.time())
-        self.metrics = Metrics(self._stats)
+        self.metrics = metrics or Metrics(self.stats)
         self.failure: BaseException | None = None  # what the first load raised
         self.on_failure: Callable[[BaseException], None] = lambda e: None
         self._current: Loaded | None = None
@@ -76,8 +76,13 @@ class Server:
         self._reloading = asyncio.Lock()
         self._draining = False
 
-    def _stats(self) -> Stats:
+    def stats(self) -> Stats:
         return self._current.client.stats if self._current is not None else Stats()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests not finished yet, on every version still running."""
+        return sum(client.in_flight for client in self._clients)
 
     def load(self) -> tuple[Model, Tokenizer, str]:
         """The front end's copy of the model (tokenizer, chat template, /api/show), in a worker thread."""
@@ -152,6 +157,13 @@ class Server:
         for client in list(self._clients):
             await client.stop()
         self._clients.clear()
+
+    async def unload(self) -> None:
+        """Stop its engine cores; the next start_engine loads it again (several models: keep_alive, eviction)."""
+        current, self._current = self._current, None
+        if current is not None:
+            log.info("model %s unloaded", self.model_id)
+        await self.stop()
 
     @property
     def ready(self) -> bool:
