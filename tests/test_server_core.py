@@ -168,3 +168,44 @@ def test_operations_routes(model_path):
         assert missing.status_code == 404 and "nope" in missing.json()["error"]
     finally:
         server.stop()
+
+
+def test_several_models_load_on_demand_and_unload_after_keep_alive(synth_model, tmp_path):
+    """A folder of two models: neither is loaded until asked for; each answers under its own name; keep_alive 0
+    unloads a model once its request is over, a negative one keeps it; the lists name both."""
+    for name, qtype in (("alpha", "Q8_0"), ("beta", "Q4_0")):
+        shutil.copy(synth_model("tiny", qtype), tmp_path / f"{name}.gguf")
+    server = ServerProcess(tmp_path, "--device", "cpu").wait_ready()
+    try:
+        url = server.url
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "models": []}
+        assert httpx.get(f"{url}/api/ps").json() == {"models": []}
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["alpha", "beta"]
+        assert [m["name"] for m in httpx.get(f"{url}/api/tags").json()["models"]] == ["alpha:latest", "beta:latest"]
+        claude = httpx.get(f"{url}/v1/models", headers={"anthropic-version": "2023-06-01"}).json()
+        assert [m["id"] for m in claude["data"]] == ["alpha", "beta"]
+
+        def chat(model, keep_alive):
+            body = {"model": model, "messages": QUESTION, "stream": False, "keep_alive": keep_alive}
+            r = httpx.post(f"{url}/api/chat", json=body | {"options": {"num_predict": 4}}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r
+
+        chat("alpha", -1)
+        chat("beta:latest", 0)
+        deadline = time.monotonic() + 30  # the reaper looks every second
+        while time.monotonic() < deadline:
+            loaded = [m["name"] for m in httpx.get(f"{url}/api/ps").json()["models"]]
+            if loaded == ["alpha:latest"]:
+                break
+            time.sleep(0.2)
+        assert loaded == ["alpha:latest"]
+        ps = httpx.get(f"{url}/api/ps").json()["models"][0]
+        assert ps["expires_at"].startswith("2318")  # kept loaded (keep_alive < 0)
+        chat("beta", "5m")  # loaded again on demand
+        missing = httpx.post(f"{url}/api/chat", json={"model": "gamma", "messages": QUESTION})
+        assert missing.status_code == 404 and "alpha" in missing.json()["error"]
+        nameless = httpx.post(f"{url}/v1/chat/completions", json={"messages": QUESTION})
+        assert nameless.status_code == 400
+    finally:
+        server.stop()

@@ -36,8 +36,8 @@ def serve(model_specs, host, port, device, gpu, api_key, max_seqs, ctx, pubkeys)
     (each loaded on its first request, unloaded after INGOT_KEEP_ALIVE idle seconds or a request's keep_alive).
     The socket opens at once and /health answers 503 until the model is loaded, then 200; /metrics is
     Prometheus text. Concurrent requests are batched into one decode step, in an engine process of its own.
-    Stop with Ctrl-C or SIGTERM: in-flight requests get a few seconds to finish. Replace the model file and send SIGHUP (or POST /api/reload) to swap it without dropping
-    requests.
+    Stop with Ctrl-C or SIGTERM: in-flight requests get a few seconds to finish. Replace the model file and
+    send SIGHUP (or POST /api/reload) to swap it without dropping requests.
     """
     require_server_libraries()
     # deferred: the server's libraries are the optional `serve` extra (checked just above)
