@@ -232,7 +232,10 @@ class EngineClient:
             if await inbox.poll(RECEIVE_POLL_MS):
                 message = protocol.decode_from_core(await inbox.recv())
                 if isinstance(message, Step):
-                    self._on_step(message)
+                    try:
+                        self._on_step(message)
+                    except Exception:  # a bug: the other requests keep being served
+                        log.exception("handling an engine step failed")
                 elif isinstance(message, Closed):
                     self._closed.set()
                     return
