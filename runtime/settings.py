@@ -118,7 +118,7 @@ PREFILL_CHUNK = Setting(
     512,
     _positive_int,
     "a positive integer",
-    "`ingot serve`: prompt tokens prefilled per engine step (the engines' own prefill pass), so a long prompt never stalls running streams for long.",
+    "`ingot serve`: prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long.",
 )
 
 def _seconds(text: str) -> float:
