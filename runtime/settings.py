@@ -121,6 +121,7 @@ PREFILL_CHUNK = Setting(
     "`ingot serve`: prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long.",
 )
 
+
 def _seconds(text: str) -> float:
     return float(text)
 

@@ -77,7 +77,7 @@ class Job:
         self.constraint = constraint
         self.generation = Generation(tokenizer, request)
         self.generation.stops = self._stops = _StopMatch(request.stop)
-        self.eog_ids = sorted(tokenizer.eog_ids)
+        self.eog_ids = sorted(t for t in tokenizer.eog_ids if t is not None)
         self.id = 0  # the core's request id, set by submit
         self.client: EngineClient | None = None  # the core it went to, set by submit
         self.cancelled = False

@@ -38,8 +38,8 @@ async def reload(models: Models, request: Request) -> Response:
     name = body.get("model", str)
     if name is None and models.single is None:
         raise ApiError(400, "this server serves several models: name the one to reload in the model field")
-    server = models.single if name is None else await models.acquire(name)
-    assert server is not None  # a single server, or the one acquired
+    single = models.single
+    server = single if single is not None and name is None else await models.acquire(name or "")
     version = await server.reload()
     return JSONResponse({"model": server.model_id, "version": version})
 

@@ -51,6 +51,13 @@ class _Seq:
     constraint: bytes | None = None  # Add.constraint, for a structured-output matcher (see the docstring)
 
     @property
+    def live_seq(self) -> int:
+        """The engine's sequence id of an admitted request."""
+        if self.seq is None:
+            raise RuntimeError("the request has no sequence yet")
+        return self.seq
+
+    @property
     def decoding(self) -> bool:
         return self.seq is not None and self.prefilled == len(self.req.prompt)
 
@@ -128,7 +135,7 @@ class Scheduler:
         if not batch:
             return
         try:
-            tokens = self.engine.decode([s.seq for s in batch], [s.last_token for s in batch])
+            tokens = self.engine.decode([s.live_seq for s in batch], [s.last_token for s in batch])
         except Exception as e:
             for s in batch:
                 self._fail(s, e, outputs)
@@ -180,7 +187,7 @@ class Scheduler:
                 raise UsageError(
                     f"the prompt is {len(prompt)} tokens, longer than the context of {self.engine.max_ctx}"
                 )
-            token = self.engine.prefill(s.seq, chunk)
+            token = self.engine.prefill(s.live_seq, chunk)
         except Exception as e:
             self._fail(s, e, outputs)
             return len(chunk)
@@ -199,7 +206,7 @@ class Scheduler:
             return
         s.n_generated += 1
         outputs.add(s.req.id, token)
-        if s.n_generated >= s.req.max_tokens or self.engine.seq_len(s.seq) >= self.engine.max_ctx:
+        if s.n_generated >= s.req.max_tokens or self.engine.seq_len(s.live_seq) >= self.engine.max_ctx:
             self._end(s, outputs, "length")
 
     def _fail(self, s: _Seq, e: Exception, outputs: _Outputs) -> None:
