@@ -103,6 +103,13 @@ KV_FRACTION = Setting(
     "a fraction in (0, 1]",
     "The largest share of free GPU memory the GPU engine's KV cache takes.",
 )
+PREFIX_CACHE = Setting(
+    "INGOT_PREFIX_CACHE",
+    True,
+    _flag,
+    "1 or 0",
+    "Engines reuse the KV pages of a prompt prefix seen before instead of recomputing it; 0 turns it off (benchmarks).",
+)
 API_KEY = Setting(
     "INGOT_API_KEY",
     None,
@@ -175,6 +182,7 @@ ALL: tuple[Setting, ...] = (
     CPU_WEIGHT_CACHE_MIB,
     DECODE_GEMM_MIN_BATCH,
     KV_FRACTION,
+    PREFIX_CACHE,
     API_KEY,
     PREFILL_CHUNK,
     KEEP_ALIVE,

@@ -6,7 +6,8 @@ from the SamplingParams the sequence was created with (see runtime/sampling.py f
 
 KV capacity is counted in pages of `kv_page_size` tokens by every engine (the GPU engine's cache is paged;
 the CPU engine keeps a whole-context cache per sequence and counts it in pages of the same size), so the
-server's admission control treats both alike.
+server's admission control treats both alike. Both keep a prefix cache over those pages (kvcache.py): a
+prefill whose leading full pages were computed before adopts them instead of computing them again.
 """
 
 from __future__ import annotations
@@ -47,11 +48,15 @@ class Engine(Protocol):
         """Tokens in the sequence so far."""
 
     def kv_pages_used(self) -> int:
-        """KV pages held by live sequences now."""
+        """KV pages held by live sequences now (a shared page once; cached pages no sequence holds are free)."""
+
+    def prefix_stats(self) -> dict[str, Any]:
+        """The prefix cache: {"enabled", "queried_tokens", "hit_tokens", "hit_rate", "pages_cached",
+        "pages_evictable", "pages_evicted"} (kvcache.PagePool.prefix_stats)."""
 
     def memory_report(self) -> dict[str, Any]:
         """Where the engine's memory is: {"device", "weights_bytes", "engine_bytes", "kv_pages", ...}; the GPU
-        engine adds the device's "free" and "total" bytes."""
+        engine adds the device's "free" and "total" bytes and its "compute_capability" (90 for 9.0)."""
 
     def close(self) -> None:
         """Free everything the engine holds (device memory, contexts). Safe to call twice."""

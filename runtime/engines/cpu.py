@@ -1,5 +1,9 @@
 """The CPU reference engine: runs model.forward in numpy, one KV cache per sequence, samples with sampling.py.
 
+KV pages are booked in a PagePool like the GPU engine's (runtime/engines/kvcache.py), over page-sized chunks of
+each sequence's arrays, so admission and the prefix cache behave alike on both: a registered page's rows are
+copied out once, and a prefill that hits it copies them into the new sequence instead of computing them.
+
 It is the oracle the GPU engine is tested against, so it favours clarity over speed; prefill still multiplies
 whole chunks of tokens at once so float32 BLAS does the work (perplexity runs hundreds of 512-token chunks).
 Weights are dequantized to float32 once and kept when the whole model fits the cache budget (4 GiB, or
@@ -10,12 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ingot.runtime import settings
 from ingot.runtime.engines.base import pages_for
+from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IngotError, UsageError
 from ingot.runtime.model.gguf import Model, expected_shapes
 from ingot.runtime.model.reference import KVCache, forward, logits
@@ -65,6 +70,8 @@ class _Sequence:
     rng: np.random.Generator
     cache: KVCache
     tokens: list[int]
+    pages: list[int] = field(default_factory=list)  # page ids booked in the engine's PagePool
+    chain: PrefixChain = field(default_factory=PrefixChain)
 
 
 class CpuEngine:
@@ -72,7 +79,13 @@ class CpuEngine:
     kv_page_size = KV_PAGE
 
     def __init__(
-        self, model: Model, *, max_seqs: int = 4, max_ctx: int | None = None, weight_cache_bytes: int | None = None
+        self,
+        model: Model,
+        *,
+        max_seqs: int = 4,
+        max_ctx: int | None = None,
+        weight_cache_bytes: int | None = None,
+        prefix_cache: bool | None = None,
     ):
         self.model = model
         self.config = model.config
@@ -83,6 +96,10 @@ class CpuEngine:
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         self.kv_pages_total = max_seqs * pages_for(self.max_ctx, KV_PAGE)
+        use_cache = settings.PREFIX_CACHE.get() if prefix_cache is None else prefix_cache
+        self.pages = PagePool(self.kv_pages_total, KV_PAGE, prefix_cache=use_cache, on_evict=self._drop_page)
+        # registered page -> its (k, v) rows, each [n_layers, KV_PAGE, KV, hd]; at most kv_pages_total of them
+        self._page_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     # --- the Engine interface ---
 
@@ -97,17 +114,21 @@ class CpuEngine:
 
     def prefill(self, seq: int, tokens: Sequence[int]) -> int:
         s = self._admit(seq, tokens)  # refuses an empty prompt, so the loop runs at least once
-        for i in range(0, len(tokens), PREFILL_CHUNK):
-            hidden = self._forward(s, tokens[i : i + PREFILL_CHUNK])
+        rest = tokens[self._adopt(s, tokens) :]  # never empty: the last token is always computed
+        for i in range(0, len(rest), PREFILL_CHUNK):
+            hidden = self._forward(s, rest[i : i + PREFILL_CHUNK])
         return self._sample(s, logits(self.config, self.weights, hidden[-1:])[0])
 
     def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> list[int]:
         if len(seqs) != len(tokens):
             raise UsageError(f"decode got {len(seqs)} sequences but {len(tokens)} tokens")
         batch = [self._admit(seq, [tok]) for seq, tok in zip(seqs, tokens, strict=False)]
+        for s in batch:
+            self.pages.grow(s.pages, s.cache.n + 1)
         hidden = forward(self.config, self.weights, [(s.cache, [tok]) for s, tok in zip(batch, tokens, strict=False)])
         for s, tok in zip(batch, tokens, strict=False):
             s.tokens.append(int(tok))
+            self._register(s, [tok])
         rows = logits(self.config, self.weights, hidden)  # [B, V]
         return [self._sample(s, row) for s, row in zip(batch, rows, strict=False)]
 
@@ -121,13 +142,18 @@ class CpuEngine:
         )
 
     def release(self, seq: int) -> None:
-        self._seqs.pop(seq, None)
+        s = self._seqs.pop(seq, None)
+        if s is not None:
+            self.pages.release(s.pages)
 
     def seq_len(self, seq: int) -> int:
         return self._get(seq).cache.n
 
     def kv_pages_used(self) -> int:
-        return sum(pages_for(s.cache.n, KV_PAGE) for s in self._seqs.values())
+        return self.pages.used
+
+    def prefix_stats(self) -> dict:
+        return self.pages.prefix_stats()
 
     def memory_report(self) -> dict:
         return {
@@ -135,10 +161,13 @@ class CpuEngine:
             "weights_bytes": self.weights.nbytes,
             "engine_bytes": self.weights.nbytes,
             "kv_pages": self.kv_pages_total,
+            "kv_pages_free": self.pages.free,
         }
 
     def close(self) -> None:
-        self._seqs.clear()
+        for seq in list(self._seqs):
+            self.release(seq)
+        self._page_rows.clear()
 
     def __enter__(self):
         return self
@@ -170,9 +199,35 @@ class CpuEngine:
         return s
 
     def _forward(self, s: _Sequence, tokens: Sequence[int]) -> np.ndarray:
+        self.pages.grow(s.pages, s.cache.n + len(tokens))
         hidden = forward(self.config, self.weights, [(s.cache, tokens)])
         s.tokens.extend(int(t) for t in tokens)
+        self._register(s, tokens)
         return hidden
+
+    # --- the prefix cache (kvcache.py keeps the books; these move the rows) ---
+
+    def _adopt(self, s: _Sequence, tokens: Sequence[int]) -> int:
+        """Copy the rows of the cached pages that match the prompt's leading full pages into the sequence's
+        cache; returns how many tokens that covers (the prefill computes the rest)."""
+        first = len(s.pages)
+        n = self.pages.adopt(s.pages, s.chain, tokens)
+        for j in range(first, len(s.pages)):
+            k, v = self._page_rows[s.pages[j]]
+            s.cache.k[:, j * KV_PAGE : (j + 1) * KV_PAGE] = k
+            s.cache.v[:, j * KV_PAGE : (j + 1) * KV_PAGE] = v
+        s.cache.n += n
+        s.tokens.extend(int(t) for t in tokens[:n])
+        return n
+
+    def _register(self, s: _Sequence, tokens: Sequence[int]) -> None:
+        """Book tokens just written to the cache; keep a copy of each page they filled that is now cached."""
+        for j, page in self.pages.append(s.pages, s.chain, tokens):
+            rows = slice(j * KV_PAGE, (j + 1) * KV_PAGE)
+            self._page_rows[page] = (s.cache.k[:, rows].copy(), s.cache.v[:, rows].copy())
+
+    def _drop_page(self, page: int) -> None:
+        del self._page_rows[page]
 
     def _sample(self, s: _Sequence, row: np.ndarray) -> int:
         return sample(row, s.params, s.rng, s.tokens)

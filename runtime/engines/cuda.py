@@ -30,7 +30,7 @@ import numpy as np
 
 from ingot.runtime import settings
 from ingot.runtime.engines.cuda_weights import upload_weights
-from ingot.runtime.engines.kvcache import PagePool
+from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
 from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
 from ingot.runtime.gpu.driver import Device, DeviceBuffer, DevicePool, Graph, Launch, PinnedBuffer, Stream
@@ -51,6 +51,7 @@ class _Seq:
     pos: int = 0  # tokens in the cache
     pages: list[int] = field(default_factory=list)
     recent: list[int] = field(default_factory=list)  # last repeat_last_n tokens (prompt included)
+    chain: PrefixChain = field(default_factory=PrefixChain)  # hashes of its full pages (the prefix cache)
 
 
 class _HostDevice:
@@ -101,6 +102,7 @@ class CudaEngine:
         max_seqs: int = 4,
         max_ctx: int | None = None,
         kv_pages: int | None = None,
+        prefix_cache: bool | None = None,
     ):
         c = self.config = model.config
         self.model = model
@@ -128,6 +130,7 @@ class CudaEngine:
         self.qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim  # width of the stacked q,k,v rows
         self.max_ctx = max_ctx or min(c.n_ctx_train, DEFAULT_MAX_CTX)
         self.max_pages = (self.max_ctx + PAGE - 1) // PAGE
+        self.prefix_cache = settings.PREFIX_CACHE.get() if prefix_cache is None else prefix_cache
 
         self.dev = Device(gpu)
         self.stream = Stream()
@@ -157,7 +160,7 @@ class CudaEngine:
             free, _ = self.dev.memory()
             budget = int(settings.KV_FRACTION.get() * free)
             kv_pages = max(self.max_pages, min(want, budget // (2 * c.n_layers * page_bytes)))
-        self.pages = PagePool(kv_pages, PAGE)
+        self.pages = PagePool(kv_pages, PAGE, prefix_cache=self.prefix_cache)
         self.kv_pages_total = kv_pages
         self.k_cache = [self.pool.alloc(kv_pages * page_bytes, f"k cache {i}") for i in range(c.n_layers)]
         self.v_cache = [self.pool.alloc(kv_pages * page_bytes, f"v cache {i}") for i in range(c.n_layers)]
@@ -427,6 +430,16 @@ class CudaEngine:
             )
         return self.pages.grow(st.pages, st.pos + n_new)
 
+    def _adopt(self, st: _Seq, tokens: list[int]) -> int:
+        """Prefix cache: append the cached pages that hold the prompt's leading full pages to the sequence's
+        block table (kvcache.py decides which); returns how many tokens they hold, which prefill skips."""
+        if st.pos + len(tokens) > self.max_ctx:
+            return 0  # _reserve refuses it
+        n = self.pages.adopt(st.pages, st.chain, tokens)
+        self._remember(st, tokens[:n])
+        st.pos += n
+        return n
+
     def _remember(self, st: _Seq, tokens: Sequence[int]) -> None:
         """Keep the repetition-penalty window (only a sequence with a penalty needs one)."""
         n = min(st.params.repeat_last_n, HIST_CAP)
@@ -466,6 +479,8 @@ class CudaEngine:
             raise UsageError("prefill needs at least one token")
         if any(t < 0 or t >= self.config.n_vocab for t in tokens):
             raise UsageError(f"token id out of range for a vocabulary of {self.config.n_vocab}")
+        if not all_logits:  # logits() returns a row per token, so it computes them all
+            tokens = tokens[self._adopt(st, tokens) :]  # never empty: the last token is always computed
         self._reserve(st, len(tokens))
         out = []
         p = self.pre
@@ -485,6 +500,7 @@ class CudaEngine:
             p.upload(self.stream)
             for launch in self._plan(T, all_logits):
                 launch(self.stream)
+            self.pages.append(st.pages, st.chain, chunk)  # registers the pages it filled (stream-ordered)
             if all_logits:
                 rows = np.empty((T, self.config.n_vocab), dtype=np.float32)
                 self.stream.download(rows, self.plogits.ptr)
@@ -536,8 +552,9 @@ class CudaEngine:
         out = self.out_host.view(np.int32, 0, B)
         self.stream.download(out, self.out_tokens.ptr)
         self.stream.synchronize()
-        for st in states:
+        for st, tok in zip(states, tokens, strict=False):
             st.pos += 1
+            self.pages.append(st.pages, st.chain, [tok])
         return [int(t) for t in out]
 
     def decode_logits(self, seqs: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
@@ -555,12 +572,16 @@ class CudaEngine:
             launch(self.stream)
 
     def kv_pages_used(self) -> int:
-        return self.pages.n_pages - self.pages.free
+        return self.pages.used  # held by live sequences; evictable cached pages count as free
+
+    def prefix_stats(self) -> dict:
+        return self.pages.prefix_stats()
 
     def memory_report(self) -> dict:
         free, total = self.dev.memory()
         return {
             "device": self.dev.info.name,
+            "compute_capability": self.dev.info.cc,
             "weights_bytes": self.w.nbytes,
             "engine_bytes": self.pool.allocated,
             "kv_pages": self.pages.n_pages,

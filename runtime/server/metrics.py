@@ -9,7 +9,10 @@ ingot_queue_wait_seconds                    from arrival to admission
 ingot_decode_tokens_per_second              tokens per second of the last batched decode step
 ingot_decode_batch_size                     sequences per decode step (histogram)
 ingot_queue_depth, ingot_running_sequences  requests waiting for admission, sequences being generated
-ingot_kv_cache_pages_used, _free            KV-cache pages in use and free
+ingot_kv_cache_pages_used, _free            KV-cache pages in use and free (cached pages no sequence holds are free)
+ingot_prefix_cache_queried_tokens           prompt tokens looked up in the prefix cache, since start
+ingot_prefix_cache_saved_prefill_tokens     of those, read from cached pages instead of prefilled, since start
+ingot_prefix_cache_hit_rate                 saved / queried
 """
 
 from __future__ import annotations
@@ -58,11 +61,23 @@ class Metrics:
         self.batch = Histogram(
             "ingot_decode_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS, registry=r
         )
-        gauges: list[tuple[str, str, Callable[[Stats], int]]] = [
+        gauges: list[tuple[str, str, Callable[[Stats], float]]] = [
             ("ingot_queue_depth", "Requests waiting for admission", lambda s: s.waiting),
             ("ingot_running_sequences", "Sequences being generated", lambda s: s.running),
             ("ingot_kv_cache_pages_used", "KV-cache pages in use", lambda s: s.kv_pages_used),
             ("ingot_kv_cache_pages_free", "KV-cache pages free", lambda s: s.kv_pages_total - s.kv_pages_used),
+            # the engine's running totals (it owns them), so gauges that only grow rather than counters
+            (
+                "ingot_prefix_cache_queried_tokens",
+                "Prompt tokens looked up in the prefix cache",
+                lambda s: s.prefix_queried_tokens,
+            ),
+            (
+                "ingot_prefix_cache_saved_prefill_tokens",
+                "Prompt tokens read from the prefix cache",
+                lambda s: s.prefix_hit_tokens,
+            ),
+            ("ingot_prefix_cache_hit_rate", "Saved / queried prompt tokens of the prefix cache", _hit_rate),
         ]
         for name, doc, read in gauges:
             Gauge(name, doc, registry=r).set_function(functools.partial(_read_stats, read, stats))
@@ -92,8 +107,12 @@ class Metrics:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _read_stats(read: Callable[[Stats], int], stats: Callable[[], Stats]) -> float:
+def _read_stats(read: Callable[[Stats], float], stats: Callable[[], Stats]) -> float:
     return read(stats())
+
+
+def _hit_rate(s: Stats) -> float:
+    return s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens else 0.0
 
 
 class RequestCounter:

@@ -74,6 +74,8 @@ class Stats(msgspec.Struct, array_like=True):
     running: int = 0
     kv_pages_used: int = 0
     kv_pages_total: int = 0
+    prefix_queried_tokens: int = 0  # prompt tokens the engine looked up in its prefix cache (engine.prefix_stats)
+    prefix_hit_tokens: int = 0  # of those, adopted from cached pages: prefill work saved
 
 
 class Step(msgspec.Struct, tag=True, array_like=True):

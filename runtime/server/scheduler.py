@@ -5,8 +5,9 @@ Each `step()`:
     then prompt tokens, at most `prefill_chunk` of them (INGOT_PREFILL_CHUNK), for the sequences still being
         prefilled, oldest first, admitting waiting requests in arrival order while a sequence slot (max_seqs)
         and their KV pages are free; a prompt longer than what is left of the budget is prefilled in chunks
-        over several steps (engine.prefill appends at the sequence's position, so consecutive chunks are one
-        prompt; the token sampled after a chunk that is not the last is discarded)
+        (ending on KV page boundaries where the budget allows: the next chunk's prefill can then adopt
+        prefix-cached pages) over several steps (engine.prefill appends at the sequence's position, so
+        consecutive chunks are one prompt; the token sampled after a chunk that is not the last is discarded)
     -> a protocol.Step: each sequence's new token ids, which ones ended (eos, length) or failed, the stats.
 So a 4,000-token prompt costs every running stream at most one chunk's prefill time per token, never the
 whole prompt's. The loop knows no text: stop strings are the front end's, which Aborts a sequence whose text
@@ -147,16 +148,20 @@ class Scheduler:
         """Spend the step's prompt-token budget: partly prefilled sequences first, then new admissions."""
         budget = self.prefill_chunk
         for partial in [s for s in self._running if not s.decoding]:
-            if budget <= 0:
-                return self.prefill_chunk
-            budget -= self._prefill(partial, budget, outputs)
+            spent = self._prefill(partial, budget, outputs)
+            if not spent:
+                return self.prefill_chunk - budget
+            budget -= spent
         while budget > 0 and self._waiting:
             new = self._admit(outputs)
             if new is None:  # no slot or KV pages free: the rest waits
                 break
             if new.seq is not None:
                 started.append((new.req.id, time.monotonic_ns()))
-                budget -= self._prefill(new, budget, outputs)
+                spent = self._prefill(new, budget, outputs)
+                if not spent:  # its first chunk waits for the next step's budget
+                    break
+                budget -= spent
         return self.prefill_chunk - budget
 
     def _admit(self, outputs: _Outputs) -> _Seq | None:
@@ -181,7 +186,13 @@ class Scheduler:
         """Feed up to `budget` more prompt tokens; returns how many. The last chunk's sampled token is the
         sequence's first."""
         prompt = s.req.prompt
-        chunk = prompt[s.prefilled : s.prefilled + budget]
+        end = s.prefilled + budget
+        aligned = end - end % self.engine.kv_page_size
+        if end < len(prompt) and aligned > s.prefilled:  # not the last chunk: end it on a page boundary, where
+            end = aligned  # the next chunk's prefill can adopt cached pages (the prefix cache)
+        chunk = prompt[s.prefilled : end]
+        if not chunk:  # no budget left
+            return 0
         try:
             if len(prompt) > self.engine.max_ctx:
                 raise UsageError(
@@ -231,5 +242,13 @@ class Scheduler:
     def _report(
         self, outputs: _Outputs, started: list[tuple[int, int]], batch: int, decode_s: float, prefilled: int
     ) -> Step:
-        stats = Stats(len(self._waiting), len(self._running), self.engine.kv_pages_used(), self._kv_total)
+        prefix = self.engine.prefix_stats()
+        stats = Stats(
+            len(self._waiting),
+            len(self._running),
+            self.engine.kv_pages_used(),
+            self._kv_total,
+            prefix["queried_tokens"],
+            prefix["hit_tokens"],
+        )
         return Step(list(outputs.by_id.values()), started, batch, decode_s, prefilled, stats)

@@ -233,6 +233,12 @@ def test_bench_reports_sane_json(monkeypatch, capsys, bundle, model):
     assert g["device"] in {gpu.name for gpu in probe().gpus}
     # the weights are part of what the engine allocated, which is part of what the device has in use
     assert 0 < g["weights_bytes"] <= g["engine_bytes"] <= g["device_used_bytes"] and g["kv_pages"] > 0
+    # on a GPU the ceilings table knows, every throughput figure carries its share of the hardware's limit: a
+    # physical fraction (a share above 1 would mean the byte or FLOP count undercounts the work)
+    if "ceiling" in report:
+        for r in report["results"][:-1]:
+            assert r["bound"] == ("compute" if r["test"].startswith("pp") else "memory"), r
+            assert 0 < r["ceiling_share"] < 1, r
 
 
 # --- serve --device cuda ------------------------------------------------------------------------------------

@@ -5,12 +5,22 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from ingot.runtime.bench import cold_start, run_benchmarks
+from ingot.runtime.bench import cold_start, run_benchmarks, tg_prompt_len
 from ingot.runtime.engines import open_engine
 from ingot.runtime.errors import UsageError
-from ingot.runtime.resolve import open_model
+from ingot.toolchain.cli.models import open_model_for_cli
 from ingot.toolchain.cli.options import device_option, json_option, model_argument, pubkey_option
 from ingot.toolchain.cli.output import emit_json, out
+
+
+def _int_list(option: str, text: str, low: int, example: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise UsageError(f"{option} {text!r} is not a list of integers", hint=f"e.g. {option} {example}") from None
+    if not values or min(values) < low:
+        raise UsageError(f"{option} values must be >= {low}", hint=f"e.g. {option} {example}")
+    return values
 
 
 @click.command()
@@ -32,6 +42,14 @@ from ingot.toolchain.cli.output import emit_json, out
     help="Generated tokens for the tg tests (0 skips them).",
 )
 @click.option(
+    "--prefix",
+    "n_prefix",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Also run pp with its first N tokens shared by every repetition (the prefix cache's saving; 0 skips it).",
+)
+@click.option(
     "-r",
     "--reps",
     default=5,
@@ -47,6 +65,15 @@ from ingot.toolchain.cli.output import emit_json, out
     metavar="LIST",
     help="Decode batch sizes, e.g. 1,4,16,64 (tg at each).",
 )
+@click.option(
+    "-d",
+    "--depth",
+    "depths",
+    default="0",
+    show_default=True,
+    metavar="LIST",
+    help="Tokens already in the cache before each test, e.g. 0,4096,16384 (llama-bench's -d).",
+)
 @device_option
 @click.option(
     "--cold-start/--no-cold-start",
@@ -58,21 +85,45 @@ from ingot.toolchain.cli.output import emit_json, out
 @click.option("--allow-unverified", is_flag=True, help="Benchmark a bundle that does not verify.")
 @pubkey_option
 @json_option("the results")
-def bench(model_spec, n_prompt, n_gen, reps, batches, device, with_cold_start, allow_unverified, pubkeys, as_json):
-    """Throughput like llama-bench: pp (prefill), tg (batch-1 and batched decode), cold start, GPU memory."""
-    try:
-        sizes = sorted({int(b) for b in batches.split(",") if b.strip()})
-    except ValueError:
-        raise UsageError(f"--batch {batches!r} is not a list of integers", hint="e.g. --batch 1,4,16") from None
-    if not sizes or min(sizes) < 1:
-        raise UsageError("--batch sizes must be >= 1")
-    opened = open_model(model_spec, allow_unverified=allow_unverified, pubkeys=pubkeys)
+def bench(
+    model_spec,
+    n_prompt,
+    n_gen,
+    n_prefix,
+    reps,
+    batches,
+    depths,
+    device,
+    with_cold_start,
+    allow_unverified,
+    pubkeys,
+    as_json,
+):
+    """Throughput like llama-bench: pp (prefill), tg (batch-1 and batched decode), each at the cache depths
+    asked for, pp with a cached prefix, cold start, GPU memory; on a known GPU each figure's share of the
+    hardware's ceiling."""
+    sizes = _int_list("--batch", batches, 1, "1,4,16")
+    depth_list = _int_list("--depth", depths, 0, "0,4096")
+    if n_prefix and n_prefix >= n_prompt:
+        raise UsageError(
+            f"--prefix {n_prefix} leaves no prompt tokens to compute", hint=f"use --prefix < -p {n_prompt}"
+        )
+    opened = open_model_for_cli(model_spec, allow_unverified, quiet=as_json, pubkeys=pubkeys)
     model = opened.model
-    engine = open_engine(
-        model, device, kernels=opened.kernels, max_seqs=max(sizes), max_ctx=max(n_prompt, 8 * max(sizes)) + n_gen + 8
-    )
+    # the longest sequence: the deepest cache, then the pp prompt or the longest tg prompt and its generation
+    longest = max(depth_list) + max(n_prompt, tg_prompt_len(max(sizes) - 1) + n_gen) + 8
+    engine = open_engine(model, device, kernels=opened.kernels, max_seqs=max(sizes), max_ctx=longest)
     try:
-        report = run_benchmarks(engine, n_prompt=n_prompt, n_gen=n_gen, reps=reps, batches=sizes)
+        report = run_benchmarks(
+            engine,
+            n_prompt=n_prompt,
+            n_gen=n_gen,
+            reps=reps,
+            batches=sizes,
+            depths=tuple(depth_list),
+            n_prefix=n_prefix,
+            model=model,
+        )
         backend = engine.name
     finally:
         engine.close()
@@ -95,12 +146,28 @@ def bench(model_spec, n_prompt, n_gen, reps, batches, device, with_cold_start, a
         title=f"{m['name']} ({m['arch']}, {m['params'] / 1e6:,.0f}M params, "
         f"{m['size_bytes'] / 2**20:,.0f} MiB, {'/'.join(m['quant_types'])}) on {backend}"
     )
-    for col in ("test", "t/s", "ms/rep", "reps"):
+    ceiling = report.get("ceiling")
+    for col in ("test", "t/s", "of ceiling", "ms/rep", "reps"):
         table.add_column(col, justify="left" if col == "test" else "right")
     for r in report["results"]:
         rate = f"{r['tok_s_mean']:,.1f} ± {r['tok_s_std']:,.1f}" if r["n_tokens"] > 1 else "-"
-        table.add_row(r["test"], rate, f"{r['ms_mean']:,.2f}", str(r["reps"]))
+        share = "-"
+        if r.get("ceiling_share") is not None:
+            share = f"{100 * r['ceiling_share']:.0f}% {'HBM' if r['bound'] == 'memory' else 'TC'}"
+        table.add_row(r["test"], rate, share, f"{r['ms_mean']:,.2f}", str(r["reps"]))
     out.print(table)
+    if ceiling:
+        click.echo(
+            f"ceiling ({ceiling['source']}, {ceiling['gpu']}): {ceiling['memory_bytes_s'] / 1e12:.2f} TB/s memory "
+            f"(decode: weights + KV read per step), {ceiling['tensor_flop_s'] / 1e12:.0f} TFLOP/s dense fp16/bf16 "
+            "(prefill)"
+        )
+    p = report["prefix_cache"]
+    if n_prefix and p["queried_tokens"]:
+        click.echo(
+            f"prefix cache {'on' if p['enabled'] else 'off (INGOT_PREFIX_CACHE=0)'}: {p['hit_tokens']} of "
+            f"{p['queried_tokens']} prompt tokens read from cached pages ({p['hit_rate']:.0%})"
+        )
     if "gpu" in report:
         g = report["gpu"]
         click.echo(

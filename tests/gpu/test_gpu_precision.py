@@ -1,0 +1,144 @@
+"""Where the GPU engine's rounding error comes from, and tolerances that follow from it.
+
+The GPU has two kinds of decode path. Batches narrower than DECODE_GEMM_MIN_BATCH run the dp4a matrix-vector
+kernels on q8x2 activations (two int8 levels: ~15 bits, products exact in integers), so their logits match the
+fp32 CPU reference to ~1e-3. Wider batches (and prefill) run the tensor-core GEMMs, which read every weight and
+every activation as fp16 (11 significant bits) with fp32 accumulation; the KV cache is fp16 on every path.
+Those roundings are the design, not a bug, and how much they move the logits depends on the model: on SmolLM2
+the wide path was seen at rel err 0.0113 against fp32 (issue 11), past the 1e-2 the fp32 comparison uses.
+
+So the GEMM paths are checked against what their roundings cost: the CPU reference run again with every matmul
+operand rounded to fp16 (accumulation in fp32) and the KV cache stored as fp16 gives, per step and sequence, the
+distance d16 that fp16 operands alone put between a result and fp32. The GPU may be that far from fp32 twice
+over (its rounding points are not exactly the emulation's: e.g. the activations it rounds come from its own
+fp32 arithmetic) plus the 1e-3 the q8x2 paths are held to; a GEMM path further away than that loses precision
+somewhere the design does not account for. Measured on the H200 with SmolLM2 (2026-12-01): fp16 emulation vs
+fp32 up to 2.8e-3 (prefill of 7 tokens), the GPU's GEMM paths within the same range, so the 1e-2 of
+test_gpu_engine is not a tolerance loosened to fit; the 0.0113 reported once on the wide path did not recur in
+this run.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import write_model
+
+from ingot.runtime import settings
+from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.model import reference
+from ingot.runtime.model.gguf import load_model
+from ingot.runtime.sampling import SamplingParams
+
+STEPS = 8
+Q8X2_TOL = 1e-3  # what the q8x2 matvec paths reach against fp32 on the same models (test_gpu_engine prints it)
+
+
+def within_fp16_budget(errs: dict) -> bool:
+    """The GPU's distance from fp32 is at most twice what fp16 operands alone cost, plus the q8x2 budget."""
+    return errs["gpu-fp32"] <= 2 * errs["fp16emu-fp32"] + Q8X2_TOL
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@contextmanager
+def fp16_operands():
+    """The CPU reference with the GPU GEMM path's roundings: matmul operands fp16, KV cache fp16."""
+    rounded: dict[int, np.ndarray] = {}
+    plain_linear, plain_empty = reference.linear, reference.KVCache.empty
+
+    def linear(x, w):
+        if id(w) not in rounded:
+            rounded[id(w)] = w.astype(np.float16).astype(np.float32)
+        return plain_linear(x.astype(np.float16).astype(np.float32), rounded[id(w)])
+
+    def empty(c, capacity):
+        shape = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
+        return reference.KVCache(np.zeros(shape, np.float16), np.zeros(shape, np.float16))
+
+    reference.linear, reference.KVCache.empty = linear, empty  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        reference.linear, reference.KVCache.empty = plain_linear, plain_empty  # type: ignore[method-assign]
+
+
+def _models() -> list:
+    params = [pytest.param(("tiny", "q4_1-gqa3"), id="q4_1-gqa3")]
+    for p in filter(None, (settings.TEST_MODELS.get() or "").split(":")):
+        params.append(pytest.param(("file", p), id=Path(p).stem))
+    return params
+
+
+@pytest.fixture(scope="module", params=_models())
+def model(request, tmp_path_factory):
+    kind, what = request.param
+    path = write_model(tmp_path_factory.mktemp("m") / f"{what}.gguf", what) if kind == "tiny" else Path(what)
+    return load_model(path)
+
+
+def test_wide_batch_decode_is_within_its_fp16_budget(model):
+    from ingot.runtime.engines.cuda import CudaEngine
+
+    B = settings.DECODE_GEMM_MIN_BATCH.get()
+    prompts = [
+        [int(t) for t in np.random.default_rng(300 + i).integers(2, model.config.n_vocab, 2 + 9 * i)] for i in range(B)
+    ]
+    gpu = CudaEngine(model, max_seqs=B, max_ctx=512)
+    ref32 = CpuEngine(model, max_seqs=B, max_ctx=512)
+    ref16 = CpuEngine(model, max_seqs=B, max_ctx=512)
+    try:
+        gs = [gpu.new_sequence(SamplingParams()) for _ in range(B)]
+        cs = [ref32.new_sequence(SamplingParams()) for _ in range(B)]
+        es = [ref16.new_sequence(SamplingParams()) for _ in range(B)]
+        nxt = [int(np.argmax(ref32.logits(c, p)[-1])) for c, p in zip(cs, prompts, strict=True)]
+        with fp16_operands():
+            for e, p in zip(es, prompts, strict=True):
+                ref16.logits(e, p)
+        for g, p in zip(gs, prompts, strict=True):
+            gpu.prefill(g, p)
+        worst = {"gpu-fp16emu": 0.0, "gpu-fp32": 0.0, "fp16emu-fp32": 0.0}
+        for step in range(STEPS):
+            out = gpu.decode_logits(gs, nxt)
+            for b in range(B):
+                r32 = ref32.logits(cs[b], [nxt[b]])[-1]
+                with fp16_operands():
+                    r16 = ref16.logits(es[b], [nxt[b]])[-1]
+                errs = {"gpu-fp16emu": rel_err(out[b], r16), "gpu-fp32": rel_err(out[b], r32),
+                        "fp16emu-fp32": rel_err(r16, r32)}  # fmt: skip
+                worst = {k: max(worst[k], v) for k, v in errs.items()}
+                assert within_fp16_budget(errs), f"step {step}, sequence {b}: {errs}"
+                nxt[b] = int(np.argmax(r32))
+        print(
+            f"wide-batch decode (B={B}, {STEPS} steps), worst rel err: "
+            + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+        )
+    finally:
+        gpu.close()
+
+
+@pytest.mark.parametrize("n", (7, 128))
+def test_prefill_logits_are_within_their_fp16_budget(model, n):
+    """Prefill runs the same fp16-operand GEMMs (without split-K), all rows' logits through the GEMM head."""
+    from ingot.runtime.engines.cuda import CudaEngine
+
+    tokens = [int(t) for t in np.random.default_rng(n).integers(2, model.config.n_vocab, n)]
+    gpu = CudaEngine(model, max_seqs=1, max_ctx=512)
+    try:
+        out = gpu.logits(gpu.new_sequence(SamplingParams()), tokens)[-1]
+    finally:
+        gpu.close()
+    r32 = CpuEngine(model, max_seqs=1, max_ctx=512)
+    ref32 = r32.logits(r32.new_sequence(SamplingParams()), tokens)[-1]
+    r16 = CpuEngine(model, max_seqs=1, max_ctx=512)
+    with fp16_operands():
+        ref16 = r16.logits(r16.new_sequence(SamplingParams()), tokens)[-1]
+    errs = {"gpu-fp16emu": rel_err(out, ref16), "gpu-fp32": rel_err(out, ref32), "fp16emu-fp32": rel_err(ref16, ref32)}
+    print(f"prefill {n}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    assert within_fp16_budget(errs), errs
