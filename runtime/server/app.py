@@ -53,7 +53,8 @@ def _api_route(models: Models, path: str, handler, methods: list[str], dialect) 
     """A dialect's route: handler(server, request) with the Server of the model the request names."""
 
     async def run(request: Request) -> Response:
-        return await handler(await models.route(request), request)
+        async with models.using(request) as server:
+            return await handler(server, request)
 
     return _route(models, path, run, methods, dialect)
 

@@ -19,6 +19,8 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from starlette.requests import Request
@@ -74,6 +76,7 @@ class _Slot:
         self.keep_alive = keep_alive
         self.last_used = time.monotonic()
         self.loading = asyncio.Lock()
+        self.pending = 0  # requests routed to it whose handler has not returned yet
 
 
 class Models:
@@ -133,6 +136,19 @@ class Models:
             )
         return slot
 
+    @asynccontextmanager
+    async def using(self, request: Request) -> AsyncIterator[Server]:
+        """route(), with the model held loaded until the handler returned (by then a request's job is in
+        flight, which keeps it loaded too): keep_alive 0 cannot unload it between loading and submitting."""
+        server = await self.route(request)
+        slot = self.slots[server.model_id]
+        slot.pending += 1
+        try:
+            yield server
+        finally:
+            slot.pending -= 1
+            slot.last_used = time.monotonic()
+
     async def route(self, request: Request) -> Server:
         """The loaded model a request is for: the path's {model}, or the body's "model" (or "name")."""
         single = self.single
@@ -176,7 +192,7 @@ class Models:
                 server = slot.server
                 if not server.ready or slot.loading.locked():
                     continue
-                if server.in_flight:
+                if server.in_flight or slot.pending:
                     slot.last_used = now
                 elif slot.keep_alive >= 0 and now - slot.last_used >= slot.keep_alive:
                     log.info("unloading model %s (idle for %.0f s)", name, now - slot.last_used)
@@ -192,7 +208,11 @@ class Models:
             free = max((g.memory_free or 0 for g in gpus), default=None)
             if free is None or free >= need:
                 return
-            idle = [s for s in self.slots.values() if s is not slot and s.server.ready and not s.server.in_flight]
+            idle = [
+                s
+                for s in self.slots.values()
+                if s is not slot and s.server.ready and not s.server.in_flight and not s.pending
+            ]
             if not idle:
                 log.warning(
                     "loading %s with %.1f GiB free on the GPU: no idle model to evict", slot.server.spec, free / 2**30
