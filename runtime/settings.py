@@ -117,6 +117,29 @@ API_KEY = Setting(
     "a key string",
     "`ingot serve` requires this key (Authorization: Bearer KEY or x-api-key: KEY); same as --api-key.",
 )
+# 512: the GPU and CPU engines' own prefill pass (PREFILL_CHUNK in engines/), so a chunk costs one pass and no
+# extra launches; on the H200 a 512-token pass of a small model takes a few ms, well inside the 50 ms a running
+# stream may be delayed. Smaller chunks cut that delay further but add a pass (and a sampled token) per chunk.
+PREFILL_CHUNK = Setting(
+    "INGOT_PREFILL_CHUNK",
+    512,
+    _positive_int,
+    "a positive integer",
+    "`ingot serve`: prompt tokens prefilled per engine step, so a long prompt never stalls running streams for long.",
+)
+
+
+def _seconds(text: str) -> float:
+    return float(text)
+
+
+KEEP_ALIVE = Setting(
+    "INGOT_KEEP_ALIVE",
+    300.0,
+    _seconds,
+    "a number of seconds (negative: forever)",
+    "`ingot serve` with several models: seconds a model stays loaded after its last request (Ollama's keep_alive).",
+)
 TEST_MODEL = Setting(
     "INGOT_TEST_MODEL",
     None,
@@ -168,6 +191,8 @@ ALL: tuple[Setting, ...] = (
     KV_FRACTION,
     PREFIX_CACHE,
     API_KEY,
+    PREFILL_CHUNK,
+    KEEP_ALIVE,
     TEST_MODEL,
     TEST_GEMMA3,
     TRUSTED_KEYS,

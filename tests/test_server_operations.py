@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import anthropic
 import httpx
@@ -104,7 +105,7 @@ def _ingot(*args, block=(), timeout=60):
     return p.returncode, p.stdout, p.stderr
 
 
-@pytest.mark.parametrize("missing", ["starlette", "uvicorn", "sse_starlette", "prometheus_client"])
+@pytest.mark.parametrize("missing", ["starlette", "uvicorn", "sse_starlette", "prometheus_client", "zmq", "msgspec"])
 def test_serve_without_server_packages(model_path, missing):
     code, _, err = _ingot("serve", model_path, block=[missing])
     assert code == 2
@@ -112,7 +113,9 @@ def test_serve_without_server_packages(model_path, missing):
 
 
 def test_package_imports_without_server_packages():
-    code, _, err = _ingot("--help", block=["starlette", "uvicorn", "sse_starlette", "prometheus_client"])
+    code, _, err = _ingot(
+        "--help", block=["starlette", "uvicorn", "sse_starlette", "prometheus_client", "zmq", "msgspec"]
+    )
     assert code == 0, err
 
 
@@ -143,23 +146,26 @@ def test_health_answers_while_loading(model_path, monkeypatch):
     from starlette.testclient import TestClient
 
     from ingot.runtime.server import app as server_app
+    from ingot.runtime.server import server as server_module
 
     gate = threading.Event()
-    real_load = server_app.Server.load
+    real_load = server_module.Server.load
 
     def slow_load(self):
         gate.wait(30)
         return real_load(self)
 
-    monkeypatch.setattr(server_app.Server, "load", slow_load)
-    server = server_app.Server(str(model_path), server_app.Options(device="cpu"))
-    with TestClient(server_app.create_app(server)) as client:
+    monkeypatch.setattr(server_module.Server, "load", slow_load)
+    models = server_app.Models([str(model_path)], server_app.Options(device="cpu"))
+    with TestClient(server_app.create_app(models)) as client:
         r = client.get("/health")
         assert (r.status_code, r.json()) == (503, {"status": "loading"})
         r = client.post("/v1/chat/completions", json={"model": model_path.stem, "messages": QUESTION})
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
         gate.set()
-        assert server.scheduler.ready.wait(30)
+        deadline = time.monotonic() + 60  # the engine core process starts and loads the model
+        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert client.get("/health").status_code == 200
 
 
@@ -167,7 +173,7 @@ def test_gpu_choice(monkeypatch):
     """Without --gpu the GPU with the most free memory (NVML's reading); --gpu N is checked against the machine."""
     from ingot.runtime.errors import UsageError
     from ingot.runtime.gpu import probe
-    from ingot.runtime.server.server import pick_gpu
+    from ingot.runtime.server.core import pick_gpu
 
     gpus = tuple(probe.Gpu(i, "H200", 90, 141 << 30, free << 30) for i, free in enumerate((20, 130, 60)))
     monkeypatch.setattr(probe, "probe", lambda: probe.Machine("580", 13000, gpus))
@@ -183,7 +189,7 @@ def test_device_choice(tiny_model, monkeypatch):
     from ingot.runtime.errors import IncompatibleError
     from ingot.runtime.gpu import probe
     from ingot.runtime.resolve import Opened
-    from ingot.runtime.server.server import Options, open_serving_engine
+    from ingot.runtime.server.core import Options, open_serving_engine
 
     for gpus in ((), (probe.Gpu(0, "H200", 90, 141 << 30, 100 << 30),)):
         monkeypatch.setattr(probe, "probe", lambda gpus=gpus: probe.Machine("580", 13000, gpus))

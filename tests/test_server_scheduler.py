@@ -1,48 +1,32 @@
-"""The continuous-batching scheduler, in process on the tiny model: concurrent requests share decode steps and
-get the same tokens as one-at-a-time generation, admission respects max_seqs and free KV pages, a cancelled
-request's sequence is released, and a failing engine fails its requests instead of the loop."""
+"""The engine core's step loop (scheduler.py), in process on the tiny model: concurrent requests share decode
+steps and get the same tokens as one-at-a-time generation, admission respects max_seqs and free KV pages, an
+aborted request's sequence is released, a failing engine fails its requests instead of the loop, and a long
+prompt is prefilled in chunks while running streams keep getting a token every step. Also the front end's Job:
+stop_sequence and merged chunks."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from ingot.runtime.engines.cpu import CpuEngine
 from ingot.runtime.engines.kvcache import PagePool
-from ingot.runtime.generate import GenerationRequest, SamplingParams, generate
+from ingot.runtime.generate import Chunk, Generation, GenerationRequest, SamplingParams, generate
+from ingot.runtime.server.client import Job
+from ingot.runtime.server.protocol import Add, Step, decode_from_core, decode_to_core, encode
 from ingot.runtime.server.request import ApiError
-from ingot.runtime.server.scheduler import Job, Scheduler
-
-
-class Recorder:
-    """The scheduler's observer, keeping what it is told."""
-
-    def __init__(self):
-        self.batches, self.reasons, self.first_tokens = [], [], 0
-
-    def admitted(self, prompt_tokens, queued_s):
-        pass
-
-    def first_token(self, seconds):
-        self.first_tokens += 1
-
-    def step(self, batch, seconds):
-        self.batches.append(batch)
-
-    def generated(self, n_tokens):
-        pass
-
-    def retired(self, reason):
-        self.reasons.append(reason)
+from ingot.runtime.server.scheduler import Scheduler
+from ingot.runtime.structured import json_schema
 
 
 class Spy:
-    """A CpuEngine that records how many sequences are alive at each decode, optionally with a smaller KV
-    capacity (a page pool's size and page size, as the GPU engine reports them)."""
+    """A CpuEngine that records how many sequences are alive at each decode and each prefill's length,
+    optionally with a smaller KV capacity (a page pool's size and page size, as the GPU engine reports them)."""
 
     def __init__(self, engine: CpuEngine, pages: PagePool | None = None, fail_decode: bool = False):
-        self.engine, self.fail_decode, self.widest = engine, fail_decode, 0
+        self.engine, self.fail_decode, self.widest, self.prefills = engine, fail_decode, 0, []
         self.max_seqs, self.max_ctx = engine.max_seqs, engine.max_ctx
         if pages is not None:
             self.kv_page_size, self.kv_pages_total = pages.page_size, pages.n_pages
@@ -55,6 +39,10 @@ class Spy:
             raise RuntimeError("device lost")
         self.widest = max(self.widest, len(seqs))
         return self.engine.decode(seqs, tokens)
+
+    def prefill(self, seq, tokens):
+        self.prefills.append(len(tokens))
+        return self.engine.prefill(seq, tokens)
 
     @property
     def live(self) -> int:
@@ -77,30 +65,35 @@ def _request(tokenizer, text, max_tokens=12):
     return GenerationRequest(tuple(tokenizer.encode(text)), SamplingParams(), max_tokens)
 
 
-async def _serve(engine, tokenizer, requests, cancel_after: int | None = None):
-    """Run requests through a Scheduler; returns (texts or ApiErrors, the observer)."""
-    observer = Recorder()
-    scheduler = Scheduler(observer)
-    scheduler.start(lambda: engine, lambda e: None)
-    loop = asyncio.get_running_loop()
-    jobs = [Job(tokenizer, r, loop) for r in requests]
+def _add(rid, tokenizer, request):
+    return Add(rid, list(request.prompt_tokens), request.params, request.max_tokens, sorted(tokenizer.eog_ids))
 
-    async def drain(i, job):
-        text = ""
-        try:
-            async for chunk in job.chunks():
-                text += chunk.text
-                if i == 0 and cancel_after is not None and len(text) >= cancel_after:
-                    scheduler.cancel(job)
-            return text
-        except ApiError as e:
-            return e
 
-    for job in jobs:
-        scheduler.submit(job)
-    results = await asyncio.gather(*[drain(i, j) for i, j in enumerate(jobs)])
-    await asyncio.to_thread(scheduler.stop)
-    return results, observer
+def _run(engine, tokenizer, requests, prefill_chunk=512, abort_after=None, max_steps=10_000):
+    """Step a Scheduler until it is idle; each step goes through the wire encoding, as in the core process.
+    Returns (text or (status, message) per request, the steps). abort_after=(i, n): abort request i after
+    its n-th token."""
+    scheduler = Scheduler(engine, prefill_chunk)
+    for i, r in enumerate(requests):
+        scheduler.add(_add(i, tokenizer, r))
+    gens = [Generation(tokenizer, r) for r in requests]
+    texts: list = [""] * len(requests)
+    counts = [0] * len(requests)
+    steps = []
+    while scheduler.has_work() and len(steps) < max_steps:
+        step = decode_from_core(encode(scheduler.step()))
+        assert isinstance(step, Step)
+        steps.append(step)
+        for out in step.outputs:
+            for t in out.tokens:
+                texts[out.id] += gens[out.id].accept(t, context_full=out.finish == "length").text
+                counts[out.id] += 1
+            if out.finish == "error":
+                texts[out.id] = (out.status, out.message)
+            if abort_after and out.id == abort_after[0] and counts[out.id] >= abort_after[1] and not out.finish:
+                scheduler.abort([out.id])
+                texts[out.id] = "aborted"
+    return texts, steps
 
 
 def _one_at_a_time(tiny_model, tokenizer, requests):
@@ -113,10 +106,11 @@ def _one_at_a_time(tiny_model, tokenizer, requests):
 def test_batched_output_equals_one_at_a_time(tiny_model, tiny_tokenizer):
     requests = [_request(tiny_tokenizer, p) for p in PROMPTS]
     spy = Spy(CpuEngine(tiny_model, max_seqs=4))
-    results, observer = asyncio.run(_serve(spy, tiny_tokenizer, requests))
-    assert results == _one_at_a_time(tiny_model, tiny_tokenizer, requests)
+    texts, steps = _run(spy, tiny_tokenizer, requests)
+    assert texts == _one_at_a_time(tiny_model, tiny_tokenizer, requests)
     assert spy.widest == 4  # steps were shared, never past max_seqs
-    assert observer.first_tokens == len(PROMPTS) and spy.live == 0
+    assert spy.live == 0 and steps[-1].stats.running == 0 and steps[-1].stats.kv_pages_used == 0
+    assert sorted(i for s in steps for i, _ in s.started) == list(range(len(PROMPTS)))
 
 
 def test_admission_waits_for_free_kv_pages(tiny_model, tiny_tokenizer):
@@ -125,67 +119,139 @@ def test_admission_waits_for_free_kv_pages(tiny_model, tiny_tokenizer):
     requests = [_request(tiny_tokenizer, p, max_tokens=20) for p in PROMPTS]
     assert all(len(r.prompt_tokens) + r.max_tokens <= 64 for r in requests)
     spy = Spy(CpuEngine(tiny_model, max_seqs=8), pages=PagePool(2, 64))
-    results, _ = asyncio.run(_serve(spy, tiny_tokenizer, requests))
-    assert spy.widest == 2
-    assert results == _one_at_a_time(tiny_model, tiny_tokenizer, requests)
+    texts, steps = _run(spy, tiny_tokenizer, requests)
+    assert spy.widest == 2 and max(s.stats.running for s in steps) == 2
+    assert texts == _one_at_a_time(tiny_model, tiny_tokenizer, requests)
 
 
-def test_cancel_releases_the_sequence_and_spares_the_others(tiny_model, tiny_tokenizer):
+def test_abort_releases_the_sequence_and_spares_the_others(tiny_model, tiny_tokenizer):
     requests = [_request(tiny_tokenizer, p, max_tokens=200) for p in PROMPTS[:4]]
     spy = Spy(CpuEngine(tiny_model, max_seqs=4))
-    results, observer = asyncio.run(_serve(spy, tiny_tokenizer, requests, cancel_after=1))
-    assert isinstance(results[0], ApiError) and results[0].status == 499
-    assert results[1:] == _one_at_a_time(tiny_model, tiny_tokenizer, requests[1:])
-    assert observer.reasons.count("cancelled") == 1 and spy.live == 0
+    texts, steps = _run(spy, tiny_tokenizer, requests, abort_after=(0, 2))
+    assert texts[0] == "aborted" and all(0 not in [o.id for o in s.outputs] for s in steps[3:])
+    assert texts[1:] == _one_at_a_time(tiny_model, tiny_tokenizer, requests[1:])
+    assert spy.live == 0
 
 
 def test_engine_failure_fails_its_requests_not_the_loop(tiny_model, tiny_tokenizer):
     spy = Spy(CpuEngine(tiny_model, max_seqs=4), fail_decode=True)
-    results, observer = asyncio.run(_serve(spy, tiny_tokenizer, [_request(tiny_tokenizer, p) for p in PROMPTS[:3]]))
-    assert all(isinstance(r, ApiError) and r.status == 500 and "device lost" in r.message for r in results)
-    assert observer.reasons == ["error"] * 3 and spy.live == 0
+    texts, _ = _run(spy, tiny_tokenizer, [_request(tiny_tokenizer, p) for p in PROMPTS[:3]])
+    assert all(t[0] == 500 and "device lost" in t[1] for t in texts)
+    assert spy.live == 0
 
 
-def test_load_failure_is_reported():
-    failures = []
-    scheduler = Scheduler(Recorder())
+def test_end_all_fails_queued_and_running(tiny_model, tiny_tokenizer):
+    spy = Spy(CpuEngine(tiny_model, max_seqs=2))
+    scheduler = Scheduler(spy, 512)
+    for i, p in enumerate(PROMPTS[:4]):
+        scheduler.add(_add(i, tiny_tokenizer, _request(tiny_tokenizer, p, max_tokens=50)))
+    scheduler.step()  # two admitted, two waiting
+    step = scheduler.end_all()
+    assert sorted((o.id, o.finish, o.status) for o in step.outputs) == [(i, "error", 503) for i in range(4)]
+    assert spy.live == 0 and not scheduler.has_work() and step.stats.running == 0
 
-    def load():
-        raise OSError("no such model")
 
-    scheduler.start(load, failures.append)
-    scheduler._thread.join(10)
-    assert isinstance(scheduler.failure, OSError) and failures == [scheduler.failure]
-    assert not scheduler.ready.is_set()
+def test_long_prompt_is_prefilled_in_chunks_while_a_stream_runs(tiny_model, tiny_tokenizer):
+    """A running stream gets a token in every step while a 200-token prompt arrives: the prompt goes in chunks
+    of at most `prefill_chunk` tokens, one per step, and its output is the same as unchunked."""
+    stream = _request(tiny_tokenizer, "hello world", max_tokens=60)
+    long_prompt = tuple(tiny_tokenizer.encode(" ".join(["the people of the country"] * 40)))[:200]
+    long = GenerationRequest(long_prompt, SamplingParams(), 8)
+    spy = Spy(CpuEngine(tiny_model, max_seqs=2, max_ctx=256))
+    scheduler = Scheduler(spy, prefill_chunk=16)
+    scheduler.add(_add(0, tiny_tokenizer, stream))
+    steps = [scheduler.step(), scheduler.step()]  # the stream is prefilled and decoding
+    scheduler.add(_add(1, tiny_tokenizer, long))
+    while scheduler.has_work():
+        steps.append(scheduler.step())
+    firsts = [i for i, s in enumerate(steps) if any(o.id == 1 and o.tokens for o in s.outputs)]
+    during = steps[2 : firsts[0] + 1]  # from the long prompt's arrival to its first token
+    assert len(during) == -(-200 // 16)  # one chunk per step
+    assert all(any(o.id == 0 and len(o.tokens) == 1 for o in s.outputs) for s in during)  # the stream advanced
+    assert max(spy.prefills[1:]) <= 16 and sum(spy.prefills[1:]) == 200
+    # the chunked prompt's output equals one-at-a-time generation's (greedy)
+    texts, _ = _run(Spy(CpuEngine(tiny_model, max_seqs=2, max_ctx=256)), tiny_tokenizer, [stream, long], 16)
+    assert texts == _one_at_a_time(tiny_model, tiny_tokenizer, [stream, long])
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "s": {"enum": ["yes", "no"]}},
+    "required": ["n", "s"],
+    "additionalProperties": False,
+}
+
+
+class MaskSpy(Spy):
+    """Records whether each prefill and decode got masks (and how many of a decode's rows were masked)."""
+
+    def __init__(self, engine: CpuEngine):
+        super().__init__(engine)
+        self.prefill_masks: list[bool] = []
+        self.decode_masks: list[int | None] = []
+
+    def decode(self, seqs, tokens, masks=None):
+        self.decode_masks.append(None if masks is None else sum(m is not None for m in masks))
+        return self.engine.decode(seqs, tokens, masks)
+
+    def prefill(self, seq, tokens, mask=None):
+        self.prefill_masks.append(mask is not None)
+        return self.engine.prefill(seq, tokens, mask)
+
+
+def test_constrained_sequence_gets_masks_and_a_schema_instance(tiny_model, tiny_tokenizer):
+    """Add.constraint crosses the wire; the core masks only the constrained sequence's last prefill chunk and
+    its decode rows, and its output is an instance of the schema, while a free sequence in the same batch
+    matches one-at-a-time generation."""
+    free = _request(tiny_tokenizer, "hello world", max_tokens=20)
+    prompt = tuple(tiny_tokenizer.encode(" ".join(["the people of the country"] * 4)))
+    constrained = GenerationRequest(prompt, SamplingParams(temperature=1.0, seed=3), 200)
+    spy = MaskSpy(CpuEngine(tiny_model, max_seqs=2, max_ctx=256))
+    scheduler = Scheduler(spy, prefill_chunk=8, tokenizer=tiny_tokenizer)
+    scheduler.add(_add(0, tiny_tokenizer, free))
+    add = _add(1, tiny_tokenizer, constrained)
+    add.constraint = json_schema(SCHEMA).to_json().encode()
+    scheduler.add(decode_to_core(encode(add)))
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    finish = {}
+    while scheduler.has_work():
+        step = decode_from_core(encode(scheduler.step()))
+        assert isinstance(step, Step)
+        for out in step.outputs:
+            tokens[out.id] += out.tokens
+            if out.finish:
+                finish[out.id] = (out.finish, out.message)
+    assert finish[1] == ("eos", ""), finish
+    value = json.loads(tiny_tokenizer.decode([t for t in tokens[1] if t not in tiny_tokenizer.eog_ids]))
+    assert set(value) == {"n", "s"} and 0 <= value["n"] <= 99 and value["s"] in ("yes", "no")
+    assert spy.prefill_masks.count(True) == 1 and len(spy.prefill_masks) > 2  # chunked: only the last is masked
+    assert any(m == 1 for m in spy.decode_masks)  # the batch held both: one masked row
+    assert all(m is None or m == 1 for m in spy.decode_masks)
+    free_text = Generation(tiny_tokenizer, free)
+    text = "".join(free_text.accept(t, context_full=False).text for t in tokens[0])
+    assert text == _one_at_a_time(tiny_model, tiny_tokenizer, [free])[0]
 
 
 @pytest.mark.parametrize(
     "stops, text, matched", [((" world", "llo"), "hello world", "llo"), (("b", "ab"), "xab", "ab")]
 )
-def test_stop_sequence_is_named(tiny_model, tiny_tokenizer, stops, text, matched):
+def test_stop_sequence_is_named(tiny_tokenizer, stops, text, matched):
     """Anthropic's stop_sequence: which stop string ended the text (the earliest one in the text)."""
-    request = GenerationRequest((1,), SamplingParams(), 50, stops)
-    loop = asyncio.new_event_loop()
-    try:
-        job = Job(tiny_tokenizer, request, loop)
-        for token in tiny_tokenizer.encode(text, add_special=False):
-            if job.generation.accept(token).finish_reason:
-                break
-    finally:
-        loop.close()
+    job = Job(tiny_tokenizer, GenerationRequest((1,), SamplingParams(), 50, stops))
+    for token in tiny_tokenizer.encode(text, add_special=False):
+        if job.generation.accept(token).finish_reason:
+            break
     assert job.generation.finish_reason == "stop" and job.stop_sequence == matched
 
 
 def test_chunks_that_queue_up_come_out_merged(tiny_tokenizer):
     """A consumer that falls behind gets one delta for what piled up (fewer, larger stream events), and an error
     after text still delivers the text first."""
-    from ingot.runtime.generate import Chunk
 
     async def consume(items):
-        job = Job(tiny_tokenizer, GenerationRequest((1,), SamplingParams(), 8), asyncio.get_running_loop())
+        job = Job(tiny_tokenizer, GenerationRequest((1,), SamplingParams(), 8))
         for item in items:
             job.emit(item)
-        await asyncio.sleep(0)  # let the emitted items land in the queue
         got = []
         try:
             async for chunk in job.chunks():

@@ -24,8 +24,8 @@ from starlette.responses import JSONResponse, Response
 from ingot.runtime.model.gguf import Vocab
 from ingot.runtime.model.toolcalls import ToolCall, parse_calls
 from ingot.runtime.sampling import SamplingParams
+from ingot.runtime.server.client import Job
 from ingot.runtime.server.request import ApiError, Body, Bool, Str, TextRequest, joined_text, validate, with_tools
-from ingot.runtime.server.scheduler import Job
 from ingot.runtime.server.server import Server
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens"}

@@ -10,6 +10,17 @@ no prompt is cached), greedy unless --temperature is given. The report:
     ttft_ms p50/p95      request sent -> first text received (queueing and prefill included)
     decode_tok_s p50     per stream: (tokens - 1) / (end - first token)
 Generation can end early at an end-of-text token; the token counts are the server's (usage), not assumed.
+
+Two more modes (--mode) measure what the engine core's design promises:
+    interference  one client streams; once it is going, a --long-prompt-tokens prompt (default 4,000) arrives
+                  as a second request. Reports the stream's usual gap between tokens (p50 before the long
+                  prompt) and its longest gap while the long prompt was prefilled; delay_ms is their
+                  difference (chunked prefill keeps it to about one chunk's prefill time). The server needs a
+                  context that holds the long prompt (--ctx).
+    hotswap       --clients stream in a loop for --duration seconds; halfway, --swap-from is copied over
+                  --swap-to (atomically: a new file) and POST /api/reload swaps the model. Reports failed and
+                  incomplete responses (both must be 0) and how many responses each version
+                  (x-ingot-model-version) answered.
 """
 
 from __future__ import annotations
@@ -17,10 +28,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -91,9 +105,7 @@ async def run(
     api_key: str | None,
     seed: int,
 ) -> dict:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=clients + 2)
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with _client(clients, api_key) as client:
         await _wait_ready(client, url, 600)
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         rng = random.Random(seed)
@@ -132,6 +144,127 @@ async def run(
     }
 
 
+def _client(clients: int, api_key: str | None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=clients + 2)
+    return httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(600.0), limits=limits)
+
+
+async def interference(url: str, long_prompt_tokens: int, stream_tokens: int, api_key: str | None, seed: int) -> dict:
+    """One stream's longest gap between tokens while a long prompt is prefilled, against its usual gap."""
+    rng = random.Random(seed)
+    async with _client(2, api_key) as client:
+        await _wait_ready(client, url, 600)
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        arrivals: list[float] = []
+        done = asyncio.Event()
+
+        async def stream() -> None:
+            # long enough to outlast the long prompt (a raw "the" rarely meets EOS early)
+            body = {"model": model, "prompt": "the", "max_tokens": stream_tokens, "stream": True}
+            async with client.stream("POST", f"{url}/v1/completions", json=body | {"temperature": 0.0}) as r:
+                if r.status_code != 200:
+                    raise SystemExit(f"loadgen: the stream failed: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
+                        arrivals.append(time.perf_counter())
+                    if done.is_set():
+                        return
+
+        streaming = asyncio.create_task(stream())
+        while len(arrivals) < 64 and not streaming.done():  # its usual pace, before the long prompt
+            await asyncio.sleep(0.01)
+        long_prompt = [rng.randrange(100, 500) for _ in range(long_prompt_tokens)]
+        sent = time.perf_counter()
+        r = await client.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": long_prompt, "max_tokens": 1, "temperature": 0}
+        )
+        answered = time.perf_counter()
+        await asyncio.sleep(0.2)  # a few tokens after it, so the gap that spans its end is closed
+        done.set()
+        await streaming
+    if r.status_code != 200:
+        raise SystemExit(f"loadgen: the long prompt failed: HTTP {r.status_code}: {r.text[:200]}")
+    if not arrivals or arrivals[-1] < answered:  # (stream tokens: {len(arrivals)})
+        raise SystemExit("loadgen: the stream ended before the long prompt was answered (EOS?); nothing to measure")
+    t = np.array(arrivals)
+    gaps = np.diff(t) * 1000
+    before = gaps[t[1:] < sent]
+    during = gaps[(t[1:] > sent) & (t[:-1] < answered)]  # gaps that overlap the long prompt's time
+    usual = float(np.percentile(before, 50)) if len(before) else 0.0
+    worst = float(during.max()) if len(during) else 0.0
+    return {
+        "url": url,
+        "model": model,
+        "long_prompt_tokens": long_prompt_tokens,
+        "long_prompt_s": round(answered - sent, 3),
+        "gap_ms_before_p50": round(usual, 2),
+        "gap_ms_during_max": round(worst, 2),
+        "delay_ms": round(worst - usual, 2),
+        "stream_tokens": len(arrivals),
+    }
+
+
+async def hot_swap(
+    url: str, clients: int, duration: float, swap_from: Path, swap_to: Path, max_tokens: int, api_key: str | None
+) -> dict:
+    """Clients stream in a loop while the model file is replaced and reloaded halfway through."""
+    async with _client(clients, api_key) as client:
+        await _wait_ready(client, url, 600)
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        stop = asyncio.Event()
+        runs: list[tuple[str | None, bool, str | None]] = []  # (version, complete, error)
+
+        async def one() -> None:
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True}
+            version, finished, complete, error = None, False, False, None
+            try:
+                async with client.stream("POST", f"{url}/v1/completions", json=body | {"temperature": 0}) as r:
+                    version = r.headers.get("x-ingot-model-version")
+                    if r.status_code != 200:
+                        error = f"HTTP {r.status_code}"
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            chunk = json.loads(line[6:])
+                            error = error or chunk.get("error", {}).get("message")
+                            finished |= any(c.get("finish_reason") for c in chunk.get("choices", []))
+                        elif line == "data: [DONE]":
+                            complete = finished
+            except httpx.HTTPError as e:
+                error = f"{type(e).__name__}: {e}"
+            runs.append((version, complete and error is None, error))
+
+        async def worker() -> None:
+            while not stop.is_set():
+                await one()
+
+        workers = [asyncio.create_task(worker()) for _ in range(clients)]
+        await asyncio.sleep(duration / 2)
+        tmp = swap_to.with_name(swap_to.name + ".new")
+        await asyncio.to_thread(shutil.copyfile, swap_from, tmp)
+        os.replace(tmp, swap_to)
+        t0 = time.perf_counter()
+        reload = await client.post(f"{url}/api/reload", json={"model": model})
+        reload_s = time.perf_counter() - t0
+        await asyncio.sleep(duration / 2)
+        stop.set()
+        await asyncio.gather(*workers)
+    versions: dict[str, int] = {}
+    for version, _, _ in runs:
+        versions[str(version)] = versions.get(str(version), 0) + 1
+    return {
+        "url": url,
+        "clients": clients,
+        "requests": len(runs),
+        "failed": sum(1 for _, _, e in runs if e is not None),
+        "incomplete": sum(1 for _, ok, e in runs if not ok and e is None),
+        "errors": sorted({e for _, _, e in runs if e})[:5],
+        "reload_status": reload.status_code,
+        "reload_s": round(reload_s, 3),
+        "versions": versions,
+    }
+
+
 def _pct(values: np.ndarray, q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if len(values) else None
 
@@ -142,17 +275,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", type=int, default=16, help="concurrent streaming clients")
     p.add_argument("--requests", type=int, default=1, help="requests per client, one after another")
     p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="per request (interference: the stream's)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--api-key")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=["load", "interference", "hotswap"], default="load")
+    p.add_argument("--long-prompt-tokens", type=int, default=4000, help="interference: the long prompt's length")
+    p.add_argument("--duration", type=float, default=20.0, help="hotswap: seconds of load, the swap halfway")
+    p.add_argument("--swap-from", type=Path, help="hotswap: the new model file")
+    p.add_argument("--swap-to", type=Path, help="hotswap: the file the server serves (replaced)")
     a = p.parse_args(argv)
-    report = asyncio.run(
-        run(a.url.rstrip("/"), a.clients, a.requests, a.prompt_tokens, a.max_tokens, a.temperature, a.api_key, a.seed)
-    )
+    url = a.url.rstrip("/")
+    if a.mode == "interference":
+        report = asyncio.run(interference(url, a.long_prompt_tokens, a.max_tokens, a.api_key, a.seed))
+    elif a.mode == "hotswap":
+        if a.swap_from is None or a.swap_to is None:
+            p.error("--mode hotswap needs --swap-from and --swap-to")
+        report = asyncio.run(hot_swap(url, a.clients, a.duration, a.swap_from, a.swap_to, a.max_tokens, a.api_key))
+    else:
+        report = asyncio.run(
+            run(url, a.clients, a.requests, a.prompt_tokens, a.max_tokens, a.temperature, a.api_key, a.seed)
+        )
     json.dump(report, sys.stdout, indent=2)
     sys.stdout.write("\n")
-    if report["failed"]:
+    if report.get("failed") or report.get("incomplete"):
         sys.exit(1)
 
 

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ingot.runtime.server.scheduler import Stats
+from ingot.runtime.server.protocol import Stats
 
 disable_created_metrics()  # no *_created series: they double the output and nothing here reads them
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -82,7 +82,7 @@ class Metrics:
         for name, doc, read in gauges:
             Gauge(name, doc, registry=r).set_function(functools.partial(_read_stats, read, stats))
 
-    # --- the scheduler's Observer -------------------------------------------------------------------
+    # --- the engine client's Observer -------------------------------------------------------------------
 
     def admitted(self, prompt_tokens: int, queued_s: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)

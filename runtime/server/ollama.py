@@ -28,6 +28,7 @@ from ingot.runtime.model.gguf import Vocab
 from ingot.runtime.model.templates import chat_template
 from ingot.runtime.model.toolcalls import parse_calls, tool_format
 from ingot.runtime.sampling import SamplingParams
+from ingot.runtime.server.client import Job
 from ingot.runtime.server.request import (
     ApiError,
     Body,
@@ -39,7 +40,6 @@ from ingot.runtime.server.request import (
     validate,
     with_tools,
 )
-from ingot.runtime.server.scheduler import Job
 from ingot.runtime.server.server import Server
 from ingot.runtime.structured import Constraint, json_schema
 

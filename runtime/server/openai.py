@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from ingot.runtime.model.gguf import Vocab
 from ingot.runtime.model.toolcalls import ToolCall, parse_calls
 from ingot.runtime.sampling import SamplingParams
+from ingot.runtime.server.client import Job
 from ingot.runtime.server.request import (
     ApiError,
     Body,
@@ -35,7 +36,6 @@ from ingot.runtime.server.request import (
     validate,
     with_tools,
 )
-from ingot.runtime.server.scheduler import Job
 from ingot.runtime.server.server import Server
 from ingot.runtime.structured import Constraint, json_schema
 

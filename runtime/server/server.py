@@ -1,4 +1,4 @@
-"""The server's shared state: `Server` (the model once loaded, the scheduler, the metrics, the limits) and
+"""The server's shared state: `Server` (the model once loaded, the engine core's client, the metrics, the limits) and
 what every route does with a request before and after its dialect (API key, body, prompt tokens, jobs,
 streaming). The dialects (openai.py, anthropic.py, ollama.py) build on this module; app.py assembles them.
 """
@@ -6,6 +6,7 @@ streaming). The dialects (openai.py, anthropic.py, ollama.py) build on this modu
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import logging
 import time
@@ -16,117 +17,189 @@ from typing import Any
 
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ingot.runtime.engines import open_engine
-from ingot.runtime.engines.base import Engine
-from ingot.runtime.errors import IncompatibleError, UsageError
+from ingot.runtime.errors import IngotError, UsageError
 from ingot.runtime.generate import GenerationRequest
-from ingot.runtime.gpu import probe
 from ingot.runtime.limits import bounded_json_loads
 from ingot.runtime.model.chat import chat_prompt
 from ingot.runtime.model.gguf import Model
 from ingot.runtime.model.tokenizer import Tokenizer
-from ingot.runtime.resolve import Opened, open_model
+from ingot.runtime.resolve import open_model
+from ingot.runtime.server.client import EngineClient, Job
+from ingot.runtime.server.core import Options, model_version
 from ingot.runtime.server.metrics import Metrics
+from ingot.runtime.server.protocol import Ready, Stats
 from ingot.runtime.server.request import ApiError, TextRequest
-from ingot.runtime.server.scheduler import Job, Scheduler
 
 MAX_BODY_BYTES = 1 << 20
 SHUTDOWN_GRACE_S = 5
 log = logging.getLogger("uvicorn.error")
+__all__ = ["Options", "Server"]
 
 
 @dataclass(frozen=True)
-class Options:
-    device: str = "auto"
-    gpu: int | None = None  # None: the GPU with the most free memory
-    max_seqs: int = 32  # sequences decoded together
-    ctx: int | None = None  # tokens per sequence; None: the engine's default
-    api_key: str | None = None
-    pubkeys: tuple[str, ...] = ()  # trusted public keys (with INGOT_TRUSTED_KEYS: the trust policy)
+class Loaded:
+    """One version of the model: the front end's copy (tokenizer, template, metadata) and its engine core."""
+
+    model: Model
+    tokenizer: Tokenizer
+    client: EngineClient
+    version: str  # core.model_version: a bundle's root digest, or a GGUF file's identity
 
 
-def pick_gpu(requested: int | None) -> int:
-    """--gpu N, checked against the machine; without it the GPU with the most free memory (NVML)."""
-    gpus = probe.probe().gpus
-    if requested is not None:
-        if gpus and not 0 <= requested < len(gpus):
-            raise UsageError(f"--gpu {requested}: this machine has {len(gpus)} GPU(s)", hint=f"use 0..{len(gpus) - 1}")
-        return requested
-    return max(gpus, key=lambda g: g.memory_free or 0).index if gpus else 0
-
-
-def open_serving_engine(opened: Opened, options: Options) -> Engine:
-    """open_engine's device rule (auto: the GPU engine when a GPU is present and the engine loads), with a
-    choice of GPU and the server's batch width and context."""
-    model = opened.model
-    kw: dict[str, Any] = {"max_seqs": options.max_seqs, "max_ctx": options.ctx}
-    if options.device == "cpu" or (options.device == "auto" and not probe.probe().gpus):
-        return open_engine(model, "cpu", **kw)
-    try:
-        return open_engine(model, "cuda", kernels=opened.kernels, gpu=pick_gpu(options.gpu), **kw)
-    except IncompatibleError:
-        if options.device == "cuda":
-            raise
-        return open_engine(model, "cpu", **kw)
+# The version that answered the request being handled (set by Server.start, read by app.py for the
+# x-ingot-model-version header): a request's task sees its own value.
+ANSWERED_BY: contextvars.ContextVar[str] = contextvars.ContextVar("answered_by")
 
 
 class Server:
-    """What the routes share: the model once loaded, the scheduler, the metrics and the limits."""
+    """What the routes share: the model version serving now (and any older one still finishing its requests
+    after a reload), the metrics and the limits.
 
-    def __init__(self, spec: str, options: Options):
+    Hot swap: reload() opens the model from disk again in a new engine core; once it is ready, new requests go
+    to it, while requests already running finish on the old core, which then stops. Every response carries the
+    version that answered it (header x-ingot-model-version)."""
+
+    def __init__(self, spec: str, options: Options, metrics: Metrics | None = None):
         self.spec, self.options = spec, options
         self.model_id = Path(spec).stem  # `smollm2`, or the file name without .gguf/.ingot
         self.created = int(time.time())
-        self._loaded: tuple[Model, Tokenizer, Engine] | None = None  # set by load(), on the engine thread
-        self.scheduler: Scheduler
-        self.metrics = Metrics(lambda: self.scheduler.stats)
-        self.scheduler = Scheduler(self.metrics)
+        self.metrics = metrics or Metrics(self.stats)
+        self.failure: BaseException | None = None  # what the first load raised
         self.on_failure: Callable[[BaseException], None] = lambda e: None
+        self._current: Loaded | None = None
+        self._clients: set[EngineClient] = set()  # every core still running: the current one, retiring ones
+        self._reloading = asyncio.Lock()
+        self._draining = False
 
-    def load(self) -> Engine:
-        """On the engine thread, while the socket already answers."""
-        t0 = time.perf_counter()
+    def stats(self) -> Stats:
+        return self._current.client.stats if self._current is not None else Stats()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests not finished yet, on every version still running."""
+        return sum(client.in_flight for client in self._clients)
+
+    def load(self) -> tuple[Model, Tokenizer, str]:
+        """The front end's copy of the model (tokenizer, chat template, /api/show), in a worker thread."""
         opened = open_model(self.spec, pubkeys=self.options.pubkeys)
-        tokenizer = Tokenizer.from_model(opened.model)
-        self._loaded = (opened.model, tokenizer, open_serving_engine(opened, self.options))
+        return opened.model, Tokenizer.from_model(opened.model), model_version(opened)
+
+    async def _load_version(self) -> Loaded:
+        """The model as it is on disk now, here and in a new engine core. Both open the file; if it was replaced
+        in between (their versions differ), once more."""
+        for _ in range(2):
+            model, tokenizer, version = await run_in_threadpool(self.load)
+            client = EngineClient(self.spec, self.options, self.metrics)
+            self._clients.add(client)
+            try:
+                info = await client.start()
+            except BaseException:
+                self._clients.discard(client)
+                await client.stop()
+                raise
+            if info.version == version:
+                return Loaded(model, tokenizer, client, version)
+            self._clients.discard(client)
+            await client.stop()
+        raise IngotError(f"{self.spec} kept changing while it was loaded", hint="reload once the new file is in place")
+
+    async def start_engine(self) -> None:
+        """The first load, while the socket already answers /health (503 until it is done)."""
+        t0 = time.perf_counter()
+        try:
+            self._current = current = await self._load_version()
+        except BaseException as e:  # reported by `ingot serve` as its exit status
+            self.failure = e
+            self.on_failure(e)
+            return
+        info = self.engine_info
         log.info(
-            "model %s loaded in %.1f s: %s, %d sequences of %d tokens",
+            "model %s (%s) loaded in %.1f s: %s engine in process %s, %d sequences of %d tokens",
             self.model_id,
+            current.version[:23],
             time.perf_counter() - t0,
-            self.engine.name,
-            self.engine.max_seqs,
-            self.engine.max_ctx,
+            info.name,
+            current.client.process.pid if current.client.process else "?",
+            info.max_seqs,
+            info.max_ctx,
         )
-        return self.engine
+
+    async def reload(self) -> str:
+        """Hot swap (POST /api/reload, SIGHUP): load the model from disk again; new requests go to the new
+        version once it is ready; the old one finishes what it runs, then stops. Returns the new version. A
+        failed reload leaves the old version serving (and raises)."""
+        async with self._reloading:
+            if self._draining:
+                raise ApiError(503, "the server is shutting down")
+            new = await self._load_version()
+            old, self._current = self._current, new
+            log.info("model %s reloaded: version %s", self.model_id, new.version[:23])
+            if old is not None and old.client is not new.client:
+                asyncio.create_task(self._retire(old.client))
+            return new.version
+
+    async def _retire(self, client: EngineClient) -> None:
+        await client.retire()
+        self._clients.discard(client)
+
+    def drain(self, seconds: float) -> None:
+        """SIGINT/SIGTERM (from a signal handler: flags only)."""
+        self._draining = True
+        for client in list(self._clients):
+            client.drain(seconds)
+
+    async def stop(self) -> None:
+        for client in list(self._clients):
+            await client.stop()
+        self._clients.clear()
+
+    async def unload(self) -> None:
+        """Stop its engine cores; the next start_engine loads it again (several models: keep_alive, eviction)."""
+        current, self._current = self._current, None
+        if current is not None:
+            log.info("model %s unloaded", self.model_id)
+        await self.stop()
 
     @property
     def ready(self) -> bool:
-        return self.scheduler.ready.is_set()
+        return self._current is not None
 
     @property
     def loaded(self) -> bool:
-        return self._loaded is not None
+        return self._current is not None
 
-    def _parts(self) -> tuple[Model, Tokenizer, Engine]:
-        if self._loaded is None:  # routes check `ready` first, so this is a bug, not a client error
+    def _live(self) -> Loaded:
+        if self._current is None:  # routes check `ready` first, so this is a bug, not a client error
             raise RuntimeError("the model is used before it was loaded")
-        return self._loaded
+        return self._current
 
     @property
     def model(self) -> Model:
-        return self._parts()[0]
+        return self._live().model
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self._parts()[1]
+        return self._live().tokenizer
 
     @property
-    def engine(self) -> Engine:
-        return self._parts()[2]
+    def version(self) -> str:
+        return self._live().version
+
+    @property
+    def client(self) -> EngineClient:
+        return self._live().client
+
+    @property
+    def engine_info(self) -> Ready:
+        info = self._live().client.info
+        if info is None:
+            raise RuntimeError("the engine is used before it was loaded")
+        return info
 
     # --- per request ------------------------------------------------------------------------------
 
@@ -162,21 +235,27 @@ class Server:
         except UsageError as e:
             raise ApiError(400, e.message.replace("not valid UTF-8 JSON", "not valid JSON")) from None
 
-    async def prompt_tokens(self, req: TextRequest) -> list[int]:
+    async def prompt_tokens(self, req: TextRequest, tokenizer: Tokenizer | None = None) -> list[int]:
         """The prompt's token ids, built exactly as `ingot run` builds them (with and without --chat)."""
+        tokenizer = tokenizer or self.tokenizer
         if req.messages is not None:
-            return await run_in_threadpool(chat_prompt, self.tokenizer, req.messages, req.tools)
+            return await run_in_threadpool(chat_prompt, tokenizer, req.messages, req.tools)
         if isinstance(req.prompt, str):
-            return await run_in_threadpool(self.tokenizer.encode, req.prompt)
+            return await run_in_threadpool(tokenizer.encode, req.prompt)
         ids = list(req.prompt or [])
-        n_vocab = self.tokenizer.n_vocab
+        n_vocab = tokenizer.n_vocab
         if not all(0 <= t < n_vocab for t in ids):
             raise ApiError(400, f"prompt token ids must be in 0..{n_vocab - 1}", param="prompt")
         return ids
 
     async def start(self, req: TextRequest) -> Job:
-        tokens = await self.prompt_tokens(req)
-        max_ctx = self.engine.max_ctx
+        """Tokenize and submit to the version serving now (again if a reload swapped it meanwhile)."""
+        while True:
+            current = self._live()
+            tokens = await self.prompt_tokens(req, current.tokenizer)
+            if current is self._current:
+                break
+        max_ctx = self.engine_info.max_ctx
         if req.max_tokens is not None and req.max_tokens > max_ctx:
             raise ApiError(
                 400, f"max_tokens {req.max_tokens} is more than the context of {max_ctx} tokens", param="max_tokens"
@@ -185,8 +264,10 @@ class Server:
             tuple(tokens), req.params, req.max_tokens or max(1, max_ctx - len(tokens)), req.stop
         )
         request.check(max_ctx)  # UsageError (-> 400) for a prompt longer than the context
-        job = Job(self.tokenizer, request, asyncio.get_running_loop(), req.constraint)
-        self.scheduler.submit(job)
+        constraint = req.constraint.to_json().encode() if req.constraint is not None else None
+        job = Job(current.tokenizer, request, constraint)
+        await current.client.submit(job)
+        ANSWERED_BY.set(current.version)
         return job
 
     async def collect(self, request: Request, job: Job) -> str:
@@ -195,7 +276,7 @@ class Server:
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self.scheduler.cancel(job)
+            job.cancel()
 
         watcher = asyncio.create_task(watch())
         try:
@@ -221,7 +302,7 @@ class Server:
             response = EventSourceResponse(guarded(), sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S + 2)
         else:
             response = StreamingResponse(guarded(), media_type=media_type)
-        return _CancelAtEnd(response, lambda: self.scheduler.cancel(job))
+        return _CancelAtEnd(response, lambda: job.cancel())
 
 
 class _CancelAtEnd(Response):
@@ -230,6 +311,10 @@ class _CancelAtEnd(Response):
 
     def __init__(self, response: Response, cancel: Callable[[], None]):
         self.response, self.cancel = response, cancel
+
+    @property
+    def headers(self) -> MutableHeaders:
+        return self.response.headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -1,0 +1,158 @@
+"""The engine core: a process of its own that opens the model, owns the engine and runs the step loop
+(scheduler.py), so neither the GIL nor the HTTP work of the front end can stall a decode step.
+
+The front end (client.py) starts it with multiprocessing's "spawn" context (CUDA cannot be forked) and passes
+only the model spec and the Options; the core opens the model and the engine itself, then answers Ready (or
+Failed, with the pickled error, which keeps its exit code) on its output socket. Its loop:
+
+    take every message waiting (Add, Abort, Shutdown); block for the next one only when there is no work
+    one Scheduler.step() -> one protocol.Step message (token ids, finishes, errors, stats)
+
+Shutdown ends every request left with a 503, closes the engine (the GPU engine frees its memory) and answers
+Closed. If the front end dies, the core notices within a second (its parent changed) and exits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from ingot.runtime import settings
+from ingot.runtime.engines import open_engine
+from ingot.runtime.engines.base import Engine
+from ingot.runtime.errors import IncompatibleError, UsageError
+from ingot.runtime.gpu import probe
+from ingot.runtime.model.tokenizer import Tokenizer
+from ingot.runtime.resolve import Opened, open_model
+from ingot.runtime.server import protocol
+from ingot.runtime.server.protocol import Abort, Add, Closed, Failed, Ready, Shutdown
+from ingot.runtime.server.scheduler import Scheduler
+
+IDLE_POLL_MS = 1000  # how often an idle core checks that its front end is still alive
+
+
+@dataclass(frozen=True)
+class Options:
+    device: str = "auto"
+    gpu: int | None = None  # None: the GPU with the most free memory
+    max_seqs: int = 32  # sequences decoded together
+    ctx: int | None = None  # tokens per sequence; None: the engine's default
+    api_key: str | None = None
+    pubkeys: tuple[str, ...] = ()  # trusted public keys (with INGOT_TRUSTED_KEYS: the trust policy)
+    prefill_chunk: int | None = None  # prompt tokens per step; None: INGOT_PREFILL_CHUNK
+
+
+def pick_gpu(requested: int | None) -> int:
+    """--gpu N, checked against the machine; without it the GPU with the most free memory (NVML)."""
+    gpus = probe.probe().gpus
+    if requested is not None:
+        if gpus and not 0 <= requested < len(gpus):
+            raise UsageError(f"--gpu {requested}: this machine has {len(gpus)} GPU(s)", hint=f"use 0..{len(gpus) - 1}")
+        return requested
+    return max(gpus, key=lambda g: g.memory_free or 0).index if gpus else 0
+
+
+def open_serving_engine(opened: Opened, options: Options) -> Engine:
+    """open_engine's device rule (auto: the GPU engine when a GPU is present and the engine loads), with a
+    choice of GPU and the server's batch width and context."""
+    model = opened.model
+    kw: dict[str, Any] = {"max_seqs": options.max_seqs, "max_ctx": options.ctx}
+    if options.device == "cpu" or (options.device == "auto" and not probe.probe().gpus):
+        return open_engine(model, "cpu", **kw)
+    try:
+        return open_engine(model, "cuda", kernels=opened.kernels, gpu=pick_gpu(options.gpu), **kw)
+    except IncompatibleError:
+        if options.device == "cuda":
+            raise
+        return open_engine(model, "cpu", **kw)
+
+
+def model_version(opened: Opened) -> str:
+    """Which model this is, so that every response can say which one answered it: a bundle's root digest (its
+    content); for a bare GGUF, a digest of its path, size, modification time and inode (hashing gigabytes at
+    every load would cost more than it tells: replacing the file changes these)."""
+    if opened.bundle is not None:
+        return opened.bundle.root_digest
+    path = opened.model.path.resolve()
+    st = path.stat()
+    ident = f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return "file:" + hashlib.sha256(ident.encode()).hexdigest()[:32]
+
+
+def _failed(e: BaseException) -> Failed:
+    try:
+        error = pickle.dumps(e)
+        pickle.loads(error)  # an exception whose constructor takes other arguments does not come back
+    except Exception:
+        error = b""
+    return Failed(str(e), error)
+
+
+def main(spec: str, options: Options, to_core: str, from_core: str) -> None:
+    """The core process: connect, open the engine, serve steps until Shutdown (or the front end is gone)."""
+    parent = os.getppid()
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.connect(to_core)
+    outbox.connect(from_core)
+    outbox.setsockopt(zmq.LINGER, 5000)  # the last messages (Closed) still go out as the process ends
+    try:
+        try:
+            opened = open_model(spec, pubkeys=options.pubkeys)
+            version = model_version(opened)
+            engine = open_serving_engine(opened, options)
+            chunk = options.prefill_chunk or settings.PREFILL_CHUNK.get()
+        except BaseException as e:
+            outbox.send(protocol.encode(_failed(e)))
+            return
+        outbox.send(
+            protocol.encode(
+                Ready(
+                    engine.name,
+                    engine.max_seqs,
+                    engine.max_ctx,
+                    engine.kv_pages_total,
+                    engine.memory_report(),
+                    version,
+                )
+            )
+        )
+        try:
+            _loop(Scheduler(engine, chunk, Tokenizer.from_model(opened.model)), inbox, outbox, parent)
+        finally:
+            engine.close()
+        outbox.send(protocol.encode(Closed()))
+    finally:
+        inbox.close(0)
+        outbox.close()
+        ctx.term()
+
+
+def _loop(scheduler: Scheduler, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None:
+    while True:
+        timeout = 0 if scheduler.has_work() else IDLE_POLL_MS
+        received = False
+        while inbox.poll(timeout):
+            received = True
+            message = protocol.decode_to_core(inbox.recv())
+            if isinstance(message, Add):
+                scheduler.add(message)
+            elif isinstance(message, Abort):
+                scheduler.abort(message.ids)
+            elif isinstance(message, Shutdown):
+                outbox.send(protocol.encode(scheduler.end_all()))
+                return
+            timeout = 0
+        if not scheduler.has_work():
+            if received:  # e.g. the last sequence was aborted: the gauges should say so
+                outbox.send(protocol.encode(scheduler.report()))
+            if os.getppid() != parent:  # the front end died without a Shutdown
+                scheduler.end_all()
+                return
+            continue
+        outbox.send(protocol.encode(scheduler.step()))
