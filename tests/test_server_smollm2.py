@@ -136,9 +136,11 @@ def test_concurrent_streams_are_batched_and_leavers_released(server, model_id):
     m = server.metrics()
     assert m["ingot_running_sequences"] == 0 and m["ingot_queue_depth"] == 0
     assert m["ingot_kv_cache_pages_used"] == 0
-    # the burst repeats the prompts answered alone before: their chat-template pages come from the prefix cache
+    # the burst repeats the prompts answered alone before: their chat-template pages come from the prefix cache.
+    # Under the burst's page pressure an evictable cached page may be reclaimed before its prompt's next request
+    # (LRU), which then computes and registers it again: at most one miss per distinct prompt is allowed.
     saved = "ingot_prefix_cache_saved_prefill_tokens"
-    assert m[saved] - before[saved] >= CLIENTS * 32
+    assert m[saved] - before[saved] >= (CLIENTS - len(PROMPTS)) * 32
     steps = m["ingot_decode_batch_size_count"] - before["ingot_decode_batch_size_count"]
     narrow = m['ingot_decode_batch_size_bucket{le="8.0"}'] - before['ingot_decode_batch_size_bucket{le="8.0"}']
     assert narrow < steps  # some steps decoded more than 8 sequences at once
