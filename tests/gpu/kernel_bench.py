@@ -28,20 +28,25 @@ from ingot.runtime.gpu.kernels import LAYOUTS  # noqa: E402
 BYTES_PER_WEIGHT = {q: sum(n for _, n in fields) / 256 for q, fields in LAYOUTS.items()}
 
 
-def timed(gpu: Gpu, launch, reps: int = 20) -> float:
-    """Median microseconds per launch."""
-    graph = Graph(gpu.stream, lambda: [launch(gpu.stream) for _ in range(reps)])
-    graph.launch(gpu.stream)
+def graph_time_us(stream, work: list, reps: int) -> float:
+    """Median microseconds of one repetition of `work` (launches), from 5 replays of a graph of `reps` of them."""
+    graph = Graph(stream, lambda: [launch(stream) for _ in range(reps) for launch in work])
+    graph.launch(stream)
     start, end = Event(), Event()
     times = []
     for _ in range(5):
-        start.record(gpu.stream)
-        graph.launch(gpu.stream)
-        end.record(gpu.stream)
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
         end.synchronize()
         times.append(end.elapsed_ms(start) * 1000 / reps)
     graph.close()
     return statistics.median(times)
+
+
+def timed(gpu: Gpu, launch, reps: int = 20) -> float:
+    """Median microseconds per launch."""
+    return graph_time_us(gpu.stream, [launch], reps)
 
 
 def random_matrix(gpu: Gpu, rng, qtype: str, rows: int, cols: int):

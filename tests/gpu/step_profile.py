@@ -14,30 +14,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
 from ingot.runtime.engines.cuda import CudaEngine
-from ingot.runtime.gpu.driver import Event, Graph, Memset
+from ingot.runtime.gpu.driver import Memset
 from ingot.runtime.model.gguf import load_model
 from ingot.runtime.sampling import SamplingParams
 
-
-def timed_us(eng: CudaEngine, work, reps: int) -> float:
-    """Median microseconds of one repetition of `work` (a list of launches), from graph replays."""
-    graph = Graph(eng.stream, lambda: [launch(eng.stream) for _ in range(reps) for launch in work])
-    graph.launch(eng.stream)
-    start, end = Event(), Event()
-    times = []
-    for _ in range(5):
-        start.record(eng.stream)
-        graph.launch(eng.stream)
-        end.record(eng.stream)
-        end.synchronize()
-        times.append(end.elapsed_ms(start) * 1000 / reps)
-    graph.close()
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_bench import graph_time_us  # noqa: E402  (the one graph-replay timer of the kernel lab)
 
 
 def name_of(launch) -> str:
@@ -47,8 +36,8 @@ def name_of(launch) -> str:
 def profile(eng: CudaEngine, launches: list, title: str, reps: int) -> None:
     per: dict[str, list[float]] = defaultdict(list)
     for launch in launches:
-        per[name_of(launch)].append(timed_us(eng, [launch], reps))
-    whole = timed_us(eng, launches, max(1, reps // 10))
+        per[name_of(launch)].append(graph_time_us(eng.stream, [launch], reps))
+    whole = graph_time_us(eng.stream, launches, max(1, reps // 10))
     total = sum(sum(v) for v in per.values())
     print(f"\n{title}: {len(launches)} launches, graph replay {whole:,.1f} us, sum of kernels alone {total:,.1f} us")
     print(f"{'kernel':<28} {'n':>4} {'us total':>10} {'us each':>9} {'share':>6}")
