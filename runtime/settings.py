@@ -110,6 +110,23 @@ PREFIX_CACHE = Setting(
     "1 or 0",
     "Engines reuse the KV pages of a prompt prefix seen before instead of recomputing it; 0 turns it off (benchmarks).",
 )
+
+
+def _attn_prefill(text: str) -> str:
+    if text not in ("mma", "scalar"):
+        raise ValueError(text)
+    return text
+
+
+# An A/B switch for the prefill attention kernel (cuda/attention_prefill.cu vs attention.cu's scalar one), so a
+# kernel regression on some GPU costs a flag, not a rebuild.
+ATTN_PREFILL = Setting(
+    "INGOT_ATTN_PREFILL",
+    "mma",
+    _attn_prefill,
+    "mma or scalar",
+    "The GPU engine's prefill attention: mma (tensor cores, compute capability >= 8.0) or scalar (any GPU).",
+)
 API_KEY = Setting(
     "INGOT_API_KEY",
     None,
@@ -190,6 +207,7 @@ ALL: tuple[Setting, ...] = (
     DECODE_GEMM_MIN_BATCH,
     KV_FRACTION,
     PREFIX_CACHE,
+    ATTN_PREFILL,
     API_KEY,
     PREFILL_CHUNK,
     KEEP_ALIVE,

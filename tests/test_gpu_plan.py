@@ -45,6 +45,7 @@ class _Recorder(Kernels):
         self.device = SimpleNamespace(info=SimpleNamespace(sm_count=132))
         self.k = _FakeKernels()
         self.sample_smem_limit = 0  # the sampler's global-memory path: no smem opt-in to fake
+        self.prefill_mma = True  # a GPU of compute capability >= 8.0: the tensor-core prefill attention
         self.calls: list[tuple[str, tuple, dict]] = []
 
     def _record(name):  # noqa: N805 - a decorator factory used in the class body
@@ -258,7 +259,7 @@ def test_gemma3_layers_get_their_window_and_rope_base():
     e = plan_engine(c)
     names = kernel_names(e._decode_launches(1))
     assert names.count("attn_decode_f16_hd256") == c.n_layers  # head_dim 256: its own kernel
-    assert kernel_names(e._prefill_launches(3, all_logits=False)).count("attn_prefill_f16_hd256") == c.n_layers
+    assert kernel_names(e._prefill_launches(3, all_logits=False)).count("attn_prefill_mma_f16_hd256") == c.n_layers
     got = [(kw["window"], args[1]) for args, kw in e.k.of("attn_decode")]
     local, glob = e.rope_tables[(10000.0, 1.0)], e.rope_tables[(1000000.0, 1.0)]
     assert len(e.rope_tables) == 2

@@ -400,7 +400,7 @@ class CudaEngine:
             self.k = Kernels(self.dev, kernels if kernels is not None else kernel_images())
             if c.head_dim not in self.k.prefill_head_dims:
                 raise IncompatibleError(
-                    f"head_dim {c.head_dim} needs {self.k.prefill_smem(c.head_dim) // 1024} KiB of shared memory per "
+                    f"head_dim {c.head_dim} needs {self.k.prefill_bytes(c.head_dim) // 1024} KiB of shared memory per "
                     f"block for prefill attention; {self.dev.info.name} allows "
                     f"{self.dev.info.max_smem_optin // 1024} KiB",
                     hint="use --device cpu, or a GPU of compute capability 8.0 or newer",

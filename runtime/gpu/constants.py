@@ -40,6 +40,7 @@ MATMUL_TILE = SHARED["MATMUL_BM"][0]
 assert SHARED["MATMUL_BM"][0] == SHARED["MATMUL_BN"][0], "kernels.py sizes matmul grids with one square tile"
 PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
 ATT_WARPS = SHARED["ATT_WARPS"][0]
+PREFILL_MMA_ROWS = 16 * ATT_WARPS  # tensor-core prefill: one m16 tile of packed query rows per warp (BQ there)
 MAX_SPLITS = SHARED["MAX_SPLITS"][0]
 SAMPLE_THREADS = SHARED["SAMPLE_THREADS"][0]
 

@@ -24,6 +24,7 @@ from ingot.runtime.gpu.constants import (
     MAX_SPLITS,
     MODE_STORE,
     PAGE,
+    PREFILL_MMA_ROWS,
     PREFILL_QUERIES,
     QK,
     SAMPLE_THREADS,
@@ -31,8 +32,9 @@ from ingot.runtime.gpu.constants import (
 from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch, Memset, Module
 from ingot.runtime.gpu.fatbin import parse_fatbin
 
-MODULES = ("activation", "attention", "embed", "matmul", "matvec", "norm", "repack", "rope", "sample")
+MODULES = ("activation", "attention", "attention_prefill", "embed", "matmul", "matvec", "norm", "repack", "rope", "sample")
 HEAD_DIMS = (64, 128, 256)  # the attention kernels' template instances (cuda/attention.cu)
+PREFILL_MMA_PAD = 8  # halfs of padding per shared-memory row of cuda/attention_prefill.cu (SPAD there)
 GQA_MAX = 8  # query heads per kv head one decode attention block serves (GMAX in cuda/attention.cu)
 
 # The soa-v2 layout of each GPU weight type (cuda/common.cuh documents the bit orders): its device arrays, in
@@ -158,6 +160,12 @@ def kernel_images(kernel_dir: Path | None = None) -> dict[str, bytes]:
     return images
 
 
+def prefill_uses_mma(cc: int) -> bool:
+    """Whether prefill attention runs the tensor-core kernel (cuda/attention_prefill.cu: mma.sync m16n8k16 and
+    cp.async need compute capability 8.0) on a GPU of compute capability cc (90 for 9.0)."""
+    return cc >= 80 and settings.ATTN_PREFILL.get() == "mma"
+
+
 class Kernels:
     """All kernel modules loaded into the current context, and the launch geometry of each op."""
 
@@ -171,11 +179,14 @@ class Kernels:
             mod = Module(images[name], f"{name}.fatbin", list(parse_fatbin(images[name], name).kernels), device)
             self.modules.append(mod)
             self.k.update(mod.kernels)
-        # Prefill attention's shared memory grows with the head size (80 KiB at hd 256: more than sm_75's 64 KiB
-        # opt-in); one opt-in for the largest head size this GPU can hold, smaller ones launch with less.
-        self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_smem(h) <= device.info.max_smem_optin)
+        # Prefill attention: the tensor-core kernel (cuda/attention_prefill.cu) from compute capability 8.0 (its
+        # mma.sync m16n8k16 / cp.async), unless INGOT_ATTN_PREFILL=scalar; else attention.cu's scalar one.
+        self.prefill_mma = prefill_uses_mma(device.info.cc)
+        # Its shared memory grows with the head size (scalar: 80 KiB at hd 256, more than sm_75's 64 KiB opt-in;
+        # mma: 99 KiB); one opt-in per head size this GPU can hold.
+        self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
         for hd in self.prefill_head_dims:
-            self.k[self._attn_kernel("attn_prefill_f16", hd)].allow_dynamic_smem(self.prefill_smem(hd))
+            self.k[self._prefill_kernel(hd)].allow_dynamic_smem(self.prefill_bytes(hd))
         # the staged logits share the block's shared memory with the kernel's own static arrays
         self.sample_smem_limit = device.info.max_smem_optin - self.k["sample_f32"].static_smem
 
@@ -458,7 +469,29 @@ class Kernels:
 
     @staticmethod
     def prefill_smem(hd: int) -> int:
+        """The scalar kernel (attention.cu): sQ [16][hd], sK [PAGE][hd+1], sV [PAGE][hd], fp32."""
         return (PREFILL_QUERIES * hd + PAGE * (hd + 1) + PAGE * hd) * 4
+
+    @staticmethod
+    def prefill_mma_smem(hd: int) -> int:
+        """The tensor-core kernel (attention_prefill.cu): sQ [64][hd+8], sK and sV [2][PAGE][hd+8], fp16
+        (24 / 51 / 99 KiB at hd 64 / 128 / 256)."""
+        return (PREFILL_MMA_ROWS + 4 * PAGE) * (hd + PREFILL_MMA_PAD) * 2
+
+    def prefill_bytes(self, hd: int) -> int:
+        """Dynamic shared memory of the prefill kernel this GPU runs."""
+        return self.prefill_mma_smem(hd) if self.prefill_mma else self.prefill_smem(hd)
+
+    def _prefill_kernel(self, hd: int) -> str:
+        return self._attn_kernel("attn_prefill_mma_f16" if self.prefill_mma else "attn_prefill_f16", hd)
+
+    def prefill_grid(self, T: int, cfg) -> tuple[int, int]:
+        """mma: one block per 64 packed rows (token, query head) of one kv head, the G = H/Hkv heads of a token
+        adjacent; scalar: one block per 16 tokens of one query head."""
+        if self.prefill_mma:
+            G = cfg.n_heads // cfg.n_kv_heads
+            return ((T * G + PREFILL_MMA_ROWS - 1) // PREFILL_MMA_ROWS, cfg.n_kv_heads)
+        return ((T + PREFILL_QUERIES - 1) // PREFILL_QUERIES, cfg.n_heads)
 
     def attn_prefill(
         self,
@@ -477,11 +510,11 @@ class Kernels:
         softcap: float = 0.0,
     ) -> Launch:
         """out[T, H*hd] fp16 for tokens at positions tok_pos[0]..tok_pos[0]+T-1 of one sequence (causal; scale,
-        window and softcap as in attn_decode)."""
+        window and softcap as in attn_decode). Both kernels take the same arguments."""
         return Launch(
-            self.k[self._attn_kernel("attn_prefill_f16", cfg.head_dim)],
-            ((T + PREFILL_QUERIES - 1) // PREFILL_QUERIES, cfg.n_heads),
-            128,
+            self.k[self._prefill_kernel(cfg.head_dim)],
+            self.prefill_grid(T, cfg),
+            ATT_WARPS * 32,
             [
                 qkv,
                 i32(ldqkv),
@@ -498,7 +531,7 @@ class Kernels:
                 i32(window),
                 f32(softcap),
             ],
-            smem=self.prefill_smem(cfg.head_dim),
+            smem=self.prefill_bytes(cfg.head_dim),
         )
 
     def gated_act(self, activation: str, gu: int, F: int, n: int, *, hh: int | None = None, hf: int | None = None):
