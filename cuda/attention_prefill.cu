@@ -97,7 +97,9 @@ __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ qkv, 
     __half* sK = sQ + BQ * LD;                          // [2][PAGE][LD]
     __half* sV = sK + 2 * PAGE * LD;                    // [2][PAGE][LD]
 
-    const int kvh = blockIdx.y, G = H / Hkv, rows = T * G, R0 = blockIdx.x * BQ;
+    // Blocks in launch order take the last rows first: they see the most keys (causal), and starting the
+    // longest blocks first keeps the last wave short.
+    const int kvh = blockIdx.y, G = H / Hkv, rows = T * G, R0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
 
     // Keys this block needs: tiles tile0..tile1 (one page each). Packed rows past T*G (the last block's
