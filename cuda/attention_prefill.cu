@@ -139,8 +139,8 @@ __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ qkv, 
     const int Rw = R0 + warp * 16;
     const bool warp_live = Rw < rows;                          // an all-padding warp multiplies nothing
     const int qpos0 = start + min((Rw + lane / 4) / G, T - 1), qpos1 = start + min((Rw + lane / 4 + 8) / G, T - 1);
-    const int warp_last = start + min((Rw + 15) / G, T - 1);  // causal limit of the warp's rows
-    const int warp_first = window > 0 ? start + min(Rw / G, T - 1) - window + 1 : 0;   // window start of its first
+    const int warp_lo = start + min(Rw / G, T - 1), warp_last = start + min((Rw + 15) / G, T - 1);  // its positions
+    const int warp_first = window > 0 ? warp_lo - window + 1 : 0;   // the first key any of its rows sees
 
     // A fragments of Q (rows Rw.., dims 16ks..): lane l addresses row l%16, dims +8 for l >= 16.
     const __half* q_lane = sQ + (warp * 16 + lane % 16) * LD + (lane / 16) * 8;
@@ -190,15 +190,17 @@ __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ qkv, 
                     mma16816(s[2 * np + 1], a, b[2], b[3]);
                 }
             }
-            // mask, softcap, log2 scale; element e of n-tile j: key k0 + 8j + 2(lane%4) + e%2, row e/2
+            // softcap, log2 scale, mask; element e of n-tile j: key k0 + 8j + 2(lane%4) + e%2, row e/2. A tile
+            // every row of the warp sees whole (below the causal diagonal, inside the window) skips the mask.
+            const bool whole = k0 + PAGE - 1 <= warp_lo && (window <= 0 || k0 > warp_last - window);
             float mx[2] = {m[0], m[1]};
 #pragma unroll
             for (int j = 0; j < NT; j++) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int kp = k0 + j * 8 + 2 * (lane % 4) + (e & 1), qp = e < 2 ? qpos0 : qpos1;
-                    float v = softcap > 0.0f ? softcap * tanhf(s[j][e] / softcap) : s[j][e];
-                    v = kp <= qp && (window <= 0 || kp > qp - window) ? v * LOG2E : -INFINITY;
+                    float v = (softcap > 0.0f ? softcap * tanhf(s[j][e] / softcap) : s[j][e]) * LOG2E;
+                    if (!whole && !(kp <= qp && (window <= 0 || kp > qp - window))) v = -INFINITY;
                     s[j][e] = v;
                     mx[e / 2] = fmaxf(mx[e / 2], v);
                 }

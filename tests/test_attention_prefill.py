@@ -111,8 +111,8 @@ def _emulate(qkv, kc, vc, block_row, start, T, H, Hkv, HD, scale, window, softca
                 if Rw >= rows:
                     continue
                 qpos = [start + np.minimum((Rw + GRP + 8 * r) // G, T - 1) for r in (0, 1)]
-                warp_last = start + min((Rw + 15) // G, T - 1)
-                warp_first = start + min(Rw // G, T - 1) - window + 1 if window > 0 else 0
+                warp_lo, warp_last = start + min(Rw // G, T - 1), start + min((Rw + 15) // G, T - 1)
+                warp_first = warp_lo - window + 1 if window > 0 else 0
                 q_lane = (warp * 16 + LANE % 16) * LD + (LANE // 16) * 8
                 k_lane = ((LANE % 8) + (LANE // 16) * 8) * LD + ((LANE // 8) % 2) * 8
                 v_lane = ((LANE % 8) + ((LANE // 8) % 2) * 8) * LD + (LANE // 16) * 8
@@ -133,13 +133,14 @@ def _emulate(qkv, kc, vc, block_row, start, T, H, Hkv, HD, scale, window, softca
                             b = _ldmatrix_x4(sK, k_lane + p * 16 * LD + ks * 16)
                             _mma(s[2 * p], a, b[0], b[1])
                             _mma(s[2 * p + 1], a, b[2], b[3])
+                    whole = k0 + PAGE - 1 <= warp_lo and (window <= 0 or k0 > warp_last - window)
                     mx = m.copy()
                     for j in range(NT):
                         for e in range(4):
                             kp, qp = k0 + j * 8 + 2 * QUAD + (e & 1), qpos[e // 2]
-                            v = softcap * np.tanh(s[j, :, e] / softcap) if softcap > 0 else s[j, :, e]
-                            seen = (kp <= qp) & ((window <= 0) | (kp > qp - window))
-                            s[j, :, e] = np.where(seen, v * np.log2(np.e), -np.inf)
+                            v = (softcap * np.tanh(s[j, :, e] / softcap) if softcap > 0 else s[j, :, e]) * np.log2(np.e)
+                            seen = whole | ((kp <= qp) & ((window <= 0) | (kp > qp - window)))
+                            s[j, :, e] = np.where(seen, v, -np.inf)
                             mx[e // 2] = np.maximum(mx[e // 2], s[j, :, e])
                     mx = np.repeat(mx.reshape(2, 8, 4).max(2), 4, axis=1)  # the quad's shuffles
                     corr, m = np.exp2(m - mx), mx
@@ -164,7 +165,7 @@ def _emulate(qkv, kc, vc, block_row, start, T, H, Hkv, HD, scale, window, softca
 
 @pytest.mark.parametrize(
     "hd,H,Hkv,start,T,window,softcap",
-    [(64, 9, 3, 37, 23, 0, 0.0), (64, 4, 1, 700, 9, 512, 20.0), (128, 2, 2, 0, 1, 0, 0.0), (256, 4, 1, 30, 5, 0, 0.0)],
+    [(64, 9, 3, 37, 23, 0, 0.0), (64, 4, 1, 700, 9, 512, 20.0), (128, 2, 2, 0, 1, 0, 0.0), (64, 1, 1, 64, 70, 40, 0.0), (256, 4, 1, 30, 5, 0, 0.0)],
 )
 def test_emulated_fragment_math_matches_the_reference(hd, H, Hkv, start, T, window, softcap):
     rng = np.random.default_rng(hd + T)
