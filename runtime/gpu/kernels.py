@@ -32,7 +32,18 @@ from ingot.runtime.gpu.constants import (
 from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch, Memset, Module
 from ingot.runtime.gpu.fatbin import parse_fatbin
 
-MODULES = ("activation", "attention", "attention_prefill", "embed", "matmul", "matvec", "norm", "repack", "rope", "sample")
+MODULES = (
+    "activation",
+    "attention",
+    "attention_prefill",
+    "embed",
+    "matmul",
+    "matvec",
+    "norm",
+    "repack",
+    "rope",
+    "sample",
+)
 HEAD_DIMS = (64, 128, 256)  # the attention kernels' template instances (cuda/attention.cu)
 PREFILL_MMA_PAD = 8  # halfs of padding per shared-memory row of cuda/attention_prefill.cu (SPAD there)
 GQA_MAX = 8  # query heads per kv head one decode attention block serves (GMAX in cuda/attention.cu)

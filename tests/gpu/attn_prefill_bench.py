@@ -55,13 +55,15 @@ def bench(gpu: Gpu, rng, name: str, H: int, Hkv: int, hd: int, T: int, window: i
         if mma and gpu.dev.info.cc < 80:
             continue
         gpu.k.prefill_mma = mma
-        launch = gpu.k.attn_prefill(qkv.ptr, (H + 2 * Hkv) * hd, k.ptr, v.ptr, row.ptr, pos.ptr, T, out.ptr, _Cfg(H, Hkv, hd))
+        ld = (H + 2 * Hkv) * hd
+        launch = gpu.k.attn_prefill(qkv.ptr, ld, k.ptr, v.ptr, row.ptr, pos.ptr, T, out.ptr, _Cfg(H, Hkv, hd))
         if gpu.k.prefill_bytes(hd) > gpu.dev.info.max_smem_optin:
             continue
         launch.kernel.allow_dynamic_smem(gpu.k.prefill_bytes(hd))
         us = timed(gpu, launch, reps=5)
         tflops = flop / (us * 1e-6) / 1e12
-        line += f" | {'mma' if mma else 'scalar'} {us:9.1f} us {tflops:6.1f} TFLOP/s ({100 * tflops / PEAK_TFLOPS:4.1f}%)"
+        share = 100 * tflops / PEAK_TFLOPS
+        line += f" | {'mma' if mma else 'scalar'} {us:9.1f} us {tflops:6.1f} TFLOP/s ({share:4.1f}%)"
     gpu.k.prefill_mma = saved
     print(line)
 
