@@ -16,3 +16,4 @@
 #define ATT_QPW        4     // prefill attention: queries per warp
 #define MAX_SPLITS     32    // split-KV partials per (sequence, head): one per lane of the merging warp
 #define SAMPLE_THREADS 1024  // threads per sampling block
+#define PREP_THREADS   256   // threads per sample_prep_f32 block (one chunk of a large vocabulary)

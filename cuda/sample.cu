@@ -14,6 +14,14 @@
 //      counter[b]) — the same seed and position give the same token — and pick the first token, in id order,
 //      whose cumulative weight exp((logit - max) / temperature) passes u * total.
 // When V*4 bytes fit in shared memory the logits are staged there, since each bisection step re-reads them.
+//
+// Large vocabularies (Gemma's 262,144, Llama 3's 128,256) split the per-token passes over many blocks: first
+// sample_prep_f32, grid (nchunks, B), applies step 1 (penalty, mask) to its chunk of ids and writes the chunk's
+// argmax and its smallest finite logit; sample_f32 then skips step 1 and takes the argmax (and top-k's lower
+// bracket) from the nchunks results instead of a pass over V. Both reductions are order-independent (argmax
+// with ties to the lowest id is a total order; min is exact), and step 1 touches each token once either way,
+// so the sampled token is bit-for-bit the single-block path's. Greedy decoding then reads the logits once
+// across the GPU instead of in one block; sampling with temperature > 0 still runs its bisections in one block.
 #include "common.cuh"
 
 #define BISECT_STEPS 24
@@ -50,40 +58,76 @@ __device__ ArgMax block_argmax(ArgMax x, ArgMax* scratch) {
     return x;
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ temperature,
-           const int* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ min_p,
-           const float* __restrict__ penalty, const int* __restrict__ hist, const int* __restrict__ hist_len,
-           int hist_cap, const unsigned long long* __restrict__ seed, const int* __restrict__ counter,
-           const int* __restrict__ masked, const unsigned* __restrict__ mask, int mask_words,
-           int* __restrict__ out_token, int use_smem) {
-    extern __shared__ float staged[];
-    __shared__ float red[WARP];
-    __shared__ ArgMax red_arg[WARP];
-    __shared__ float chunk_sums[SAMPLE_THREADS];
-    const int b = blockIdx.x, tid = threadIdx.x;
-    float* row = logits + (size_t)b * ld;
-
-    // 1. repetition penalty, once per distinct token
+// Step 1 of one sequence's row, in place: the repetition penalty on the distinct history tokens in [lo, hi)
+// (each token once: its first occurrence in the history), then the allowed-token mask on [lo, hi).
+__device__ void penalize_and_mask(float* row, int lo, int hi, int b, const float* __restrict__ penalty,
+                                  const int* __restrict__ hist, const int* __restrict__ hist_len, int hist_cap,
+                                  const int* __restrict__ masked, const unsigned* __restrict__ mask, int mask_words) {
+    const int tid = threadIdx.x;
     const float pen = penalty[b];
     if (pen != 1.0f) {
         const int* hb = hist + (size_t)b * hist_cap;
         const int n = min(hist_len[b], hist_cap);
         for (int i = tid; i < n; i += blockDim.x) {
             const int tok = hb[i];
-            bool first = tok >= 0 && tok < V;
+            bool first = tok >= lo && tok < hi;
             for (int j = 0; j < i && first; j++) first = hb[j] != tok;
             if (first) { const float l = row[tok]; row[tok] = l > 0.0f ? l / pen : l * pen; }
         }
         __syncthreads();
     }
-    // 1b. the allowed-token mask (masked == nullptr: no sequence of this launch is constrained)
+    // masked == nullptr: no sequence of this launch is constrained
     if (masked != nullptr && masked[b]) {
         const unsigned* mb = mask + (size_t)b * mask_words;
-        for (int i = tid; i < V; i += blockDim.x)
+        for (int i = lo + tid; i < hi; i += blockDim.x)
             if (!((mb[i >> 5] >> (i & 31)) & 1u)) row[i] = -INFINITY;
         __syncthreads();
     }
+}
+
+// grid (nchunks, B), PREP_THREADS threads: block (c, b) owns ids [c*chunk, min(V, (c+1)*chunk)) of row b:
+// step 1 on them, then chunks[b * nchunks + c] = (max logit, its id (lowest on ties) as int bits, smallest
+// finite logit (+inf if none), 0). Parameters as sample_f32's.
+extern "C" __global__ void __launch_bounds__(PREP_THREADS)
+sample_prep_f32(float* __restrict__ logits, int V, int ld, int chunk, const float* __restrict__ penalty,
+                const int* __restrict__ hist, const int* __restrict__ hist_len, int hist_cap,
+                const int* __restrict__ masked, const unsigned* __restrict__ mask, int mask_words,
+                float4* __restrict__ chunks) {
+    __shared__ float red[WARP];
+    __shared__ ArgMax red_arg[WARP];
+    const int c = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+    const int lo = c * chunk, hi = min(V, lo + chunk);
+    float* row = logits + (size_t)b * ld;
+    penalize_and_mask(row, lo, hi, b, penalty, hist, hist_len, hist_cap, masked, mask, mask_words);
+    ArgMax best{-INFINITY, 0x7fffffff};
+    float zmin = INFINITY;
+    for (int i = lo + tid; i < hi; i += blockDim.x) {
+        const float z = row[i];
+        best = better(best, ArgMax{z, i});
+        if (z > -INFINITY) zmin = fminf(zmin, z);
+    }
+    best = block_argmax(best, red_arg);
+    zmin = -block_max(-zmin, red);
+    if (tid == 0) chunks[(size_t)b * gridDim.x + c] = make_float4(best.v, __int_as_float(best.i), zmin, 0.0f);
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ temperature,
+           const int* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ min_p,
+           const float* __restrict__ penalty, const int* __restrict__ hist, const int* __restrict__ hist_len,
+           int hist_cap, const unsigned long long* __restrict__ seed, const int* __restrict__ counter,
+           const int* __restrict__ masked, const unsigned* __restrict__ mask, int mask_words,
+           int* __restrict__ out_token, int use_smem, const float4* __restrict__ chunks, int nchunks) {
+    extern __shared__ float staged[];
+    __shared__ float red[WARP];
+    __shared__ ArgMax red_arg[WARP];
+    __shared__ float chunk_sums[SAMPLE_THREADS];
+    const int b = blockIdx.x, tid = threadIdx.x;
+    float* row = logits + (size_t)b * ld;
+    const float4* cb = chunks ? chunks + (size_t)b * nchunks : nullptr;   // sample_prep_f32's results, or none
+
+    // 1. repetition penalty, once per distinct token; the allowed-token mask (done by sample_prep_f32 if chunks)
+    if (!cb) penalize_and_mask(row, 0, V, b, penalty, hist, hist_len, hist_cap, masked, mask, mask_words);
     // 2. greedy: one pass over the logits (staging them in shared memory would only pay off for sampling)
     const float temp = temperature[b];
     const float* z = row;
@@ -93,7 +137,8 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
         z = staged;
     }
     ArgMax best{-INFINITY, 0x7fffffff};
-    for (int i = tid; i < V; i += blockDim.x) best = better(best, ArgMax{z[i], i});
+    if (cb) for (int c = tid; c < nchunks; c += blockDim.x) best = better(best, ArgMax{cb[c].x, __float_as_int(cb[c].y)});
+    else for (int i = tid; i < V; i += blockDim.x) best = better(best, ArgMax{z[i], i});
     best = block_argmax(best, red_arg);
     if (temp <= 0.0f) {
         if (tid == 0) out_token[b] = best.i;
@@ -105,7 +150,8 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
     const int k = top_k[b];
     if (k > 0 && k < V) {                                      // largest t with count(z >= t) >= k
         float zmin = INFINITY;                                 // over the allowed (finite) logits
-        for (int i = tid; i < V; i += blockDim.x) if (z[i] > -INFINITY) zmin = fminf(zmin, z[i]);
+        if (cb) for (int c = tid; c < nchunks; c += blockDim.x) zmin = fminf(zmin, cb[c].z);
+        else for (int i = tid; i < V; i += blockDim.x) if (z[i] > -INFINITY) zmin = fminf(zmin, z[i]);
         float lo = -block_max(-zmin, red), hi = zmax;
         for (int step = 0; step < BISECT_STEPS; step++) {
             const float mid = 0.5f * (lo + hi);

@@ -26,6 +26,7 @@ SHARED: dict[str, tuple[int, str]] = {
     "ATT_QPW": (4, "prefill attention: queries per warp"),
     "MAX_SPLITS": (32, "split-KV partials per (sequence, head): one per lane of the merging warp"),
     "SAMPLE_THREADS": (1024, "threads per sampling block"),
+    "PREP_THREADS": (256, "threads per sample_prep_f32 block (one chunk of a large vocabulary)"),
 }
 
 QK = SHARED["QK"][0]
@@ -42,6 +43,7 @@ PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
 ATT_WARPS = SHARED["ATT_WARPS"][0]
 MAX_SPLITS = SHARED["MAX_SPLITS"][0]
 SAMPLE_THREADS = SHARED["SAMPLE_THREADS"][0]
+PREP_THREADS = SHARED["PREP_THREADS"][0]
 
 # The GPU engine's weight layout: recorded in a bundle's manifest so a runtime that repacks differently can
 # refuse it (cuda/common.cuh describes it).
@@ -53,7 +55,8 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 2  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 3  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+# 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments
 
 
 def header() -> str:
