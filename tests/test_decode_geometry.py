@@ -33,7 +33,7 @@ def test_active_splits_partition_the_visible_keys(window, splits):
         lo = max(0, pos - window + 1) if window else 0
         assert 1 <= len(ranges) <= splits
         assert ranges[0][0] == lo and ranges[-1][1] == pos + 1  # the last split holds the new position
-        for (b0, e0), (b1, _) in zip(ranges, ranges[1:], strict=False):
+        for (_, e0), (b1, _) in zip(ranges, ranges[1:], strict=False):
             assert e0 == b1 and b1 % PAGE == 0  # contiguous, cut at page boundaries
         assert all(e > b for b, e in ranges)  # no active split is empty
         npages = pos // PAGE - lo // PAGE + 1
@@ -70,7 +70,7 @@ def _kernel_math(q, k, v, ranges, hd):
     G, KG = len(q), 256 // hd
     partials = []
     for k_begin, k_end in ranges:
-        m, l, acc = np.full(G, -1e30), np.zeros(G), np.zeros((KG, G, hd))
+        m, lsum, acc = np.full(G, -1e30), np.zeros(G), np.zeros((KG, G, hd))
         for page in range(k_begin // PAGE, -(-k_end // PAGE)):
             keys = np.arange(page * PAGE, (page + 1) * PAGE)
             valid = (keys >= k_begin) & (keys < k_end)
@@ -79,17 +79,17 @@ def _kernel_math(q, k, v, ranges, hd):
             s = np.where(valid[None, :], q @ kp.T, -np.inf)  # [G, PAGE]: warp g, lane = key
             m_new = np.maximum(m, s.max(axis=1))
             p, corr = np.exp(s - m_new[:, None]), np.exp(m - m_new)
-            l = l * corr + p.sum(axis=1)
+            lsum = lsum * corr + p.sum(axis=1)
             acc *= corr[None, :, None]
             for kg in range(KG):  # thread group kg takes keys kg, kg + KG, ...
                 acc[kg] += p[:, kg::KG] @ vp[kg::KG]
             m = m_new
-        partials.append((m, l, acc.sum(axis=0)))
+        partials.append((m, lsum, acc.sum(axis=0)))
     if len(partials) == 1:
-        m, l, a = partials[0]
-        return a / l[:, None]
+        _, lsum, a = partials[0]
+        return a / lsum[:, None]
     M = np.max([m for m, _, _ in partials], axis=0)
-    L = sum(l * np.exp(m - M) for m, l, _ in partials)
+    L = sum(ls * np.exp(m - M) for m, ls, _ in partials)
     return sum((np.exp(m - M) / L)[:, None] * a for m, _, a in partials)
 
 

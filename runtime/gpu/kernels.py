@@ -515,7 +515,9 @@ class Kernels:
         scorr, sl, sm [GMAX] (44 KiB at hd 256). v7: sq [GMAX][hd], sk [hd], sm_m and sm_l [ATT_WARPS][GMAX],
         sm_acc [ATT_WARPS][GMAX][hd], fp32."""
         if version == "v8":
-            return 2 * PAGE * (hd + 8) * 2 + (GQA_MAX * 256 + hd + GQA_MAX * PAGE + GQA_MAX * MAX_SPLITS + 3 * GQA_MAX) * 4
+            return (
+                2 * PAGE * (hd + 8) * 2 + (GQA_MAX * 256 + hd + GQA_MAX * PAGE + GQA_MAX * MAX_SPLITS + 3 * GQA_MAX) * 4
+            )
         return (GQA_MAX * hd + hd + 2 * ATT_WARPS * GQA_MAX + ATT_WARPS * GQA_MAX * hd) * 4
 
     @staticmethod
