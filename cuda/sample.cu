@@ -122,6 +122,7 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
     __shared__ float red[WARP];
     __shared__ ArgMax red_arg[WARP];
     __shared__ float chunk_sums[SAMPLE_THREADS];
+    __shared__ float s_t0;
     const int b = blockIdx.x, tid = threadIdx.x;
     float* row = logits + (size_t)b * ld;
     const float4* cb = chunks ? chunks + (size_t)b * nchunks : nullptr;   // sample_prep_f32's results, or none
@@ -146,6 +147,23 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
     }
     const float inv_t = 1.0f / temp, zmax = best.v;            // the filters read the untempered logits z
 
+    // Candidate lists (prep path with 0 < top_k <= nchunks): every rule below sums over "z >= threshold" for
+    // thresholds >= t (top-k's cut), so the ids with z < T1 <= t never add a term. The row is read once, each
+    // thread keeping its own ids (tid, tid + blockDim, ... ascending: the order its sums add in) with z >= T1 in
+    // shared memory; the passes then read those, adding the same terms in the same order as the full row would.
+    // T1 is a lower bound of the k-th largest logit: the k-th largest chunk maximum (k chunks hold a logit >= it)
+    // less a margin wider than the bisection's last interval. Any overflow (more than CAND_SLOTS ids for a thread,
+    // t < T1, more than DRAW_MAX drawable tokens) falls back to the row, so the token is always the row's.
+    float* cz = staged;                                        // [CAND_SLOTS][blockDim]: logits
+    int* ci = reinterpret_cast<int*>(staged + CAND_SLOTS * blockDim.x);   // [CAND_SLOTS][blockDim]: their ids
+    bool cand = false;
+    int nc = 0;
+    float t1 = -INFINITY;
+    auto each = [&](auto&& f) {                                // this thread's terms, in id order
+        if (cand) for (int s = 0; s < nc; s++) f(cz[s * blockDim.x + tid]);
+        else for (int i = tid; i < V; i += blockDim.x) f(z[i]);
+    };
+
     float t = -INFINITY;                                       // candidates: z >= t
     const int k = top_k[b];
     if (k > 0 && k < V) {                                      // largest t with count(z >= t) >= k
@@ -153,39 +171,108 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
         if (cb) for (int c = tid; c < nchunks; c += blockDim.x) zmin = fminf(zmin, cb[c].z);
         else for (int i = tid; i < V; i += blockDim.x) if (z[i] > -INFINITY) zmin = fminf(zmin, z[i]);
         float lo = -block_max(-zmin, red), hi = zmax;
+        if (cb && k <= nchunks && nchunks <= (int)blockDim.x) {
+            if (tid < nchunks) chunk_sums[tid] = cb[tid].x;   // (chunk_sums: free until the draw)
+            __syncthreads();
+            if (tid < nchunks) {                               // the chunk maximum of rank k - 1 (ties by chunk)
+                const float v = chunk_sums[tid];
+                int rank = 0;
+                for (int c = 0; c < nchunks; c++) rank += chunk_sums[c] > v || (chunk_sums[c] == v && c < tid);
+                if (rank == k - 1) s_t0 = v;
+            }
+            __syncthreads();
+            const float t0 = s_t0;
+            t1 = t0 - ((hi - lo) * 0x1p-12f + fabsf(t0) * 0x1p-20f);
+            if (isfinite(t1) && isfinite(lo)) {                // (block-uniform)
+                for (int i = tid; i < V; i += blockDim.x) {
+                    const float zi = z[i];
+                    if (zi >= t1) {
+                        if (nc < CAND_SLOTS) { cz[nc * blockDim.x + tid] = zi; ci[nc * blockDim.x + tid] = i; }
+                        nc++;
+                    }
+                }
+                cand = !__syncthreads_or(nc > CAND_SLOTS);
+            }
+        }
         for (int step = 0; step < BISECT_STEPS; step++) {
             const float mid = 0.5f * (lo + hi);
             float cnt = 0.0f;
-            for (int i = tid; i < V; i += blockDim.x) cnt += z[i] >= mid ? 1.0f : 0.0f;
+            each([&](float zi) { cnt += zi >= mid ? 1.0f : 0.0f; });
             if (block_sum(cnt, red) >= k) lo = mid; else hi = mid;
         }
         t = lo;
+        cand = cand && t >= t1;                                // every z >= t is a candidate (block-uniform)
     }
     const float p = top_p[b];
     if (p < 1.0f) {                                            // largest t' >= t keeping mass >= p * mass(z >= t)
         float total = 0.0f;
-        for (int i = tid; i < V; i += blockDim.x) if (z[i] >= t) total += __expf(z[i] - zmax);
+        each([&](float zi) { if (zi >= t) total += __expf(zi - zmax); });
         total = block_sum(total, red);
         float lo = t == -INFINITY ? zmax - 80.0f : t, hi = zmax;
         for (int step = 0; step < BISECT_STEPS; step++) {
             const float mid = 0.5f * (lo + hi);
             float mass = 0.0f;
-            for (int i = tid; i < V; i += blockDim.x) if (z[i] >= mid) mass += __expf(z[i] - zmax);
+            each([&](float zi) { if (zi >= mid) mass += __expf(zi - zmax); });
             if (block_sum(mass, red) >= p * total) lo = mid; else hi = mid;
         }
         t = fmaxf(t, lo);
     }
     if (min_p[b] > 0.0f) t = fmaxf(t, zmax + __logf(min_p[b]));
     float total = 0.0f;                                        // the tempered mass of the candidates
-    for (int i = tid; i < V; i += blockDim.x) if (z[i] >= t) total += __expf((z[i] - zmax) * inv_t);
+    each([&](float zi) { if (zi >= t) total += __expf((zi - zmax) * inv_t); });
     total = block_sum(total, red);
 
     // 3. inverse-CDF draw in id order: each thread owns a contiguous chunk of ids
     const unsigned long long r = splitmix64(seed[b] ^ splitmix64((unsigned long long)counter[b]));
     const float target = (float)((r >> 11) * (1.0 / 9007199254740992.0)) * total;
-    const int per = (V + blockDim.x - 1) / blockDim.x, lo_i = tid * per, hi_i = min(V, lo_i + per);
+    const int per = (V + blockDim.x - 1) / blockDim.x;
+    if (cand) {                                                // few enough drawable candidates to sort?
+        float q = 0.0f;
+        for (int s = 0; s < nc; s++) q += cz[s * blockDim.x + tid] >= t ? 1.0f : 0.0f;
+        cand = block_sum(q, red) <= DRAW_MAX;
+    }
+    if (cand) {
+        // The same draw from the candidates: thread 0 sorts the drawable ones by id (insertion), forms each
+        // chunk's sum over them in id order as the owning thread would, and scans and walks as below.
+        int* ncs = reinterpret_cast<int*>(chunk_sums);
+        ncs[tid] = nc;
+        __syncthreads();
+        if (tid == 0) {
+            int* di = ci + CAND_SLOTS * blockDim.x;            // [DRAW_MAX] ids, ascending
+            float* dw = reinterpret_cast<float*>(di + DRAW_MAX);   // [DRAW_MAX] their tempered weights
+            int n = 0;
+            for (int u = 0; u < (int)blockDim.x; u++)
+                for (int s = 0; s < ncs[u]; s++) {
+                    const float zi = cz[s * blockDim.x + u];
+                    if (!(zi >= t)) continue;
+                    const int id = ci[s * blockDim.x + u];
+                    int j = n++;
+                    for (; j > 0 && di[j - 1] > id; j--) { di[j] = di[j - 1]; dw[j] = dw[j - 1]; }
+                    di[j] = id;
+                    dw[j] = __expf((zi - zmax) * inv_t);
+                }
+            float run = 0.0f;
+            int tok = best.i;                                  // rounding fallback: the most likely token
+            for (int j = 0; j < n;) {
+                const int owner = di[j] / per;
+                float cs = 0.0f;
+                int e = j;
+                for (; e < n && di[e] / per == owner; e++) cs += dw[e];
+                if (run + cs > target && cs > 0.0f) {
+                    for (int x = j; x < e; x++) { run += dw[x]; tok = di[x]; if (run > target) break; }
+                    break;
+                }
+                run += cs;
+                j = e;
+            }
+            out_token[b] = tok;
+        }
+        return;
+    }
+    const int lo_i = tid * per, hi_i = min(V, lo_i + per);
     float mine = 0.0f;
     for (int i = lo_i; i < hi_i; i++) if (z[i] >= t) mine += __expf((z[i] - zmax) * inv_t);
+    __syncthreads();                                           // (chunk_sums may have held chunk maxima)
     chunk_sums[tid] = mine;
     __syncthreads();
     if (tid == 0) {                                            // 1024 partial sums: a serial scan is cheap

@@ -27,6 +27,8 @@ SHARED: dict[str, tuple[int, str]] = {
     "MAX_SPLITS": (32, "split-KV partials per (sequence, head): one per lane of the merging warp"),
     "SAMPLE_THREADS": (1024, "threads per sampling block"),
     "PREP_THREADS": (256, "threads per sample_prep_f32 block (one chunk of a large vocabulary)"),
+    "CAND_SLOTS": (4, "sample_f32, top-k over chunks: candidate logits kept per thread"),
+    "DRAW_MAX": (128, "sample_f32, top-k over chunks: most drawable candidates sorted for the draw"),
 }
 
 QK = SHARED["QK"][0]
@@ -44,6 +46,8 @@ ATT_WARPS = SHARED["ATT_WARPS"][0]
 MAX_SPLITS = SHARED["MAX_SPLITS"][0]
 SAMPLE_THREADS = SHARED["SAMPLE_THREADS"][0]
 PREP_THREADS = SHARED["PREP_THREADS"][0]
+CAND_SLOTS = SHARED["CAND_SLOTS"][0]
+DRAW_MAX = SHARED["DRAW_MAX"][0]
 
 # The GPU engine's weight layout: recorded in a bundle's manifest so a runtime that repacks differently can
 # refuse it (cuda/common.cuh describes it).

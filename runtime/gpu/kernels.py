@@ -17,6 +17,8 @@ from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.archs import installed_kernel_dir
 from ingot.runtime.gpu.constants import (
     ATT_WARPS,
+    CAND_SLOTS,
+    DRAW_MAX,
     GATED_MODES,
     MATMUL_TILE,
     MATVEC_COLS,
@@ -175,6 +177,9 @@ def kernel_images(kernel_dir: Path | None = None) -> dict[str, bytes]:
 # 8 per thread) before sample_f32; below it one block's pass is shorter than the extra launch.
 SAMPLE_CHUNK = 2048
 SAMPLE_PREP_MIN_V = 65536
+# sample_f32's dynamic shared memory on the prep path: candidate (logit, id) [CAND_SLOTS][SAMPLE_THREADS] and the
+# draw's sorted (id, weight) [DRAW_MAX] (33 KiB: under the 48 KiB default)
+SAMPLE_CAND_SMEM = 8 * (CAND_SLOTS * SAMPLE_THREADS + DRAW_MAX)
 
 
 def sample_chunks(V: int) -> int:
@@ -611,8 +616,9 @@ class Kernels:
                     ],
                 )
             )
-        use_smem = V * 4 <= self.sample_smem_limit
-        smem = V * 4 if use_smem else 0
+        # staged logits (small vocabularies), or with the prep pass the top-k candidate lists (cuda/sample.cu)
+        use_smem = not nchunks and V * 4 <= self.sample_smem_limit
+        smem = V * 4 if use_smem else SAMPLE_CAND_SMEM if nchunks else 0
         if use_smem and smem > 48 * 1024:
             self.k["sample_f32"].allow_dynamic_smem(smem)
         steps.append(self._sample_final(logits, V, ld, B, p, out_tokens, use_smem, smem, nchunks))

@@ -495,16 +495,22 @@ def test_sample_prep_gives_the_single_block_paths_tokens(gpu, rng, V, B):
         {"temperature": 1.0, "top_k": 5, "top_p": 0.9, "min_p": 0.05, "penalty": 1.1, "hist": hist, "seed": seeds},
         {"temperature": 0.7, "top_k": 64, "mask": mask, "seed": seeds, "counter": 11},
         {"temperature": 1.0, "top_p": 0.95, "seed": seeds},
+        {"temperature": 1.5, "top_k": 128, "min_p": 0.01, "seed": seeds},  # k = Gemma's chunk count
+        {"temperature": 0.9, "top_k": 200, "seed": seeds},  # k past the chunk count: the row path
     ]
+    # rounded logits: many ties at the top-k cut and in the draw (the candidate path's fallbacks)
+    rounded = np.round(logits * 2) / 2
+    cases += [{"temperature": 1.0, "top_k": 40, "seed": seeds, "logits": rounded}, {"logits": rounded}]
     for kw in cases:
-        one = _sample(gpu, logits, **kw)
-        two = _sample(gpu, logits, prep=True, **kw)
+        rows = kw.pop("logits", logits)
+        one = _sample(gpu, rows, **kw)
+        two = _sample(gpu, rows, prep=True, **kw)
         assert list(two) == list(one), kw
         if "temperature" not in kw:
             ref = np.array(
                 [
                     penalized(r, kw.get("penalty", 1.0), kw["hist"][b] if "hist" in kw else ())
-                    for b, r in enumerate(logits)
+                    for b, r in enumerate(rows)
                 ]
             )
             if "mask" in kw:
