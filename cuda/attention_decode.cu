@@ -58,12 +58,17 @@ __device__ __forceinline__ void dec_warp_rmsnorm(float* x, const float* __restri
 }
 
 // Dynamic shared memory of the block, in this order (Kernels.decode_smem computes the same total):
-//   sK, sV  fp16 [PAGE][HD + 8]       the staged page
-//   sq      fp32 [GMAX * 256]         q heads [G][HD]; after the key loop the P.V key groups [KG][GMAX][HD]
-//   sk      fp32 [HD]                 the new key (normed, rotated)
-//   sp      fp32 [GMAX][PAGE]         the page's probabilities
-//   sw      fp32 [GMAX][MAX_SPLITS]   merge weights
+//   sK, sV    fp16 [PAGE][HD + 8]     the staged page
+//   sq        fp32 [GMAX * 256]       q heads [G][HD]; after the key loop the P.V key groups [KG][GMAX][HD]
+//   sk, sv    fp32 [HD] each          the new key (normed, rotated) and value
+//   snq, snk  fp32 [HD] each          the q and k norm weights
+//   scs       float2 [HD / 2]         the position's RoPE (cos, sin)
+//   sp        fp32 [GMAX][PAGE]       the page's probabilities; in the merge, the weights [GMAX][MAX_SPLITS]
 //   scorr, sl, sm  fp32 [GMAX] each   per page: rescale factor; running sum and max
+// (47.1 KiB at hd 256: under the 48 KiB every arch gives without an opt-in.)
+// Latency, not bandwidth, bounds a short context, so everything the prologue reads (q, k, v, norm weights, RoPE
+// row) is loaded in one round, and the first page's K/V loads are issued before it: the new key's row in the
+// staged page is taken from shared memory (the fp16 values the cache gets), not read back from the cache.
 template <int HD>
 __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __restrict__ rope, int rope_dim,
                                  int neox, __half* __restrict__ k_cache, __half* __restrict__ v_cache,
@@ -80,14 +85,19 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     constexpr int HP = HD / 2;                    // dim pairs
     constexpr int KG = NT / HP;                   // P.V key groups: 4, 2, 1 (KG * HD == 256)
     static_assert(PAGE == WARP && PAGE * CPR % NT == 0 && NT % HP == 0 && KG * HD == 256, "decode geometry");
+    static_assert(MAX_SPLITS <= PAGE, "the merge weights reuse sp");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __half* sK = reinterpret_cast<__half*>(smem_raw);
     __half* sV = sK + PAGE * ROW;
     float* sq = reinterpret_cast<float*>(sV + PAGE * ROW);
     float* sk = sq + GMAX * 256;
-    float* sp = sk + HD;
-    float* sw = sp + GMAX * PAGE;
-    float* scorr = sw + GMAX * MAX_SPLITS;
+    float* sv = sk + HD;
+    float* snq = sv + HD;
+    float* snk = snq + HD;
+    float2* scs = reinterpret_cast<float2*>(snk + HD);
+    float* sp = reinterpret_cast<float*>(scs + HD / 2);
+    float* sw = sp;                               // (the merge runs after the last page)
+    float* scorr = sp + GMAX * PAGE;
     float* sl = scorr + GMAX;
     float* sm = sl + GMAX;
     __shared__ int is_last;
@@ -107,31 +117,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     const float* row = qkv + (size_t)b * (H + 2 * Hkv) * HD;
     const float2* cs = rope + (size_t)p * (rope_dim / 2);
 
-    // 1. q heads (normed, rotated, scaled) into shared memory; the last split writes k, v to the cache
-    for (int i = tid; i < G * HD; i += NT) sq[i] = row[(size_t)kvh * G * HD + i];
-    if (owns_new) for (int d = tid; d < HD; d += NT) sk[d] = row[(size_t)(H + kvh) * HD + d];
-    if (tid < GMAX) { sm[tid] = NEG_BIG; sl[tid] = 0.0f; }
-    __syncthreads();
-    if (q_norm) {                                 // one warp per head: the G q heads, then k (if written here)
-        for (int g = warp; g < G + (owns_new ? 1 : 0); g += ATT_WARPS)
-            dec_warp_rmsnorm(g < G ? sq + g * HD : sk, g < G ? q_norm : k_norm, HD, eps);
-        __syncthreads();
-    }
-    for (int g = 0; g < G; g++) dec_rope_head(sq + g * HD, cs, rope_dim, neox, tid, NT);
-    if (owns_new) dec_rope_head(sk, cs, rope_dim, neox, tid, NT);
-    __syncthreads();
-    for (int i = tid; i < G * HD; i += NT) sq[i] *= scale;
-    if (owns_new) {
-        const int page = block_table[(size_t)b * max_pages + p / PAGE];
-        const size_t o = (((size_t)page * Hkv + kvh) * PAGE + p % PAGE) * HD;
-        for (int d = tid; d < HD; d += NT) {
-            k_cache[o + d] = __float2half(sk[d]);
-            v_cache[o + d] = __float2half(row[(size_t)(H + Hkv + kvh) * HD + d]);
-        }
-    }
-    __syncthreads();                              // q ready; the new k, v visible to this block's page loads
-
-    // 2. the split's pages: stage one, fetch the next, score, softmax update, P.V
+    // The split's first page is fetched into registers now; its loads overlap the prologue.
     const int* bt = block_table + (size_t)b * max_pages;
     uint4 rk[LOADS], rv[LOADS];
     auto fetch = [&](int pg) {                    // page pg's K, V rows of this kv head into registers
@@ -147,16 +133,60 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
             }
         }
     };
+    fetch(page_begin);
+
+    // 1. q heads (normed, rotated, scaled) into shared memory; the last split writes k, v to the cache
+    for (int i = tid; i < G * HD; i += NT) sq[i] = row[(size_t)kvh * G * HD + i];
+    if (owns_new) {
+        for (int d = tid; d < HD; d += NT) {
+            sk[d] = row[(size_t)(H + kvh) * HD + d];
+            sv[d] = row[(size_t)(H + Hkv + kvh) * HD + d];
+        }
+    }
+    for (int i = tid; i < rope_dim / 2; i += NT) scs[i] = cs[i];
+    if (q_norm) for (int d = tid; d < HD; d += NT) { snq[d] = q_norm[d]; snk[d] = k_norm[d]; }
+    if (tid < GMAX) { sm[tid] = NEG_BIG; sl[tid] = 0.0f; }
+    __syncthreads();
+    if (q_norm) {                                 // one warp per head: the G q heads, then k (if written here)
+        for (int g = warp; g < G + (owns_new ? 1 : 0); g += ATT_WARPS)
+            dec_warp_rmsnorm(g < G ? sq + g * HD : sk, g < G ? snq : snk, HD, eps);
+        __syncthreads();
+    }
+    for (int g = 0; g < G; g++) dec_rope_head(sq + g * HD, scs, rope_dim, neox, tid, NT);
+    if (owns_new) dec_rope_head(sk, scs, rope_dim, neox, tid, NT);
+    __syncthreads();
+    for (int i = tid; i < G * HD; i += NT) sq[i] *= scale;
+    if (owns_new) {                               // (read by later steps; this one stages the row from sk, sv)
+        const int page = bt[p / PAGE];
+        const size_t o = (((size_t)page * Hkv + kvh) * PAGE + p % PAGE) * HD;
+        for (int d = tid; d < HD; d += NT) {
+            k_cache[o + d] = __float2half(sk[d]);
+            v_cache[o + d] = __float2half(sv[d]);
+        }
+    }
+    __syncthreads();                              // q ready
+
+    // 2. the split's pages: stage one, fetch the next, score, softmax update, P.V
     const int dp = tid % HP, kg = tid / HP;
     float acc[GMAX][2];
 #pragma unroll
     for (int g = 0; g < GMAX; g++) acc[g][0] = acc[g][1] = 0.0f;
 
-    fetch(page_begin);
     for (int pg = page_begin; pg < page_end; pg++) {
+        const int new_row = owns_new && pg == p / PAGE ? p % PAGE : -1;   // the new token's row in this page
 #pragma unroll
         for (int i = 0; i < LOADS; i++) {
             const int e = tid + i * NT, r = e / CPR, c = e % CPR;
+            if (r == new_row) {                   // the values just written to the cache, as fp16
+                __half2 kh[4], vh[4];
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    kh[j] = __floats2half2_rn(sk[c * 8 + 2 * j], sk[c * 8 + 2 * j + 1]);
+                    vh[j] = __floats2half2_rn(sv[c * 8 + 2 * j], sv[c * 8 + 2 * j + 1]);
+                }
+                rk[i] = *reinterpret_cast<const uint4*>(kh);
+                rv[i] = *reinterpret_cast<const uint4*>(vh);
+            }
             *reinterpret_cast<uint4*>(sK + r * ROW + c * 8) = rk[i];
             *reinterpret_cast<uint4*>(sV + r * ROW + c * 8) = rv[i];
         }
@@ -271,7 +301,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     if (tid == 0) *counter = 0;                   // ready for the next step (stream order separates steps)
 }
 
-// grid (S <= MAX_SPLITS, Hkv, B), 128 threads, Kernels.decode_smem(hd) bytes of dynamic shared memory (44 KiB at
+// grid (S <= MAX_SPLITS, Hkv, B), 128 threads, Kernels.decode_smem(hd) bytes of dynamic shared memory (47 KiB at
 // hd 256, under the 48 KiB default). Arguments as attention.cu's attn_decode_f16 (v7), so the host switches
 // between them by name: qkv [B, (H + 2 Hkv) hd] as the qkv product wrote it (q, k not yet normed or rotated);
 // rope: the layer's table [positions, rope_dim/2] (cos, sin); pos[b] = the new token's position; part_acc
@@ -292,8 +322,8 @@ attn_decode_tile_f16(const float* qkv, const float2* rope, int rope_dim, int neo
 }
 
 // hd 256 (Gemma) in a kernel of its own, so the 64/128 kernel keeps its register count. Same arguments.
-// Min 3 blocks per SM (170 registers at most): the bare bound made ptxas pick 128 and spill; 157 fit, and 3 blocks
-// of 44 KiB shared memory per SM is what Gemma's few blocks per layer can use anyway.
+// Min 3 blocks per SM (170 registers at most): the bare bound made ptxas pick 128 and spill; 164 fit, and 3 blocks
+// of 47 KiB shared memory per SM is what Gemma's few blocks per layer can use anyway.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP, 3)
 attn_decode_tile_f16_hd256(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache,
                            __half* v_cache, const int* block_table, int max_pages, const int* pos,

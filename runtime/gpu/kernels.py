@@ -516,13 +516,11 @@ class Kernels:
     @staticmethod
     def decode_smem(hd: int, version: str = "v8") -> int:
         """Dynamic shared memory of a decode attention block. v8 (cuda/attention_decode.cu): the staged page
-        sK, sV fp16 [PAGE][hd + 8]; fp32 sq [GMAX * 256], sk [hd], sp [GMAX][PAGE], sw [GMAX][MAX_SPLITS], and
-        scorr, sl, sm [GMAX] (44 KiB at hd 256). v7: sq [GMAX][hd], sk [hd], sm_m and sm_l [ATT_WARPS][GMAX],
-        sm_acc [ATT_WARPS][GMAX][hd], fp32."""
+        sK, sV fp16 [PAGE][hd + 8]; fp32 sq [GMAX * 256], sk, sv, snq, snk [hd], scs float2 [hd/2], sp
+        [GMAX][PAGE] (also the merge weights), and scorr, sl, sm [GMAX] (47.1 KiB at hd 256). v7: sq [GMAX][hd],
+        sk [hd], sm_m and sm_l [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
         if version == "v8":
-            return (
-                2 * PAGE * (hd + 8) * 2 + (GQA_MAX * 256 + hd + GQA_MAX * PAGE + GQA_MAX * MAX_SPLITS + 3 * GQA_MAX) * 4
-            )
+            return 2 * PAGE * (hd + 8) * 2 + (GQA_MAX * 256 + 5 * hd + GQA_MAX * PAGE + 3 * GQA_MAX) * 4
         return (GQA_MAX * hd + hd + 2 * ATT_WARPS * GQA_MAX + ATT_WARPS * GQA_MAX * hd) * 4
 
     @staticmethod
