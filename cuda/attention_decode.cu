@@ -306,8 +306,9 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
 // between them by name: qkv [B, (H + 2 Hkv) hd] as the qkv product wrote it (q, k not yet normed or rotated);
 // rope: the layer's table [positions, rope_dim/2] (cos, sin); pos[b] = the new token's position; part_acc
 // [B, H, S, hd], part_ml [B, H, S]; counters [B * Hkv] zero-initialized once, left zeroed after each launch;
-// q_norm, k_norm [hd] or null (no qk-norm).
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+// q_norm, k_norm [hd] or null (no qk-norm). Launch bound of 3 blocks per SM (170 registers at most) for both
+// kernels: the bare bound made ptxas cap them at 128 (sm_90 fits; sm_100/sm_120 spilled 12-20 bytes, sm_75 at 96).
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP, 3)
 attn_decode_tile_f16(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache,
                      __half* v_cache, const int* block_table, int max_pages, const int* pos, float* part_acc,
                      float2* part_ml, int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H,
@@ -321,9 +322,9 @@ attn_decode_tile_f16(const float* qkv, const float2* rope, int rope_dim, int neo
     else ATTN_DECODE_TILE(128);
 }
 
-// hd 256 (Gemma) in a kernel of its own, so the 64/128 kernel keeps its register count. Same arguments.
-// Min 3 blocks per SM (170 registers at most): the bare bound made ptxas pick 128 and spill; 164 fit, and 3 blocks
-// of 47 KiB shared memory per SM is what Gemma's few blocks per layer can use anyway.
+// hd 256 (Gemma) in a kernel of its own, so the 64/128 kernel keeps its register count. Same arguments. 164
+// registers under the bound (128 spilled), and 3 blocks of 47 KiB shared memory per SM is what Gemma's few blocks
+// per layer can use anyway.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP, 3)
 attn_decode_tile_f16_hd256(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache,
                            __half* v_cache, const int* block_table, int max_pages, const int* pos,
