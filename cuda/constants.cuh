@@ -16,3 +16,6 @@
 #define ATT_QPW        4     // prefill attention: queries per warp
 #define MAX_SPLITS     32    // split-KV partials per (sequence, head): one per lane of the merging warp
 #define SAMPLE_THREADS 1024  // threads per sampling block
+#define PREP_THREADS   256   // threads per sample_prep_f32 block (one chunk of a large vocabulary)
+#define CAND_SLOTS     4     // sample_f32, top-k over chunks: candidate logits kept per thread
+#define DRAW_MAX       128   // sample_f32, top-k over chunks: most drawable candidates sorted for the draw

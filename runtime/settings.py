@@ -61,6 +61,12 @@ def _flag(text: str) -> bool:
     return text.lower() not in ("0", "false", "no", "off")
 
 
+def _decode_attn(text: str) -> str:
+    if text.lower() not in ("v7", "v8"):
+        raise ValueError(text)
+    return text.lower()
+
+
 CACHE_DIR = Setting(
     "INGOT_CACHE_DIR",
     None,
@@ -95,6 +101,13 @@ DECODE_GEMM_MIN_BATCH = Setting(
     _positive_int,
     "a positive integer",
     "The decode batch size from which the GPU engine uses tensor-core GEMMs instead of matrix-vector kernels.",
+)
+DECODE_ATTN = Setting(
+    "INGOT_DECODE_ATTN",
+    "v8",
+    _decode_attn,
+    "v8 or v7",
+    "The GPU decode attention kernel: v8 (per-page tiles, cost follows the context) or v7 (the previous one).",
 )
 KV_FRACTION = Setting(
     "INGOT_KV_FRACTION",
@@ -205,6 +218,7 @@ ALL: tuple[Setting, ...] = (
     DEBUG,
     CPU_WEIGHT_CACHE_MIB,
     DECODE_GEMM_MIN_BATCH,
+    DECODE_ATTN,
     KV_FRACTION,
     PREFIX_CACHE,
     ATTN_PREFILL,

@@ -90,7 +90,8 @@ def _matrix(pool: _Pool, qtype: str, rows: int, cols: int, cls=GpuMatrix) -> Gpu
 
 
 BUFFERS = (
-    "x xf xq xd qkv att h xh gu o logits_buf part_acc part_ml counters out_tokens px pxh pqkv pgu po plogits"
+    "x xf xq xd qkv att h xh gu o logits_buf part_acc part_ml counters sample_chunks out_tokens px pxh pqkv pgu po"
+    " plogits"
 ).split()
 
 
@@ -186,7 +187,7 @@ def test_llama_launch_counts_are_unchanged():
     c = config_of(SHAPES["tiny-k"])
     e = plan_engine(c)
     decode = kernel_names(e._decode_launches(2))
-    layer = ["rmsnorm_f32", "matvec_q8_0", "attn_decode_f16", "matvec_q8_0"]
+    layer = ["rmsnorm_f32", "matvec_q8_0", "attn_decode_tile_f16", "matvec_q8_0"]
     layer += ["rmsnorm_f32", "matvec_q8_0", "quantize_q8x2", "matvec_q8_0"]
     assert decode == ["embed_q8_0", *layer * c.n_layers, "rmsnorm_f32", "matvec_q8_0", "sample_f32"]
     wide = kernel_names(e._decode_launches(GEMM_MIN_BATCH))
@@ -258,7 +259,8 @@ def test_gemma3_layers_get_their_window_and_rope_base():
     c = config_of(SHAPES["gemma3-270m"])
     e = plan_engine(c)
     names = kernel_names(e._decode_launches(1))
-    assert names.count("attn_decode_f16_hd256") == c.n_layers  # head_dim 256: its own kernel
+    assert names.count("attn_decode_tile_f16_hd256") == c.n_layers  # head_dim 256: its own kernel
+    assert names[-2:] == ["sample_prep_f32", "sample_f32"]  # 262,144 logits: the multi-block sampler pass
     assert kernel_names(e._prefill_launches(3, all_logits=False)).count("attn_prefill_mma_f16_hd256") == c.n_layers
     got = [(kw["window"], args[1]) for args, kw in e.k.of("attn_decode")]
     local, glob = e.rope_tables[(10000.0, 1.0)], e.rope_tables[(1000000.0, 1.0)]
@@ -317,3 +319,27 @@ def test_rope_tables_follow_the_reference():
     assert keys == {(c.rope_theta_local, 1.0), (c.rope_theta, 8.0)}
     glob = next(i for i in range(c.n_layers) if not c.layer_window(i))
     assert np.allclose(rope_inv_freq(c, glob) * 8.0, c.rope_theta ** (-np.arange(0, c.rope_dim, 2) / c.rope_dim))
+
+
+def test_decode_attention_version_switch(monkeypatch):
+    """INGOT_DECODE_ATTN=v7 brings back the previous decode kernels (same arguments, their own shared memory),
+    so a v8 failure on a device costs a flag, not a revert."""
+    c = config_of(SHAPES["gemma3-270m"])
+    v8 = [s for s in plan_engine(c)._decode_launches(1) if "attn_decode" in s.kernel.name]
+    monkeypatch.setenv("INGOT_DECODE_ATTN", "v7")
+    v7 = [s for s in plan_engine(c)._decode_launches(1) if "attn_decode" in s.kernel.name]
+    assert {s.kernel.name for s in v8} == {"attn_decode_tile_f16_hd256"}
+    assert {s.kernel.name for s in v7} == {"attn_decode_f16_hd256"}
+    assert all(a.grid == b.grid and a.smem != b.smem for a, b in zip(v8, v7, strict=True))
+    assert max(s.smem for s in v8) <= 48 * 1024  # under the default: no opt-in needed on any arch
+
+
+def test_the_sampler_splits_large_vocabularies_only():
+    """sample_prep_f32 runs over the vocabulary's chunks before sample_f32 from 65,536 logits on (decode and
+    prefill's last row), and sample_f32 gets the chunk buffer and count; a small vocabulary keeps one launch."""
+    gemma = plan_engine(config_of(SHAPES["gemma3-270m"]))
+    for steps, B in ((gemma._decode_launches(3), 3), (gemma._prefill_launches(5, all_logits=False), 1)):
+        prep, final = steps[-2:]
+        assert prep.kernel.name == "sample_prep_f32" and prep.grid == (128, B, 1) and final.grid == (B, 1, 1)
+    small = plan_engine(config_of(SHAPES["tiny-k"]))
+    assert kernel_names(small._decode_launches(2))[-2:] == ["matvec_q8_0", "sample_f32"]

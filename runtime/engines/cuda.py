@@ -41,7 +41,15 @@ from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
 from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
 from ingot.runtime.gpu.driver import Device, DeviceBuffer, DevicePool, Event, Graph, Launch, PinnedBuffer, Stream
-from ingot.runtime.gpu.kernels import ACTIVATION_KERNELS, GQA_MAX, HEAD_DIMS, Kernels, kernel_images
+from ingot.runtime.gpu.kernels import (
+    ACTIVATION_KERNELS,
+    GQA_MAX,
+    HEAD_DIMS,
+    Kernels,
+    decode_splits,
+    kernel_images,
+    sample_chunk_bytes,
+)
 from ingot.runtime.model.architectures import ARCHITECTURES
 from ingot.runtime.model.gguf import Model
 from ingot.runtime.model.reference import rope_inv_freq
@@ -494,6 +502,8 @@ class CudaEngine:
         self.part_acc = a(4 * B * c.n_heads * MAX_SPLITS * c.head_dim, "attention partials")
         self.part_ml = a(8 * B * c.n_heads * MAX_SPLITS, "attention partial m,l")
         self.counters = a(4 * B * c.n_kv_heads, "attention split counters")  # zero between launches
+        # sample_prep_f32's per-chunk results (decode's B rows; prefill's one row reuses row 0, stream-ordered)
+        self.sample_chunks = a(sample_chunk_bytes(V, B), "sampler chunk results")
         self.stream.memset(self.counters.ptr, 0, self.counters.nbytes)
         # prefill, for up to T tokens of one sequence (block-table row 0 of its own table)
         self.pre = _HostDevice(
@@ -573,22 +583,21 @@ class CudaEngine:
 
     def _decode_launches(self, B: int) -> list[Launch]:
         c, s = self.config, self.step
-        splits = max(1, min(MAX_SPLITS, -(-2 * self.dev.info.sm_count // (B * c.n_kv_heads))))
+        splits = decode_splits(self.dev.info.sm_count, B, c.n_kv_heads)
         ops: _Ops = (
             _GemmDecodeOps(self, B, splits=splits) if B >= self.gemm_min_batch else _MatvecOps(self, B, splits=splits)
         )
         h = self._forward(ops, head=(self.w.out_norm, self.w.head))
         assert h is not None
         ops.linear(self.w.head, h, self.logits_buf.ptr, c.n_vocab)
-        ops.L.append(
-            self.k.sample(self.logits_buf.ptr, c.n_vocab, c.n_vocab, B, self._sample_args(s), self.out_tokens.ptr)
-        )
+        ops.L += self.k.sample(self.logits_buf.ptr, c.n_vocab, c.n_vocab, B, self._sample_args(s), self.out_tokens.ptr)
         return ops.L
 
     def _sample_args(self, io: _HostDevice) -> dict:
         names: tuple[str, ...] = ("temperature", "top_k", "top_p", "min_p", "penalty", "hist", "hist_len", "seed")
         names += ("counter", "masked", "mask")  # masked, mask: constrained decoding
-        return {n: io.ptr[n] for n in names} | {"hist_cap": HIST_CAP, "mask_words": self.mask_words}
+        extra = {"hist_cap": HIST_CAP, "mask_words": self.mask_words, "chunks": self.sample_chunks.ptr}
+        return {n: io.ptr[n] for n in names} | extra
 
     def _prefill_launches(self, T: int, all_logits: bool) -> list[Launch]:
         """The layers over T tokens of one sequence at positions pre.pos[0..T). Ends with logits of every row
@@ -604,7 +613,7 @@ class CudaEngine:
         h = last.norm(last.x, self.w.out_norm, self.w.head)
         last.linear(self.w.head, h, self.plogits.ptr, c.n_vocab)
         sample = self.k.sample(self.plogits.ptr, c.n_vocab, c.n_vocab, 1, self._sample_args(p), self.out_tokens.ptr)
-        return ops.L + last.L + [sample]
+        return ops.L + last.L + sample
 
     # --- sequences -------------------------------------------------------------------------------
 

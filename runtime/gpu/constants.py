@@ -26,6 +26,9 @@ SHARED: dict[str, tuple[int, str]] = {
     "ATT_QPW": (4, "prefill attention: queries per warp"),
     "MAX_SPLITS": (32, "split-KV partials per (sequence, head): one per lane of the merging warp"),
     "SAMPLE_THREADS": (1024, "threads per sampling block"),
+    "PREP_THREADS": (256, "threads per sample_prep_f32 block (one chunk of a large vocabulary)"),
+    "CAND_SLOTS": (4, "sample_f32, top-k over chunks: candidate logits kept per thread"),
+    "DRAW_MAX": (128, "sample_f32, top-k over chunks: most drawable candidates sorted for the draw"),
 }
 
 QK = SHARED["QK"][0]
@@ -43,6 +46,9 @@ ATT_WARPS = SHARED["ATT_WARPS"][0]
 PREFILL_MMA_ROWS = 16 * ATT_WARPS  # tensor-core prefill: one m16 tile of packed query rows per warp (BQ there)
 MAX_SPLITS = SHARED["MAX_SPLITS"][0]
 SAMPLE_THREADS = SHARED["SAMPLE_THREADS"][0]
+PREP_THREADS = SHARED["PREP_THREADS"][0]
+CAND_SLOTS = SHARED["CAND_SLOTS"][0]
+DRAW_MAX = SHARED["DRAW_MAX"][0]
 
 # The GPU engine's weight layout: recorded in a bundle's manifest so a runtime that repacks differently can
 # refuse it (cuda/common.cuh describes it).
@@ -54,7 +60,8 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 2  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 3  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+# 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments
 
 
 def header() -> str:

@@ -17,6 +17,8 @@ from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.archs import installed_kernel_dir
 from ingot.runtime.gpu.constants import (
     ATT_WARPS,
+    CAND_SLOTS,
+    DRAW_MAX,
     GATED_MODES,
     MATMUL_TILE,
     MATVEC_COLS,
@@ -26,6 +28,7 @@ from ingot.runtime.gpu.constants import (
     PAGE,
     PREFILL_MMA_ROWS,
     PREFILL_QUERIES,
+    PREP_THREADS,
     QK,
     SAMPLE_THREADS,
 )
@@ -35,6 +38,7 @@ from ingot.runtime.gpu.fatbin import parse_fatbin
 MODULES = (
     "activation",
     "attention",
+    "attention_decode",
     "attention_prefill",
     "embed",
     "matmul",
@@ -175,6 +179,47 @@ def prefill_uses_mma(cc: int) -> bool:
     """Whether prefill attention runs the tensor-core kernel (cuda/attention_prefill.cu: mma.sync m16n8k16 and
     cp.async need compute capability 8.0) on a GPU of compute capability cc (90 for 9.0)."""
     return cc >= 80 and settings.ATTN_PREFILL.get() == "mma"
+# Large-vocabulary sampling (cuda/sample.cu): from SAMPLE_PREP_MIN_V logits a row's penalty, mask and argmax pass
+# runs over ceil(V / SAMPLE_CHUNK) blocks of sample_prep_f32 (Gemma's 262,144: 128 blocks of 2,048 logits,
+# 8 per thread) before sample_f32; below it one block's pass is shorter than the extra launch.
+SAMPLE_CHUNK = 2048
+SAMPLE_PREP_MIN_V = 65536
+# sample_f32's dynamic shared memory on the prep path: candidate (logit, id) [CAND_SLOTS][SAMPLE_THREADS] and the
+# draw's sorted (id, weight) [DRAW_MAX] (33 KiB: under the 48 KiB default)
+SAMPLE_CAND_SMEM = 8 * (CAND_SLOTS * SAMPLE_THREADS + DRAW_MAX)
+
+
+def sample_chunks(V: int) -> int:
+    """sample_prep_f32 blocks per sequence for a vocabulary of V (0: the single-block path)."""
+    return -(-V // SAMPLE_CHUNK) if V >= SAMPLE_PREP_MIN_V else 0
+
+
+def sample_chunk_bytes(V: int, B: int) -> int:
+    """Bytes of the chunk-result buffer (float4 [B, sample_chunks(V)]) for up to B sequences (at least 16)."""
+    return 16 * B * max(1, sample_chunks(V))
+
+
+def decode_splits(sm_count: int, B: int, n_kv_heads: int) -> int:
+    """Splits per (sequence, kv head) in the decode attention grid: two blocks per SM if every split were active,
+    at most MAX_SPLITS (one per lane of the merging warp). The kernel uses only the splits a sequence's pages
+    need (decode_split_ranges), so a large grid costs little at short context."""
+    return max(1, min(MAX_SPLITS, -(-2 * sm_count // (B * n_kv_heads))))
+
+
+def decode_split_ranges(pos: int, window: int, splits: int) -> list[tuple[int, int]]:
+    """The key ranges [k_begin, k_end) of the ACTIVE splits of v8's decode attention (cuda/attention_decode.cu
+    computes the same from pos[b] on the device) for a token at position pos: the pages holding the visible
+    keys [lo, pos] (lo = pos - window + 1 on a sliding-window layer) cut into runs of ceil(npages / splits)."""
+    lo = max(0, pos - window + 1) if window > 0 else 0
+    first_page, npages = lo // PAGE, pos // PAGE - lo // PAGE + 1
+    per_split = -(-npages // splits)
+    active = -(-npages // per_split)
+    ranges = []
+    for s in range(active):
+        page_begin = first_page + s * per_split
+        page_end = min(page_begin + per_split, first_page + npages)
+        ranges.append((max(lo, page_begin * PAGE), min(page_end * PAGE, pos + 1)))
+    return ranges
 
 
 class Kernels:
@@ -429,12 +474,17 @@ class Kernels:
     ) -> Launch:
         """One new token per sequence (at pos[b]): [q/k head norms,] rope, KV write, split-KV attention and the
         merge, in one launch. out [B, H*hd] fp32, also as q8x2 (outq, outd) and/or fp16 (outh) when given;
-        partials [B, H, splits, hd]; counters [B*Hkv] zeroed. splits <= MAX_SPLITS. scale on q.k (0:
+        partials [B, H, splits, hd]; counters [B*Hkv] zeroed. splits <= MAX_SPLITS: the grid's splits, of which
+        the kernel uses only as many as the sequence's pages need (decode_split_geometry). scale on q.k (0:
         1/sqrt(hd)); window > 0: the token sees the last `window` positions, itself included; softcap > 0:
-        scores -> softcap * tanh(scores / softcap); q_norm, k_norm [hd] fp32 (qk_norm architectures)."""
+        scores -> softcap * tanh(scores / softcap); q_norm, k_norm [hd] fp32 (qk_norm architectures).
+        The kernel is v8's attn_decode_tile_f16* (cuda/attention_decode.cu), or v7's attn_decode_f16*
+        (cuda/attention.cu) with INGOT_DECODE_ATTN=v7; both take the same arguments."""
         assert 1 <= splits <= MAX_SPLITS and cfg.n_heads // cfg.n_kv_heads <= GQA_MAX
+        version = settings.DECODE_ATTN.get()
+        name = "attn_decode_tile_f16" if version == "v8" else "attn_decode_f16"
         return Launch(
-            self.k[self._attn_kernel("attn_decode_f16", cfg.head_dim)],
+            self.k[self._attn_kernel(name, cfg.head_dim)],
             (splits, cfg.n_kv_heads, B),
             128,
             [
@@ -465,7 +515,7 @@ class Kernels:
                 i32(window),
                 f32(softcap),
             ],
-            smem=self.decode_smem(cfg.head_dim),
+            smem=self.decode_smem(cfg.head_dim, version),
         )
 
     @staticmethod
@@ -474,8 +524,13 @@ class Kernels:
         return f"{name}_hd256" if hd == 256 else name
 
     @staticmethod
-    def decode_smem(hd: int) -> int:
-        """sq [GMAX][hd], sk [hd], sm_m and sm_l [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
+    def decode_smem(hd: int, version: str = "v8") -> int:
+        """Dynamic shared memory of a decode attention block. v8 (cuda/attention_decode.cu): the staged page
+        sK, sV fp16 [PAGE][hd + 8]; fp32 sq [GMAX * 256], sk, sv, snq, snk [hd], scs float2 [hd/2], sp
+        [GMAX][PAGE] (also the merge weights), and scorr, sl, sm [GMAX] (47.1 KiB at hd 256). v7: sq [GMAX][hd],
+        sk [hd], sm_m and sm_l [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
+        if version == "v8":
+            return 2 * PAGE * (hd + 8) * 2 + (GQA_MAX * 256 + 5 * hd + GQA_MAX * PAGE + 3 * GQA_MAX) * 4
         return (GQA_MAX * hd + hd + 2 * ATT_WARPS * GQA_MAX + ATT_WARPS * GQA_MAX * hd) * 4
 
     @staticmethod
@@ -561,14 +616,47 @@ class Kernels:
         """h[n, F] fp16 = gelu_tanh(gu[:, :F]) * gu[:, F:]."""
         return self.gated_act("gelu_tanh", gu, F, n, hh=h)
 
-    def sample(self, logits: int, V: int, ld: int, B: int, p: dict, out_tokens: int) -> Launch:
+    def sample(self, logits: int, V: int, ld: int, B: int, p: dict, out_tokens: int) -> list[Launch]:
         """One token per sequence from logits[B, ld] (first V used); p holds the per-sequence parameter arrays,
         and for constrained decoding "masked" (int32 [B] flags) and "mask" (uint32 [B, mask_words] allowed-token
-        bitmasks) with "mask_words"; without them no row is masked. The logits of masked tokens become -inf."""
-        use_smem = V * 4 <= self.sample_smem_limit
-        smem = V * 4 if use_smem else 0
+        bitmasks) with "mask_words"; without them no row is masked. The logits of masked tokens become -inf.
+        With "chunks" (a device buffer of sample_chunk_bytes(V, B)) a vocabulary of SAMPLE_PREP_MIN_V or more
+        first goes through sample_prep_f32 over many blocks (cuda/sample.cu): the same tokens, fewer µs."""
+        steps: list[Launch] = []
+        nchunks = sample_chunks(V) if p.get("chunks") else 0
+        if nchunks:
+            steps.append(
+                Launch(
+                    self.k["sample_prep_f32"],
+                    (nchunks, B),
+                    PREP_THREADS,
+                    [
+                        logits,
+                        i32(V),
+                        i32(ld),
+                        i32(SAMPLE_CHUNK),
+                        p["penalty"],
+                        p["hist"],
+                        p["hist_len"],
+                        i32(p["hist_cap"]),
+                        p.get("masked", 0),
+                        p.get("mask", 0),
+                        i32(p.get("mask_words", 0)),
+                        p["chunks"],
+                    ],
+                )
+            )
+        # staged logits (small vocabularies), or with the prep pass the top-k candidate lists (cuda/sample.cu)
+        use_smem = not nchunks and V * 4 <= self.sample_smem_limit
+        smem = V * 4 if use_smem else SAMPLE_CAND_SMEM if nchunks else 0
         if use_smem and smem > 48 * 1024:
             self.k["sample_f32"].allow_dynamic_smem(smem)
+        steps.append(self._sample_final(logits, V, ld, B, p, out_tokens, use_smem, smem, nchunks))
+        return steps
+
+    def _sample_final(
+        self, logits: int, V: int, ld: int, B: int, p: dict, out_tokens: int, use_smem: bool, smem: int, nchunks: int
+    ) -> Launch:
         return Launch(
             self.k["sample_f32"],
             (B,),
@@ -592,6 +680,8 @@ class Kernels:
                 i32(p.get("mask_words", 0)),
                 out_tokens,
                 i32(1 if use_smem else 0),
+                p["chunks"] if nchunks else 0,  # null: step 1 and the argmax in sample_f32's own block
+                i32(nchunks),
             ],
             smem=smem,
         )

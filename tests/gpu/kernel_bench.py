@@ -45,8 +45,8 @@ def graph_time_us(stream, work: list, reps: int) -> float:
 
 
 def timed(gpu: Gpu, launch, reps: int = 20) -> float:
-    """Median microseconds per launch."""
-    return graph_time_us(gpu.stream, [launch], reps)
+    """Median microseconds per launch (or per list of launches: the sampler's are one or two)."""
+    return graph_time_us(gpu.stream, launch if isinstance(launch, list) else [launch], reps)
 
 
 def random_matrix(gpu: Gpu, rng, qtype: str, rows: int, cols: int):

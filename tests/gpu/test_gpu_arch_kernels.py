@@ -151,8 +151,41 @@ DECODE_CASES = [
 @pytest.mark.parametrize("splits", [1, 7, 32])
 def test_attention_decode_windows_and_norms(gpu, rng, hd, H, Hkv, window, scale, softcap, qk_norm, splits):
     """Fused decode attention of one new token per sequence, lengths inside, at and far past the window."""
-    lens = np.array([1, 31, 33, 100, 513, 1000], dtype=np.int32)
-    B, max_pages = len(lens), 40
+    lens = [1, 31, 33, 100, 513, 1000]
+    _check_decode(gpu, rng, lens, hd, H, Hkv, window, scale, softcap, qk_norm, splits)
+
+
+# Lengths around what the v8 kernel (cuda/attention_decode.cu) cuts: one key, the one-split direct output (up to
+# 32 keys), page boundaries +-1, many pages per split (600, 1500), and 5000 keys (157 pages: past 32 splits of
+# one page, past v7's 32 splits x 4 pages); B = 1..5 sequences of mixed lengths in one launch.
+DECODE_LENGTHS = [[1], [2, 32], [31, 33, 64], [65, 600, 1, 1500], [5000, 2, 97, 33, 1024]]
+DECODE_SHAPES = [  # hd, H, Hkv: GQA 1, 4 and 8 over the three head sizes
+    (64, 3, 3),
+    (128, 32, 8),
+    (128, 8, 1),
+    (256, 4, 1),
+    (256, 8, 1),
+]
+
+
+@pytest.mark.parametrize("version", ["v8", "v7"])
+@pytest.mark.parametrize("hd,H,Hkv", DECODE_SHAPES)
+@pytest.mark.parametrize("window", [0, 33, 512])
+@pytest.mark.parametrize("lens", DECODE_LENGTHS, ids=lambda x: "-".join(map(str, x)))
+def test_attention_decode_lengths(gpu, rng, monkeypatch, version, hd, H, Hkv, window, lens):
+    """Every length the split geometry treats differently, for both kernel versions (INGOT_DECODE_ATTN), with a
+    grid as wide as the engine's (32 splits) and a narrow one (3: several pages per split)."""
+    monkeypatch.setenv("INGOT_DECODE_ATTN", version)
+    softcap, qk_norm = (0.0, True) if hd == 256 else (20.0, False)  # Gemma's features at hd 256
+    for splits in (32, 3):
+        _check_decode(gpu, rng, lens, hd, H, Hkv, window, 0.0, softcap, qk_norm, splits)
+
+
+def _check_decode(gpu, rng, lens, hd, H, Hkv, window, scale, softcap, qk_norm, splits):
+    """One decode attention launch against the CPU reference: the new k, v in the cache, every output (fp32,
+    fp16, q8x2), the counters back at zero, and a replay giving the same bits."""
+    lens = np.array(lens, dtype=np.int32)
+    B, max_pages = len(lens), -(-int(lens.max()) // K.PAGE) + 1
     n_pages = B * max_pages
     kh, vh, kc, vc = _random_cache(gpu, rng, n_pages, Hkv, hd)
     table = rng.permutation(n_pages).reshape(B, max_pages).astype(np.int32)
@@ -192,6 +225,9 @@ def test_attention_decode_windows_and_norms(gpu, rng, hd, H, Hkv, window, scale,
     gpu.run(launch)
     got = gpu.get(out, np.float32, (B, H * hd))
     assert not gpu.get(counters, np.int32, (B * Hkv,)).any()
+    gpu.stream.memset(out.ptr, 0xFF, 4 * B * H * hd)
+    gpu.run(launch)  # a replay (the graph's case): the same bits, from the counters the last block reset
+    assert np.array_equal(gpu.get(out, np.float32, (B, H * hd)), got)
     kcache = gpu.get(kc, np.float16, kh.shape)
     for b, n in enumerate(lens):
         p = int(n) - 1
@@ -207,6 +243,10 @@ def test_attention_decode_windows_and_norms(gpu, rng, hd, H, Hkv, window, scale,
         ref = attention(q, k, v, p, scale=scale, window=window, softcap=softcap)[0]
         assert rel_err(got[b], ref) < 2e-3, (b, n)
     assert rel_err(gpu.get(outh, np.float16, got.shape), got) < 1e-3
+    # q8x2: coarse and fine int8 levels (common.cuh), ~15 bits: 1e-4 as the rmsnorm test
+    q8 = gpu.get(outq, np.int8, (B * H * hd // 32, 64)).astype(np.float64)
+    d8 = gpu.get(outd, np.float32, (B * H * hd // 32, 4)).astype(np.float64)
+    assert rel_err((q8[:, :32] * d8[:, :1] + q8[:, 32:] * d8[:, 1:2]).ravel(), got.ravel()) < 1e-4
 
 
 @pytest.mark.parametrize("hd,H,Hkv", [(256, 4, 1), (256, 8, 2), (128, 6, 3)])

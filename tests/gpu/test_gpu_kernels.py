@@ -18,7 +18,7 @@ from soa_reference import bits_equal, dequant_q8x2, q8x2
 
 from ingot.runtime.engines.cuda_weights import _alloc_matrix
 from ingot.runtime.gpu import constants as K
-from ingot.runtime.gpu.kernels import SUPERBLOCK_TYPES, GpuMatrix, GpuStack
+from ingot.runtime.gpu.kernels import SAMPLE_CHUNK, SUPERBLOCK_TYPES, GpuMatrix, GpuStack, sample_chunk_bytes
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F16", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
 QUANTIZED = [q for q in QTYPES if q != "F16"]
@@ -456,11 +456,68 @@ class _Sampler:
         }
 
 
-def _sample(gpu, logits, **kw):
+def _sample(gpu, logits, *, prep=False, mask=None, **kw):
+    """Tokens sampled from logits [B, V]. prep: pass the chunk buffer, so a vocabulary of 65,536 or more goes
+    through sample_prep_f32 first (else the single-block path); mask: allowed-token bits [B, ceil(V/32)] uint32
+    (every row constrained)."""
     B, V = logits.shape
     out = gpu.empty(4 * B)
-    gpu.run(gpu.k.sample(gpu.put(logits).ptr, V, V, B, _Sampler(gpu, B, **kw).args, out.ptr))
+    args = _Sampler(gpu, B, **kw).args
+    if prep:
+        args["chunks"] = gpu.empty(sample_chunk_bytes(V, B)).ptr
+    if mask is not None:
+        args |= {"masked": gpu.put(np.ones(B, np.int32)).ptr, "mask": gpu.put(mask).ptr, "mask_words": mask.shape[1]}
+    gpu.run(gpu.k.sample(gpu.put(logits).ptr, V, V, B, args, out.ptr))
     return gpu.get(out, np.int32, (B,))
+
+
+@pytest.mark.parametrize("V", [65536, 100003, 128256, 262144])  # the prep path's sizes: even, odd, Llama 3, Gemma
+@pytest.mark.parametrize("B", [1, 5])
+def test_sample_prep_gives_the_single_block_paths_tokens(gpu, rng, V, B):
+    """sample_prep_f32 + sample_f32 against sample_f32 alone (cuda/sample.cu): the same token for the same inputs
+    under every rule (greedy with ties across and at chunk boundaries, penalty, mask, top-k/top-p/min-p draws),
+    and greedy equal to numpy's argmax of the penalized, masked logits."""
+    logits = (rng.standard_normal((B, V)) * 3).astype(np.float32)
+    logits[0, [V - 1, 5]] = 40.0  # a tie of the first and last chunk: the lower id wins
+    if B > 1:
+        logits[1, [SAMPLE_CHUNK, SAMPLE_CHUNK - 1]] = 40.0  # a tie straddling a chunk boundary
+    hist = rng.integers(0, V, (B, 24)).astype(np.int32)
+    hist[:, 1] = hist[:, 0]  # a repeat: penalized once
+    hist[:, 2] = np.argmax(logits, axis=1)  # the favourite penalized: a greedy choice moves
+    mask = rng.integers(0, 2**32, (B, -(-V // 32)), dtype=np.uint64).astype(np.uint32)
+    seeds = np.arange(B, dtype=np.uint64) * 7919 + 3
+    cases = [
+        {},
+        {"penalty": 1e6, "hist": hist},
+        {"mask": mask},
+        {"penalty": 1.3, "hist": hist, "mask": mask},
+        {"temperature": 0.8, "top_k": 40, "seed": seeds},
+        {"temperature": 1.0, "top_k": 5, "top_p": 0.9, "min_p": 0.05, "penalty": 1.1, "hist": hist, "seed": seeds},
+        {"temperature": 0.7, "top_k": 64, "mask": mask, "seed": seeds, "counter": 11},
+        {"temperature": 1.0, "top_p": 0.95, "seed": seeds},
+        {"temperature": 1.5, "top_k": 128, "min_p": 0.01, "seed": seeds},  # k = Gemma's chunk count
+        {"temperature": 0.9, "top_k": 200, "seed": seeds},  # k past the chunk count: the row path
+    ]
+    # rounded logits: many ties at the top-k cut and in the draw (the candidate path's fallbacks)
+    rounded = np.round(logits * 2) / 2
+    cases += [{"temperature": 1.0, "top_k": 40, "seed": seeds, "logits": rounded}, {"logits": rounded}]
+    for kw in cases:
+        rows = kw.pop("logits", logits)
+        one = _sample(gpu, rows, **kw)
+        two = _sample(gpu, rows, prep=True, **kw)
+        assert list(two) == list(one), kw
+        if "temperature" not in kw:
+            ref = np.array(
+                [
+                    penalized(r, kw.get("penalty", 1.0), kw["hist"][b] if "hist" in kw else ())
+                    for b, r in enumerate(rows)
+                ]
+            )
+            if "mask" in kw:
+                bits = (kw["mask"][:, np.arange(V) >> 5] >> (np.arange(V) & 31).astype(np.uint32)) & 1
+                ref = np.where(bits == 1, ref, -np.inf)
+            # float64 penalty vs the kernel's float32 division: a near-tie could differ, none at these gaps
+            assert list(two) == [int(np.argmax(r)) for r in ref], kw
 
 
 @pytest.mark.parametrize("V", [1000, 49152, 128256])

@@ -1,0 +1,336 @@
+// Decode attention, v8: one new token per sequence over the paged fp16 KV cache (cache[page, kv_head, slot, hd],
+// see rope.cu), whose cost follows the sequence's actual context length.
+//
+// One launch per layer, attn_decode_tile_f16 (head_dim 64/128) or attn_decode_tile_f16_hd256 (Gemma), fusing:
+//   1. (qk_norm architectures) RMSNorm of each q head and of the k head, RoPE (the layer's table) on the G query
+//      heads in shared memory and, in the block whose split holds the new position p, on k; that block writes
+//      k and v (fp16) into the cache before it reads any key;
+//   2. split-KV flash-decoding over the keys [lo, p] the token sees (lo = p - window + 1 on a sliding-window
+//      layer, else 0): the pages holding them are cut into runs of per_split = ceil(npages / S) pages, so at
+//      short context each block takes one 32-key page and at long context S blocks share it evenly. The number
+//      of ACTIVE splits, ceil(npages / per_split), is derived in the kernel from pos[] (device memory: the CUDA
+//      graph is replayed with new positions, nothing patched); blocks past it return before doing anything;
+//   3. with one active split the block writes the output itself; otherwise each block writes an unnormalized
+//      partial (m, l, acc[hd]) per query head and the last of the active blocks (an atomic counter per
+//      (sequence, kv head), reset by it for the next step) merges them, all 128 threads over the G*hd outputs.
+// A block serves one kv head and its G = H/Hkv query heads (GQA: each K/V row is read once), 128 threads.
+// Per page the block stages K and V in shared memory (16-byte loads, rows padded by 16 bytes so the 32 lanes
+// reading 32 different rows hit distinct banks), the next page's loads in flight in registers meanwhile:
+//   scores: warp w takes query heads w, w+4, lane = key (a 32-key page is a warp): hd FMAs per lane, then the
+//           tile's softmax update with warp reductions (running max m, sum l in shared memory);
+//   P.V:    thread t owns the dim pair 2*(t % (hd/2)) of every query head, over the keys j = t / (hd/2) mod
+//           256/hd (1, 2 or 4 key groups, summed once at the end).
+// Scores are scaled by `scale`, then soft-capped (cap * tanh(s / cap)) when softcap > 0; everything accumulates
+// in fp32. Outputs: fp32 [B, H*hd], and when non-null its q8x2 (outq, outd) and fp16 (outh) forms.
+// v7's kernels (attention.cu, attn_decode_f16*) stay reachable with INGOT_DECODE_ATTN=v7 until v8 is measured.
+#include "common.cuh"
+
+#define GMAX 8           // query heads per kv head one block serves (GQA group size; kernels.GQA_MAX)
+#define NEG_BIG -1e30f   // running-max start: exp(NEG_BIG - m) == 0 without inf - inf
+
+// The helpers below are attention.cu's (the prefill kernel there is being rewritten separately): they belong in
+// a shared attention header once both files settle.
+__device__ __forceinline__ void dec_load8(const __half* p, float (&out)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; i++) { const float2 f = __half22float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+}
+
+// Rotate the first rope_dim dims of one head in place (normal: pairs (2i, 2i+1); neox: (i, i + rope_dim/2)).
+__device__ __forceinline__ void dec_rope_head(float* x, const float2* cs, int rope_dim, int neox, int t, int nt) {
+    const int half_dim = rope_dim / 2;
+    for (int i = t; i < half_dim; i += nt) {
+        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half_dim : 2 * i + 1;
+        const float x0 = x[i0], x1 = x[i1];
+        x[i0] = x0 * cs[i].x - x1 * cs[i].y;
+        x[i1] = x0 * cs[i].y + x1 * cs[i].x;
+    }
+}
+
+// RMSNorm of one head in place, x * w / sqrt(mean(x^2) + eps) over hd values: one warp per head.
+__device__ __forceinline__ void dec_warp_rmsnorm(float* x, const float* __restrict__ w, int hd, float eps) {
+    const int lane = threadIdx.x % WARP;
+    float ss = 0.0f;
+    for (int d = lane; d < hd; d += WARP) ss += x[d] * x[d];
+    const float r = rsqrtf(warp_sum(ss) / hd + eps);
+    for (int d = lane; d < hd; d += WARP) x[d] *= r * w[d];
+}
+
+// Dynamic shared memory of the block, in this order (Kernels.decode_smem computes the same total):
+//   sK, sV    fp16 [PAGE][HD + 8]     the staged page
+//   sq        fp32 [GMAX * 256]       q heads [G][HD]; after the key loop the P.V key groups [KG][GMAX][HD]
+//   sk, sv    fp32 [HD] each          the new key (normed, rotated) and value
+//   snq, snk  fp32 [HD] each          the q and k norm weights
+//   scs       float2 [HD / 2]         the position's RoPE (cos, sin)
+//   sp        fp32 [GMAX][PAGE]       the page's probabilities; in the merge, the weights [GMAX][MAX_SPLITS]
+//   scorr, sl, sm  fp32 [GMAX] each   per page: rescale factor; running sum and max
+// (47.1 KiB at hd 256: under the 48 KiB every arch gives without an opt-in.)
+// Latency, not bandwidth, bounds a short context, so everything the prologue reads (q, k, v, norm weights, RoPE
+// row) is loaded in one round, and the first page's K/V loads are issued before it: the new key's row in the
+// staged page is taken from shared memory (the fp16 values the cache gets), not read back from the cache.
+template <int HD>
+__device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __restrict__ rope, int rope_dim,
+                                 int neox, __half* __restrict__ k_cache, __half* __restrict__ v_cache,
+                                 const int* __restrict__ block_table, int max_pages, const int* __restrict__ pos,
+                                 float* __restrict__ part_acc, float2* __restrict__ part_ml, int* __restrict__ counters,
+                                 float* __restrict__ out, int8_t* __restrict__ outq, float4* __restrict__ outd,
+                                 __half* __restrict__ outh, int H, int Hkv, int S, float scale,
+                                 const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
+                                 int window, float softcap) {
+    constexpr int NT = ATT_WARPS * WARP;          // 128 threads
+    constexpr int ROW = HD + 8;                   // halves per staged row: +16 bytes, conflict-free row reads
+    constexpr int CPR = HD / 8;                   // 16-byte chunks per row
+    constexpr int LOADS = PAGE * CPR / NT;        // chunks of K (and of V) per thread per page: 2, 4, 8
+    constexpr int HP = HD / 2;                    // dim pairs
+    constexpr int KG = NT / HP;                   // P.V key groups: 4, 2, 1 (KG * HD == 256)
+    static_assert(PAGE == WARP && PAGE * CPR % NT == 0 && NT % HP == 0 && KG * HD == 256, "decode geometry");
+    static_assert(MAX_SPLITS <= PAGE, "the merge weights reuse sp");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __half* sK = reinterpret_cast<__half*>(smem_raw);
+    __half* sV = sK + PAGE * ROW;
+    float* sq = reinterpret_cast<float*>(sV + PAGE * ROW);
+    float* sk = sq + GMAX * 256;
+    float* sv = sk + HD;
+    float* snq = sv + HD;
+    float* snk = snq + HD;
+    float2* scs = reinterpret_cast<float2*>(snk + HD);
+    float* sp = reinterpret_cast<float*>(scs + HD / 2);
+    float* sw = sp;                               // (the merge runs after the last page)
+    float* scorr = sp + GMAX * PAGE;
+    float* sl = scorr + GMAX;
+    float* sm = sl + GMAX;
+    __shared__ int is_last;
+
+    const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = H / Hkv, tid = threadIdx.x;
+    const int lane = tid % WARP, warp = tid / WARP;
+    // The keys this token sees are [lo, p], on pages first_page .. first_page + npages - 1; split s takes pages
+    // [first_page + s*per_split, +per_split). Every page of a split holds at least one visible key.
+    const int p = pos[b], len = p + 1, lo = window > 0 ? max(0, p - window + 1) : 0;
+    const int first_page = lo / PAGE, npages = p / PAGE - first_page + 1;
+    const int per_split = (npages + S - 1) / S, active = (npages + per_split - 1) / per_split;
+    if (split >= active) return;                  // (block-uniform: before any barrier)
+    const int page_begin = first_page + split * per_split;
+    const int page_end = min(page_begin + per_split, first_page + npages);
+    const int k_begin = max(lo, page_begin * PAGE), k_end = min(page_end * PAGE, len);
+    const bool owns_new = split == active - 1;    // the last split holds p's page
+    const float* row = qkv + (size_t)b * (H + 2 * Hkv) * HD;
+    const float2* cs = rope + (size_t)p * (rope_dim / 2);
+
+    // The split's first page is fetched into registers now; its loads overlap the prologue.
+    const int* bt = block_table + (size_t)b * max_pages;
+    uint4 rk[LOADS], rv[LOADS];
+    auto fetch = [&](int pg) {                    // page pg's K, V rows of this kv head into registers
+        const size_t base = ((size_t)bt[pg] * Hkv + kvh) * PAGE * HD;
+#pragma unroll
+        for (int i = 0; i < LOADS; i++) {
+            const int e = tid + i * NT, key = pg * PAGE + e / CPR;
+            if (key >= k_begin && key < k_end) {  // keys outside [k_begin, k_end) may be stale or never written
+                rk[i] = *reinterpret_cast<const uint4*>(k_cache + base + (size_t)e * 8);
+                rv[i] = *reinterpret_cast<const uint4*>(v_cache + base + (size_t)e * 8);
+            } else {
+                rk[i] = rv[i] = make_uint4(0, 0, 0, 0);   // zero V: p = 0 must not meet a NaN
+            }
+        }
+    };
+    fetch(page_begin);
+
+    // 1. q heads (normed, rotated, scaled) into shared memory; the last split writes k, v to the cache
+    for (int i = tid; i < G * HD; i += NT) sq[i] = row[(size_t)kvh * G * HD + i];
+    if (owns_new) {
+        for (int d = tid; d < HD; d += NT) {
+            sk[d] = row[(size_t)(H + kvh) * HD + d];
+            sv[d] = row[(size_t)(H + Hkv + kvh) * HD + d];
+        }
+    }
+    for (int i = tid; i < rope_dim / 2; i += NT) scs[i] = cs[i];
+    if (q_norm) for (int d = tid; d < HD; d += NT) { snq[d] = q_norm[d]; snk[d] = k_norm[d]; }
+    if (tid < GMAX) { sm[tid] = NEG_BIG; sl[tid] = 0.0f; }
+    __syncthreads();
+    if (q_norm) {                                 // one warp per head: the G q heads, then k (if written here)
+        for (int g = warp; g < G + (owns_new ? 1 : 0); g += ATT_WARPS)
+            dec_warp_rmsnorm(g < G ? sq + g * HD : sk, g < G ? snq : snk, HD, eps);
+        __syncthreads();
+    }
+    for (int g = 0; g < G; g++) dec_rope_head(sq + g * HD, scs, rope_dim, neox, tid, NT);
+    if (owns_new) dec_rope_head(sk, scs, rope_dim, neox, tid, NT);
+    __syncthreads();
+    for (int i = tid; i < G * HD; i += NT) sq[i] *= scale;
+    if (owns_new) {                               // (read by later steps; this one stages the row from sk, sv)
+        const int page = bt[p / PAGE];
+        const size_t o = (((size_t)page * Hkv + kvh) * PAGE + p % PAGE) * HD;
+        for (int d = tid; d < HD; d += NT) {
+            k_cache[o + d] = __float2half(sk[d]);
+            v_cache[o + d] = __float2half(sv[d]);
+        }
+    }
+    __syncthreads();                              // q ready
+
+    // 2. the split's pages: stage one, fetch the next, score, softmax update, P.V
+    const int dp = tid % HP, kg = tid / HP;
+    float acc[GMAX][2];
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) acc[g][0] = acc[g][1] = 0.0f;
+
+    for (int pg = page_begin; pg < page_end; pg++) {
+        const int new_row = owns_new && pg == p / PAGE ? p % PAGE : -1;   // the new token's row in this page
+#pragma unroll
+        for (int i = 0; i < LOADS; i++) {
+            const int e = tid + i * NT, r = e / CPR, c = e % CPR;
+            if (r == new_row) {                   // the values just written to the cache, as fp16
+                __half2 kh[4], vh[4];
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    kh[j] = __floats2half2_rn(sk[c * 8 + 2 * j], sk[c * 8 + 2 * j + 1]);
+                    vh[j] = __floats2half2_rn(sv[c * 8 + 2 * j], sv[c * 8 + 2 * j + 1]);
+                }
+                rk[i] = *reinterpret_cast<const uint4*>(kh);
+                rv[i] = *reinterpret_cast<const uint4*>(vh);
+            }
+            *reinterpret_cast<uint4*>(sK + r * ROW + c * 8) = rk[i];
+            *reinterpret_cast<uint4*>(sV + r * ROW + c * 8) = rv[i];
+        }
+        __syncthreads();
+        if (pg + 1 < page_end) fetch(pg + 1);     // in flight while this page is computed
+
+        const int key = pg * PAGE + lane;
+        const bool valid = key >= k_begin && key < k_end;
+        for (int g = warp; g < G; g += ATT_WARPS) {   // uniform per warp: the shuffles stay legal
+            const float* qg = sq + g * HD;
+            const __half* kr = sK + lane * ROW;
+            float s = 0.0f;
+#pragma unroll 8
+            for (int c = 0; c < CPR; c++) {
+                float k8[8];
+                dec_load8(kr + c * 8, k8);
+                const float4 q0 = *reinterpret_cast<const float4*>(qg + c * 8);
+                const float4 q1 = *reinterpret_cast<const float4*>(qg + c * 8 + 4);
+                s += k8[0] * q0.x + k8[1] * q0.y + k8[2] * q0.z + k8[3] * q0.w;
+                s += k8[4] * q1.x + k8[5] * q1.y + k8[6] * q1.z + k8[7] * q1.w;
+            }
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            s = valid ? s : -INFINITY;
+            const float m_old = sm[g];            // read by every lane before the shuffles below
+            const float m_new = fmaxf(m_old, warp_max(s));
+            const float pr = __expf(s - m_new), corr = __expf(m_old - m_new);
+            const float tile_l = warp_sum(pr);
+            sp[g * PAGE + lane] = pr;
+            if (lane == 0) { scorr[g] = corr; sm[g] = m_new; sl[g] = sl[g] * corr + tile_l; }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < GMAX; g++) {
+            if (g >= G) break;
+            const float c = scorr[g];
+            acc[g][0] *= c;
+            acc[g][1] *= c;
+        }
+#pragma unroll 4
+        for (int j = kg; j < PAGE; j += KG) {
+            const float2 v = __half22float2(*reinterpret_cast<const __half2*>(sV + j * ROW + 2 * dp));
+#pragma unroll
+            for (int g = 0; g < GMAX; g++) {
+                if (g >= G) break;
+                const float pj = sp[g * PAGE + j];
+                acc[g][0] += pj * v.x;
+                acc[g][1] += pj * v.y;
+            }
+        }
+        __syncthreads();                          // sK, sV, sp, scorr free for the next page
+    }
+
+    // The key groups' sums into red [KG][GMAX][HD] (over sq: q is no longer read), then per output i = g*HD + d.
+    float* red = sq;
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) {
+        if (g >= G) break;
+        red[(kg * GMAX + g) * HD + 2 * dp] = acc[g][0];
+        red[(kg * GMAX + g) * HD + 2 * dp + 1] = acc[g][1];
+    }
+    __syncthreads();
+    const size_t ob0 = (size_t)b * H * HD + (size_t)kvh * G * HD;   // this kv head's first output
+    // G*HD is a multiple of 32, so each warp's trip count is uniform (warp_quantize_q8x2 needs all 32 lanes)
+    auto emit = [&](int i, float o) {
+        const size_t ob = ob0 + i;
+        out[ob] = o;
+        if (outh) outh[ob] = __float2half(o);
+        if (outq) warp_quantize_q8x2(o, outq + 2 * (ob - lane), outd + ob / QK);
+    };
+    if (active == 1) {                            // 3a. the only split: normalize and write
+        for (int i = tid; i < G * HD; i += NT) {
+            const int g = i / HD, d = i % HD;
+            float a = 0.0f;
+#pragma unroll
+            for (int k = 0; k < KG; k++) a += red[(k * GMAX + g) * HD + d];
+            emit(i, a / sl[g]);
+        }
+        return;
+    }
+    // 3b. partials [B, H, S, HD] and (m, l) [B, H, S]; the last active block merges them
+    const size_t part = ((size_t)b * H + (size_t)kvh * G) * S + split;   // + g*S for query head kvh*G + g
+    for (int i = tid; i < G * HD; i += NT) {
+        const int g = i / HD, d = i % HD;
+        float a = 0.0f;
+#pragma unroll
+        for (int k = 0; k < KG; k++) a += red[(k * GMAX + g) * HD + d];
+        part_acc[(part + (size_t)g * S) * HD + d] = a;
+    }
+    if (tid < G) part_ml[part + (size_t)tid * S] = make_float2(sm[tid], sl[tid]);
+    __threadfence();                              // partials visible device-wide before the count says so
+    __syncthreads();
+    int* counter = counters + (size_t)b * Hkv + kvh;
+    if (tid == 0) is_last = atomicAdd(counter, 1) == active - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int g = warp; g < G; g += ATT_WARPS) {   // weights e_s / L per (head, split): lane = split (S <= 32)
+        const size_t ph = ((size_t)b * H + (size_t)kvh * G + g) * S;
+        const float2 ml = lane < active ? __ldcg(part_ml + ph + lane) : make_float2(NEG_BIG, 0.0f);
+        const float M = warp_max(ml.x), e = __expf(ml.x - M), L = warp_sum(ml.y * e);
+        sw[g * MAX_SPLITS + lane] = e / L;
+    }
+    __syncthreads();
+    for (int i = tid; i < G * HD; i += NT) {
+        const int g = i / HD, d = i % HD;
+        const size_t ph = ((size_t)b * H + (size_t)kvh * G + g) * S;
+        float o = 0.0f;
+#pragma unroll 4
+        for (int s = 0; s < active; s++) o += sw[g * MAX_SPLITS + s] * __ldcg(part_acc + (ph + s) * HD + d);
+        emit(i, o);
+    }
+    if (tid == 0) *counter = 0;                   // ready for the next step (stream order separates steps)
+}
+
+// grid (S <= MAX_SPLITS, Hkv, B), 128 threads, Kernels.decode_smem(hd) bytes of dynamic shared memory (47 KiB at
+// hd 256, under the 48 KiB default). Arguments as attention.cu's attn_decode_f16 (v7), so the host switches
+// between them by name: qkv [B, (H + 2 Hkv) hd] as the qkv product wrote it (q, k not yet normed or rotated);
+// rope: the layer's table [positions, rope_dim/2] (cos, sin); pos[b] = the new token's position; part_acc
+// [B, H, S, hd], part_ml [B, H, S]; counters [B * Hkv] zero-initialized once, left zeroed after each launch;
+// q_norm, k_norm [hd] or null (no qk-norm). Launch bound of 3 blocks per SM (170 registers at most) for both
+// kernels: the bare bound made ptxas cap them at 128 (sm_90 fits; sm_100/sm_120 spilled 12-20 bytes, sm_75 at 96).
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP, 3)
+attn_decode_tile_f16(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache,
+                     __half* v_cache, const int* block_table, int max_pages, const int* pos, float* part_acc,
+                     float2* part_ml, int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H,
+                     int Hkv, int hd, int S, float scale, const float* q_norm, const float* k_norm, float eps,
+                     int window, float softcap) {
+#define ATTN_DECODE_TILE(HD)                                                                                     \
+    attn_decode_tile<HD>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc,    \
+                         part_ml, counters, out, outq, outd, outh, H, Hkv, S, scale, q_norm, k_norm, eps, window, \
+                         softcap)
+    if (hd == 64) ATTN_DECODE_TILE(64);
+    else ATTN_DECODE_TILE(128);
+}
+
+// hd 256 (Gemma) in a kernel of its own, so the 64/128 kernel keeps its register count. Same arguments. 164
+// registers under the bound (128 spilled), and 3 blocks of 47 KiB shared memory per SM is what Gemma's few blocks
+// per layer can use anyway.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP, 3)
+attn_decode_tile_f16_hd256(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache,
+                           __half* v_cache, const int* block_table, int max_pages, const int* pos,
+                           float* part_acc, float2* part_ml, int* counters, float* out, int8_t* outq,
+                           float4* outd, __half* outh, int H, int Hkv, int hd, int S, float scale,
+                           const float* q_norm, const float* k_norm, float eps, int window, float softcap) {
+    ATTN_DECODE_TILE(256);
+#undef ATTN_DECODE_TILE
+}
