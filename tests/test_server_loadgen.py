@@ -55,7 +55,7 @@ def _events(chat: bool) -> list[dict | str]:
     head = {"id": "x", "object": "o", "created": 0, "model": "m"}
 
     async def run() -> list[bytes]:
-        return [e async for e in openai._stream(_Job(chunks), head, chat, True, None)]  # type: ignore[arg-type]
+        return [e async for e in openai._stream(_Job(chunks), head, chat, True, None)]
 
     out: list[dict | str] = []
     for e in asyncio.run(run()):
@@ -69,8 +69,8 @@ def test_a_completion_stream_has_an_event_per_token_with_text_or_not():
     events = _events(chat=False)
     texts = [e["choices"][0]["text"] for e in events[:-2] if isinstance(e, dict) and e["choices"]]
     assert texts == ["", "a", "", ""]  # three tokens, then the finish event
-    assert events[-3]["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
-    assert events[-2]["usage"]["completion_tokens"] == 3 and events[-1] == "[DONE]"  # type: ignore[index]
+    assert events[-3]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["usage"]["completion_tokens"] == 3 and events[-1] == "[DONE]"
 
 
 def test_a_chat_stream_has_no_empty_deltas():
