@@ -169,7 +169,7 @@ def parse_messages(body: Any, vocab: Vocab | None = None) -> TextRequest:
 
 
 def _event(name: str, obj: dict) -> ServerSentEvent:
-    return ServerSentEvent(event=name, data=json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+    return ServerSentEvent(event=name, data=json.dumps(obj, ensure_ascii=False, separators=(",", ":")), sep="\n")
 
 
 def _blocks(text: str, tools: str | None) -> tuple[list[dict], bool]:

@@ -1,7 +1,8 @@
 """The OpenAI dialect: /v1/chat/completions, /v1/completions, /v1/models.
 
 Requests become TextRequests (request.py); chunks come back as OpenAI's objects. Streams are server-sent
-events, one `data: {chunk}` per text delta, the role in the first delta, an empty delta carrying
+events, one `data: {chunk}` per text delta (a legacy completion: per delta of generated tokens, its text
+possibly empty), the role in the first delta, an empty delta carrying
 finish_reason ("stop": end of text or a stop string, "length": max_tokens or the context), a usage chunk with
 empty choices when stream_options.include_usage is set, then `data: [DONE]`. Errors are
 {"error": {message, type, param, code}}.
@@ -15,8 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import Field, Strict
-from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -226,8 +227,14 @@ def _usage(job: Job) -> dict:
     }
 
 
-def _event(obj) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+def _event(obj) -> bytes:
+    """One server-sent event, framed: msgspec's JSON is compact, UTF-8 (non-ASCII unescaped, as json.dumps with
+    ensure_ascii=False) and has no raw line breaks, so it is one `data:` line."""
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
 
 
 def _chat_choice(text: str | None, finish: str | None) -> dict:
@@ -260,7 +267,10 @@ async def _stream(job: Job, head: dict, chat: bool, include_usage: bool, tools: 
         yield _event(head | {"choices": [choice(None, None)]} | usage)
     held = []
     async for chunk in job.chunks():
-        if chunk.text and tools is None:
+        # a legacy completion has an event for every generated token, even one with no text yet (a control
+        # token, half a UTF-8 character): a client can then time its first token and count arrivals; a chat
+        # delta has nothing to say without text
+        if tools is None and (chunk.text or (not chat and chunk.token_ids and not chunk.finish_reason)):
             yield _event(head | {"choices": [choice(chunk.text, None)]} | usage)
         held.append(chunk.text)
         if chunk.finish_reason:
@@ -276,10 +286,10 @@ async def _stream(job: Job, head: dict, chat: bool, include_usage: bool, tools: 
             yield _event(head | {"choices": [choice("", finish)]} | usage)
     if include_usage:
         yield _event(head | {"choices": [], "usage": _usage(job)})
-    yield ServerSentEvent(data="[DONE]")
+    yield DONE
 
 
-def _stream_error(e: ApiError) -> ServerSentEvent:
+def _stream_error(e: ApiError) -> bytes:
     return _event(error_body(e))
 
 

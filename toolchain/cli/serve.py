@@ -35,7 +35,9 @@ def serve(model_specs, host, port, device, gpu, api_key, max_seqs, ctx, pubkeys)
     MODEL is a .gguf file, a .ingot bundle, or `smollm2`; several, or a folder of them, serve several models
     (each loaded on its first request, unloaded after INGOT_KEEP_ALIVE idle seconds or a request's keep_alive).
     The socket opens at once and /health answers 503 until the model is loaded, then 200; /metrics is
-    Prometheus text. Concurrent requests are batched into one decode step, in an engine process of its own.
+    Prometheus text. Concurrent requests are batched into one decode step, in an engine process of its own;
+    one front-end process detokenizes and streams every response (load test it with
+    `python -m ingot.runtime.server.loadgen --clients 64 --procs 4`).
     Stop with Ctrl-C or SIGTERM: in-flight requests get a few seconds to finish. Replace the model file and
     send SIGHUP (or POST /api/reload) to swap it without dropping requests.
     """

@@ -1,0 +1,98 @@
+"""The load generator and the streaming path it measures, on the tiny synthetic model: the report's TTFT and
+per-stream figures are present (they came back null on the H200: the synthetic SmolLM2 generates control tokens,
+which have no text and used to have no event), clients split across processes are merged into one report, a
+completion stream has an event per generated token, and the interference mode runs against a server whose
+context holds the long prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from server_fixtures import ServerProcess
+from sse_starlette import ServerSentEvent
+
+from ingot.runtime.generate import Chunk
+from ingot.runtime.server import loadgen, openai
+from ingot.runtime.server.server import frame
+
+
+@pytest.fixture(scope="module")
+def server(synth_model):
+    s = ServerProcess(synth_model("tiny", "Q8_0"), "--device", "cpu", "--max-seqs", "8").wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_the_load_report_has_ttft_and_merges_processes(server, procs):
+    report = asyncio.run(loadgen.run(server.url, 4, 2, 16, 12, 0.0, None, seed=0, procs=procs))
+    assert report["failed"] == 0, report["errors"]
+    assert report["procs"] == procs and report["requests"] == 8  # every process's samples are in it
+    assert 0 < report["generated_tokens"] <= 8 * 12  # the server's usage, EOS may end one early
+    ttft, decode = report["ttft_ms"], report["decode_tok_s_per_stream"]
+    assert ttft["p50"] is not None and 0 < ttft["p50"] <= ttft["p95"] <= ttft["max"]
+    assert ttft["max"] < report["wall_s"] * 1000  # a first token comes before the run's end
+    assert decode["p50"] is not None and decode["p50"] > 0
+
+
+class _Job:
+    """What openai._stream reads of a Job: its chunks (and the usage at the end)."""
+
+    prompt_tokens, completion_tokens = 3, 3
+
+    def __init__(self, chunks: list[Chunk]):
+        self._chunks = chunks
+
+    async def chunks(self):
+        for c in self._chunks:
+            yield c
+
+
+def _events(chat: bool) -> list[dict | str]:
+    chunks = [Chunk("", (5,)), Chunk("a", (6,)), Chunk("", (7,)), Chunk("", (), "eos")]
+    head = {"id": "x", "object": "o", "created": 0, "model": "m"}
+
+    async def run() -> list[bytes]:
+        return [e async for e in openai._stream(_Job(chunks), head, chat, True, None)]
+
+    out: list[dict | str] = []
+    for e in asyncio.run(run()):
+        assert e.startswith(b"data: ") and e.endswith(b"\n\n") and e.count(b"\n") == 2  # one data line
+        data = e[6:-2].decode()
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_a_completion_stream_has_an_event_per_token_with_text_or_not():
+    events = _events(chat=False)
+    texts = [e["choices"][0]["text"] for e in events[:-2] if isinstance(e, dict) and e["choices"]]
+    assert texts == ["", "a", "", ""]  # three tokens, then the finish event
+    assert events[-3]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["usage"]["completion_tokens"] == 3 and events[-1] == "[DONE]"
+
+
+def test_a_chat_stream_has_no_empty_deltas():
+    events = _events(chat=True)
+    deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e["choices"]]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "a"}, {}]  # role, text, finish
+
+
+def test_frames():
+    assert frame(b"data: x\n\n") == b"data: x\n\n"
+    assert frame('{"a":1}\n') == b'{"a":1}\n'  # an NDJSON line
+    assert frame(ServerSentEvent(event="ping", data="{}", sep="\n")) == b"event: ping\ndata: {}\n\n"
+
+
+def test_interference_runs_against_a_long_context(synth_model):
+    """The interference mode end to end on the CPU (its delay is the CPU engine's, not checked here): the
+    server's --ctx holds the long prompt, and the stream's tokens are timed although they have no text."""
+    s = ServerProcess(synth_model("tiny-4k", "Q8_0"), "--device", "cpu", "--max-seqs", "2", "--ctx", "4096")
+    try:
+        report = asyncio.run(loadgen.interference(s.wait_ready().url, 1200, 600, None, seed=2))
+    finally:
+        s.stop()
+    assert report["long_prompt_tokens"] == 1200 and report["long_prompt_s"] > 0
+    assert report["stream_tokens"] > 64  # it kept streaming past the long prompt
+    assert report["gap_ms_during_max"] >= report["gap_ms_before_p50"] >= 0
