@@ -96,6 +96,13 @@ DECODE_GEMM_MIN_BATCH = Setting(
     "a positive integer",
     "The decode batch size from which the GPU engine uses tensor-core GEMMs instead of matrix-vector kernels.",
 )
+MATVEC_B1 = Setting(
+    "INGOT_MATVEC_B1",
+    True,
+    _flag,
+    "1 or 0",
+    "Single-sequence decode runs the one-column matrix-vector kernels (matvec_<type>_b1); 0 uses the any-batch ones.",
+)
 KV_FRACTION = Setting(
     "INGOT_KV_FRACTION",
     0.5,
@@ -188,6 +195,7 @@ ALL: tuple[Setting, ...] = (
     DEBUG,
     CPU_WEIGHT_CACHE_MIB,
     DECODE_GEMM_MIN_BATCH,
+    MATVEC_B1,
     KV_FRACTION,
     PREFIX_CACHE,
     API_KEY,
