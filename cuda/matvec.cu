@@ -22,7 +22,7 @@
 
 struct Q4_0W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 9;   // weights.cuh, next to MV_UNROLL_Q4
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;   // weights.cuh, next to MV_UNROLL_Q4
     const uint8_t* qs; const __half* d; int nb;
     struct Block { uint4 q; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -37,7 +37,7 @@ struct Q4_0W {
 
 struct Q4_1W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 9;   // weights.cuh, next to MV_UNROLL_Q4
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 7;   // weights.cuh, next to MV_UNROLL_Q4
     const uint8_t* qs; const __half* d; const __half* m; int nb;
     struct Block { uint4 q; float d, m; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -52,7 +52,7 @@ struct Q4_1W {
 
 struct Q8_0W {
     static constexpr int UNROLL = (MV_UNROLL_Q4 + 1) / 2;   // 32-byte blocks: the bytes in flight of Q4's
-    static constexpr int BLOCKS = 6, B1_BLOCKS = 9;   // 7 blocks (72 registers) spill 52 bytes
+    static constexpr int BLOCKS = 6, B1_BLOCKS = 7;   // 7 blocks (72 registers) spill 52 bytes
     const int8_t* qs; const __half* d; int nb;
     struct Block { int4 q0, q1; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -164,10 +164,10 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
 // Two kernels per type:
 //   matvec_<type>     any number of columns; each block takes MV_COLS of them (blockIdx.y), the last group fewer.
 //   matvec_<type>_b1  exactly one column: single-stream decode, the case tg128 measures. A kernel's register
-//                     count is that of its widest path: the 4-column loop's needs would set the one-column
-//                     case's occupancy too. Alone, one column fits in 56 registers (9 blocks, 36 warps per SM)
-//                     or 64 (8 blocks) for the types that would spill at 56, where the any-column kernel ran
-//                     at 72-96 (5-7 blocks) before its own cap: more weight loads in flight, which bounds decode.
+//                     count is that of its widest path, so the 4-column loop's needs (72-102 registers on sm_90
+//                     uncapped) would set the one-column case's occupancy too. Alone, one column runs at 6-8
+//                     blocks of 4 warps per SM (64-80 registers) with every weight load of a step issued before
+//                     the first wait: one DRAM round trip per step (v7's K-quants took two, see matvec_q).
 // The blocks per SM each asks for are the type's BLOCKS and B1_BLOCKS (weights.cuh), chosen on sm_90. Other
 // archs allocate registers differently (the same caps spill 50-450 bytes per thread on sm_75..sm_120), so there
 // ptxas keeps its own choice; the one-column kernel still leaves out the wide loop's registers.

@@ -88,17 +88,21 @@ __device__ __forceinline__ float2 half_dots(const int4& lo, const int4& hi, cons
 #define MV_UNROLL_Q4 1
 #endif
 // BLOCKS, B1_BLOCKS (every struct): blocks of 4 warps per SM that the matvec kernels ask the compiler to fit
-// (__launch_bounds__ in matvec.cu), which caps their registers. Chosen from ptxas -v on sm_90 as the most
-// blocks that compile without spilling: the any-column kernel 7 (72 registers; left alone, ptxas takes 72-102,
-// i.e. 4-7 blocks), the one-column kernel matvec_<type>_b1 9 (56 registers) or 8 (64) for the types that
-// spill at 56 (Q5_1, Q5_K, Q6_K, Q3_K, IQ4_XS: 12-68 bytes per thread).
-
+// (__launch_bounds__ in matvec.cu, sm_90 only), which caps their registers. Chosen from ptxas -v and the SASS
+// (cuobjdump -sass) on sm_90:
+//   BLOCKS, the any-column kernel: 7 (72 registers) where it compiles without spilling (left alone, ptxas took
+//     72-102 registers, 4-7 blocks).
+//   B1_BLOCKS, the one-column kernel matvec_<type>_b1: the most blocks at which ptxas still issues all of a
+//     step's weight loads before the first instruction that waits on one. Tighter, it saves registers by issuing
+//     some (the scales' small loads, typically) only after the quants have arrived: a second DRAM round trip
+//     per step, worth more than the extra warps. Q4_0, Q4_K, Q2_K 8 (64 registers); Q4_1, Q8_0, Q5_0, Q5_K,
+//     Q3_K 7 (72); Q5_1, Q6_K, IQ4_NL, IQ4_XS 6 (80).
 // --- Q5_0 / Q5_1: qs u8[16], qh u32, d f16 (, m f16) per 32 weights. w = d*(q-16) | d*q + m
 #define Q5_0_PARAMS const uint4* qs, const uint32_t* qh, const __half* d
 #define Q5_0_ARGS qs, qh, d
 struct Q5_0W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 9;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 7;
     const uint4* qs; const uint32_t* qh; const __half* d; int nb;
     struct Block { uint4 q; uint32_t h; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -121,7 +125,7 @@ struct Q5_0W {
 #define Q5_1_ARGS qs, qh, d, m
 struct Q5_1W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 6;
     const uint4* qs; const uint32_t* qh; const __half* d; const __half* m; int nb;
     struct Block { uint4 q; uint32_t h; float d, m; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -166,7 +170,7 @@ __device__ __forceinline__ KHeader k_header(const uint4& h, int s) {
 #define Q4_K_ARGS qs, sc
 struct Q4_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 9;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;
     const uint4* qs; const uint4* sc; int nb;
     struct Block { uint4 q; float dl, ml; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -188,7 +192,7 @@ struct Q4_KW {
 #define Q5_K_ARGS qs, qh, sc
 struct Q5_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 7;
     const uint4* qs; const uint32_t* qh; const uint4* sc; int nb;
     struct Block { uint4 q; uint32_t h; float dl, ml; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -214,14 +218,19 @@ struct Q5_KW {
 #define Q6_K_ARGS qs, qh, sc, d
 struct Q6_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 6;
     const uint4* qs; const uint2* qh; const char2* sc; const __half* d; int nb;
-    struct Block { uint4 q; uint2 h; float d0, d1; };
+    // The scales stay raw in the block (char2 and f16: two registers, not two floats) and become d*sc in dot():
+    // load() then does no arithmetic on its bytes, which lets the matvec issue all of a step's loads at once
+    // (with the products in load(), ptxas issued the scale loads after the quants' DRAM round trip, sm_90 SASS).
+    struct Block { uint4 q; uint2 h; char2 s; __half d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
-        const char2 s = sc[b];
-        const float dd = __half2float(d[b >> 3]);
-        return {qs[b], qh[b], __fmul_rn(dd, i2f_exact(s.x)), __fmul_rn(dd, i2f_exact(s.y))};
+        return {qs[b], qh[b], sc[b], d[b >> 3]};
+    }
+    __device__ __forceinline__ static float2 scales(const Block& w) {   // (d*sc0, d*sc1), rounded as gguf does
+        const float dd = __half2float(w.d);
+        return make_float2(__fmul_rn(dd, i2f_exact(w.s.x)), __fmul_rn(dd, i2f_exact(w.s.y)));
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
         nibble_words(w.q, lo, hi);
@@ -232,10 +241,12 @@ struct Q6_KW {
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         int4 lo, hi; words(w, lo, hi);
         const float2 s = half_dots(lo, hi, x);   // x.d.w: sum of x over weights 0..15
-        return w.d0 * (s.x - 32.0f * x.d.w) + w.d1 * (s.y - 32.0f * (x.d.z - x.d.w));
+        const float2 dl = scales(w);
+        return dl.x * (s.x - 32.0f * x.d.w) + dl.y * (s.y - 32.0f * (x.d.z - x.d.w));
     }
     __device__ __forceinline__ static float deq(const Block& w, const int4& lo, const int4& hi, int i) {
-        return __fmul_rn(i < 16 ? w.d0 : w.d1, (float)(code_at(lo, hi, i) - 32));
+        const float2 dl = scales(w);
+        return __fmul_rn(i < 16 ? dl.x : dl.y, (float)(code_at(lo, hi, i) - 32));
     }
 };
 
@@ -245,7 +256,7 @@ struct Q6_KW {
 #define Q3_K_ARGS qs, qh, sc, d
 struct Q3_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 7;
     const uint2* qs; const uint32_t* qh; const char2* sc; const __half* d; int nb;
     struct Block { uint2 q; uint32_t h; float d0, d1; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -273,7 +284,7 @@ struct Q3_KW {
 #define Q2_K_ARGS qs, sc, d, m
 struct Q2_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 9;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;
     const uint2* qs; const uchar2* sc; const __half* d; const __half* m; int nb;
     struct Block { uint2 q; float d0, d1, m0, m1; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -332,7 +343,7 @@ __device__ __forceinline__ float kv_at(const int4& lo, const int4& hi, int i) {
 #define IQ4_NL_ARGS qs, d
 struct IQ4_NLW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 9;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 6;
     const uint4* qs; const __half* d; int nb;
     struct Block { uint4 q; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -353,7 +364,7 @@ struct IQ4_NLW {
 #define IQ4_XS_ARGS qs, sc, d
 struct IQ4_XSW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
-    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 6;
     const uint4* qs; const int8_t* sc; const __half* d; int nb;
     struct Block { uint4 q; float dl; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
