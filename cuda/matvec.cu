@@ -22,6 +22,7 @@
 
 struct Q4_0W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;   // weights.cuh, next to MV_UNROLL_Q4
     const uint8_t* qs; const __half* d; int nb;
     struct Block { uint4 q; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -36,6 +37,7 @@ struct Q4_0W {
 
 struct Q4_1W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 7;   // weights.cuh, next to MV_UNROLL_Q4
     const uint8_t* qs; const __half* d; const __half* m; int nb;
     struct Block { uint4 q; float d, m; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -50,6 +52,7 @@ struct Q4_1W {
 
 struct Q8_0W {
     static constexpr int UNROLL = (MV_UNROLL_Q4 + 1) / 2;   // 32-byte blocks: the bytes in flight of Q4's
+    static constexpr int BLOCKS = 6, B1_BLOCKS = 7;   // 7 blocks (72 registers) spill 52 bytes
     const int8_t* qs; const __half* d; int nb;
     struct Block { int4 q0, q1; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -58,7 +61,7 @@ struct Q8_0W {
         return {p[0], p[1], __half2float(d[b])};
     }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
-        return w.d * (x.d.x * (float)dot8(w.q0, w.q1, x.c0, x.c1) + x.d.y * (float)dot8(w.q0, w.q1, x.f0, x.f1));
+        return w.d * (x.d.x * i2f_exact(dot8(w.q0, w.q1, x.c0, x.c1)) + x.d.y * i2f_exact(dot8(w.q0, w.q1, x.f0, x.f1)));
     }
 };
 
@@ -110,6 +113,16 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
     const int nb = cols / QK, lane = threadIdx.x % WARP, c0 = blockIdx.y * MV_COLS;
     long long r[2], out_row; bool ok[2];
     warp_rows(mode, rows, r, ok, &out_row);
+    if (!ok[0]) return;   // the whole warp is past the last row (ok[1] implies ok[0]): nothing to write
+    // One column (single-stream decode): every load is unconditional, so the compiler issues them all before
+    // the first use. A second row past the end (an odd row count) re-reads row 0, and write_out drops its sum;
+    // a block past the end of the row re-reads the last one. With a branch around each row's loads, the
+    // K-quants' scale math (which needs its own row's bytes) kept the next row's loads from issuing: two DRAM
+    // round trips per step instead of one (sm_90 SASS). Wider batches keep the branches: the unconditional
+    // form costs their 4-column instance 9-12 registers (one block per SM), for a latency that four columns'
+    // arithmetic mostly covers.
+    constexpr bool FREE = NC == 1;
+    const long long rr[2] = {r[0], FREE && !ok[1] ? r[0] : r[1]};
     float acc[2][NC] = {};
     // U blocks per row in flight per lane before the first use: decode is bound by how many bytes are in
     // flight to DRAM, not by arithmetic (fewer for wide batches, whose activation loads take the registers).
@@ -119,8 +132,10 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
-            for (int s = 0; s < 2; s++)
-                if (ok[s] && kb0 + u * WARP < nb) wb[u][s] = w.load(r[s], kb0 + u * WARP);
+            for (int s = 0; s < 2; s++) {
+                if (FREE) wb[u][s] = w.load(rr[s], min(kb0 + u * WARP, nb - 1));
+                else if (ok[s] && kb0 + u * WARP < nb) wb[u][s] = w.load(rr[s], kb0 + u * WARP);
+            }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int kb = kb0 + u * WARP;
@@ -129,61 +144,58 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
             for (int c = 0; c < NC; c++) {
                 const XBlock x = load_x(xq, xd, cols, c0 + c, kb);
 #pragma unroll
-                for (int s = 0; s < 2; s++) if (ok[s]) acc[s][c] += W::dot(wb[u][s], x);
+                for (int s = 0; s < 2; s++) if (FREE || ok[s]) acc[s][c] += W::dot(wb[u][s], x);
             }
         }
     }
     write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy);
 }
 
-#define DISPATCH_NC(CALL)                                                    \
-    switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {               \
-        case 1: CALL(1); break; case 2: CALL(2); break;                      \
-        case 3: CALL(3); break; default: CALL(4); break;                     \
-    }
+// Q4_0, Q4_1 and Q8_0 take the same loop as the weights.cuh types: X(name, struct, parameters, initializers).
+#define Q4_0_PARAMS const uint8_t* qs, const __half* d
+#define Q4_1_PARAMS const uint8_t* qs, const __half* d, const __half* m
+#define Q8_0_PARAMS const int8_t* qs, const __half* d
+#define FOR_EACH_MATVEC_TYPE(X)                          \
+    X(q4_0, Q4_0W, Q4_0_PARAMS, qs, d)                   \
+    X(q4_1, Q4_1W, Q4_1_PARAMS, qs, d, m)                \
+    X(q8_0, Q8_0W, Q8_0_PARAMS, qs, d)                   \
+    FOR_EACH_GENERIC_TYPE(X)
 
-extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
-matvec_q4_0(const uint8_t* qs, const __half* d, const int8_t* xq, const float4* xd, const float* bias, float* y,
-            int rows, int cols, int ncols, int ldy, int mode) {
-    const Q4_0W w{qs, d, cols / QK};
-#define CALL(N) matvec_q<Q4_0W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
-    DISPATCH_NC(CALL)
-#undef CALL
-}
+// Two kernels per type:
+//   matvec_<type>     any number of columns; each block takes MV_COLS of them (blockIdx.y), the last group fewer.
+//   matvec_<type>_b1  exactly one column: single-stream decode, the case tg128 measures. A kernel's register
+//                     count is that of its widest path, so the 4-column loop's needs (72-102 registers on sm_90
+//                     uncapped) would set the one-column case's occupancy too. Alone, one column runs at 6-8
+//                     blocks of 4 warps per SM (64-80 registers) with every weight load of a step issued before
+//                     the first wait: one DRAM round trip per step (v7's K-quants took two, see matvec_q).
+// The blocks per SM each asks for are the type's BLOCKS and B1_BLOCKS (weights.cuh), chosen on sm_90. Other
+// archs allocate registers differently (the same caps spill 50-450 bytes per thread on sm_75..sm_120), so there
+// ptxas keeps its own choice; the one-column kernel still leaves out the wide loop's registers.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define MV_BOUNDS(N) __launch_bounds__(MV_WARPS * WARP, N)
+#else
+#define MV_BOUNDS(N) __launch_bounds__(MV_WARPS * WARP)
+#endif
 
-extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
-matvec_q4_1(const uint8_t* qs, const __half* d, const __half* m, const int8_t* xq, const float4* xd,
-            const float* bias, float* y, int rows, int cols, int ncols, int ldy, int mode) {
-    const Q4_1W w{qs, d, m, cols / QK};
-#define CALL(N) matvec_q<Q4_1W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
-    DISPATCH_NC(CALL)
-#undef CALL
-}
-
-extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
-matvec_q8_0(const int8_t* qs, const __half* d, const int8_t* xq, const float4* xd, const float* bias, float* y,
-            int rows, int cols, int ncols, int ldy, int mode) {
-    const Q8_0W w{qs, d, cols / QK};
-#define CALL(N) matvec_q<Q8_0W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
-    DISPATCH_NC(CALL)
-#undef CALL
-}
-
-// The generic types: matvec_q5_0, matvec_q4_k, ... with the layout's arrays first (weights.cuh *_PARAMS).
-#define MATVEC_KERNEL(NAME, WT, PARAMS, ARGS)                                                                   \
-    extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)                                                \
+#define MATVEC_KERNELS(NAME, WT, PARAMS, ...)                                                                   \
+    extern "C" __global__ void MV_BOUNDS(WT::BLOCKS)                                                             \
     matvec_##NAME(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows, int cols,  \
                   int ncols, int ldy, int mode) {                                                                \
-        const WT w{ARGS, cols / QK};                                                                             \
+        const WT w{__VA_ARGS__, cols / QK};                                                                      \
         switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {                                               \
             case 1: matvec_q<WT, 1>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
             case 2: matvec_q<WT, 2>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
             case 3: matvec_q<WT, 3>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
             default: matvec_q<WT, 4>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                          \
         }                                                                                                        \
+    }                                                                                                            \
+    extern "C" __global__ void MV_BOUNDS(WT::B1_BLOCKS)                                                          \
+    matvec_##NAME##_b1(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,       \
+                       int cols, int ncols, int ldy, int mode) {                                                 \
+        matvec_q<WT, 1>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, y, rows, cols, ldy, mode);                     \
     }
-FOR_EACH_GENERIC_TYPE(MATVEC_KERNEL)
-#undef MATVEC_KERNEL
+FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
+#undef MATVEC_KERNELS
 
 // F16 weights take fp32 activations: each lane reads 8 weights (16 bytes) and 8 floats per step.
 template <int NC>
@@ -222,9 +234,18 @@ __device__ __forceinline__ void matvec_h(const __half* __restrict__ w, const flo
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
 matvec_f16(const __half* w, const float* x, const float* bias, float* y, int rows, int cols, int ncols, int ldy,
            int mode) {
-#define CALL(N) matvec_h<N>(w, x, bias, y, rows, cols, ldy, mode)
-    DISPATCH_NC(CALL)
-#undef CALL
+    switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {
+        case 1: matvec_h<1>(w, x, bias, y, rows, cols, ldy, mode); break;
+        case 2: matvec_h<2>(w, x, bias, y, rows, cols, ldy, mode); break;
+        case 3: matvec_h<3>(w, x, bias, y, rows, cols, ldy, mode); break;
+        default: matvec_h<4>(w, x, bias, y, rows, cols, ldy, mode); break;
+    }
+}
+
+extern "C" __global__ void MV_BOUNDS(9)
+matvec_f16_b1(const __half* w, const float* x, const float* bias, float* y, int rows, int cols, int ncols, int ldy,
+              int mode) {
+    matvec_h<1>(w, x, bias, y, rows, cols, ldy, mode);
 }
 
 // x fp32 [n/32 blocks of 32] -> q8x2 (xq [2n], xd [n/32]). One warp per block of 32 values.

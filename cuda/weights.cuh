@@ -30,12 +30,18 @@ __device__ __forceinline__ int dot8(const int4& a0, const int4& a1, const int4& 
     return dot4(a1, b1, dot4(a0, b0));
 }
 
+// (float)i for |i| < 2^22, exactly: i added to the significand of 1.5 * 2^23 (whose ulp is 1), then that bias
+// subtracted. An integer add and a float add at full rate instead of I2F, which sm_80..sm_90 run at 16 lanes per
+// SM per clock (an eighth of the FMA rate): the dot products' sums (|i| <= 32 * 127 * 63) and the K-quants'
+// 6-bit scales and mins go through here, bit-identical to the conversion.
+__device__ __forceinline__ float i2f_exact(int i) { return __int_as_float(0x4B400000 + i) - 12582912.0f; }
+
 // sum(q * coarse) and sum(q * fine) for a Q4 block: byte j holds w[j] (low nibble) and w[j+16] (high).
 __device__ __forceinline__ float2 q4_dot(const uint4& q, const XBlock& x) {
     const int4 lo = make_int4(q.x & 0x0F0F0F0F, q.y & 0x0F0F0F0F, q.z & 0x0F0F0F0F, q.w & 0x0F0F0F0F);
     const int4 hi = make_int4((q.x >> 4) & 0x0F0F0F0F, (q.y >> 4) & 0x0F0F0F0F, (q.z >> 4) & 0x0F0F0F0F,
                               (q.w >> 4) & 0x0F0F0F0F);
-    return make_float2((float)dot8(lo, hi, x.c0, x.c1), (float)dot8(lo, hi, x.f0, x.f1));
+    return make_float2(i2f_exact(dot8(lo, hi, x.c0, x.c1)), i2f_exact(dot8(lo, hi, x.f0, x.f1)));
 }
 
 // --- unpacking packed codes to int8 bytes (words lo = weights 0..15, hi = 16..31, byte b of word k = weight 4k+b)
@@ -69,11 +75,11 @@ __device__ __forceinline__ int code_at(const int4& lo, const int4& hi, int i) {
 
 // (d1*coarse + d2*fine) over all 32 weights, and over each half (the K-quants with 16-weight sub-blocks).
 __device__ __forceinline__ float full_dot(const int4& lo, const int4& hi, const XBlock& x) {
-    return x.d.x * (float)dot8(lo, hi, x.c0, x.c1) + x.d.y * (float)dot8(lo, hi, x.f0, x.f1);
+    return x.d.x * i2f_exact(dot8(lo, hi, x.c0, x.c1)) + x.d.y * i2f_exact(dot8(lo, hi, x.f0, x.f1));
 }
 __device__ __forceinline__ float2 half_dots(const int4& lo, const int4& hi, const XBlock& x) {
-    return make_float2(x.d.x * (float)dot4(lo, x.c0) + x.d.y * (float)dot4(lo, x.f0),
-                       x.d.x * (float)dot4(hi, x.c1) + x.d.y * (float)dot4(hi, x.f1));
+    return make_float2(x.d.x * i2f_exact(dot4(lo, x.c0)) + x.d.y * i2f_exact(dot4(lo, x.f0)),
+                       x.d.x * i2f_exact(dot4(hi, x.c1)) + x.d.y * i2f_exact(dot4(hi, x.f1)));
 }
 
 #ifndef MV_UNROLL_Q4
@@ -81,12 +87,22 @@ __device__ __forceinline__ float2 half_dots(const int4& lo, const int4& hi, cons
 // 2 and 4, the extra registers cost more occupancy than the deeper per-warp pipeline buys.
 #define MV_UNROLL_Q4 1
 #endif
-
+// BLOCKS, B1_BLOCKS (every struct): blocks of 4 warps per SM that the matvec kernels ask the compiler to fit
+// (__launch_bounds__ in matvec.cu, sm_90 only), which caps their registers. Chosen from ptxas -v and the SASS
+// (cuobjdump -sass) on sm_90:
+//   BLOCKS, the any-column kernel: 7 (72 registers) where it compiles without spilling (left alone, ptxas took
+//     72-102 registers, 4-7 blocks).
+//   B1_BLOCKS, the one-column kernel matvec_<type>_b1: the most blocks at which ptxas still issues all of a
+//     step's weight loads before the first instruction that waits on one. Tighter, it saves registers by issuing
+//     some (the scales' small loads, typically) only after the quants have arrived: a second DRAM round trip
+//     per step, worth more than the extra warps. Q4_0, Q4_K, Q2_K 8 (64 registers); Q4_1, Q8_0, Q5_0, Q5_K,
+//     Q3_K 7 (72); Q5_1, Q6_K, IQ4_NL, IQ4_XS 6 (80).
 // --- Q5_0 / Q5_1: qs u8[16], qh u32, d f16 (, m f16) per 32 weights. w = d*(q-16) | d*q + m
 #define Q5_0_PARAMS const uint4* qs, const uint32_t* qh, const __half* d
 #define Q5_0_ARGS qs, qh, d
 struct Q5_0W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 7;
     const uint4* qs; const uint32_t* qh; const __half* d; int nb;
     struct Block { uint4 q; uint32_t h; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -109,6 +125,7 @@ struct Q5_0W {
 #define Q5_1_ARGS qs, qh, d, m
 struct Q5_1W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 6;
     const uint4* qs; const uint32_t* qh; const __half* d; const __half* m; int nb;
     struct Block { uint4 q; uint32_t h; float d, m; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -133,24 +150,32 @@ struct Q5_1W {
 // two products are rounded to fp32 first, as gguf does.
 struct KHeader { float dl, ml; };
 __device__ __forceinline__ KHeader k_header(const uint4& h, int s) {
-    const int t = 8 * (s & 3);
-    const uint32_t by = (h.y >> t) & 0xFF, bz = (h.z >> t) & 0xFF, bw = (h.w >> t) & 0xFF;   // scales[t], [t+4], [t+8]
-    const uint32_t sc = s < 4 ? by & 63 : (bw & 0xF) | (by >> 6) << 4;
-    const uint32_t m = s < 4 ? bz & 63 : (bw >> 4) | (bz >> 6) << 4;
+    // scales[j], scales[j+4], scales[j+8] (j = s % 4) are byte j of h.y, h.z, h.w: two byte permutes gather
+    // them into V = by | bz << 8 | bw << 16. Then s < 4: sc = by & 63, m = bz & 63; s >= 4: sc = bw & 15 |
+    // (by >> 6) << 4, m = bw >> 4 | (bz >> 6) << 4. Both cases are ((V >> a) & ka) | ((V >> 2 or 10) & kb) with
+    // the sub-block's shifts and masks (kb = 0 for s < 4): four integer ops each, no select between two decodes.
+    // (s is kb % 8 = the lane's index % 8 in the matvec: the same every iteration.)
+    const int j = s & 3;
+    const uint32_t V = __byte_perm(__byte_perm(h.y, h.z, j | (j + 4) << 4), h.w, 0x10 | (j + 4) << 8);
+    const bool upper = s >= 4;
+    const uint32_t ka = upper ? 0x0F : 0x3F, kb = upper ? 0x30 : 0;
+    const uint32_t sc = ((V >> (upper ? 16 : 0)) & ka) | ((V >> 2) & kb);
+    const uint32_t m = ((V >> (upper ? 20 : 8)) & ka) | ((V >> 10) & kb);
     const float d = __half2float(__ushort_as_half((unsigned short)(h.x & 0xFFFF)));
     const float dmin = __half2float(__ushort_as_half((unsigned short)(h.x >> 16)));
-    return {__fmul_rn(d, (float)sc), __fmul_rn(dmin, (float)m)};
+    return {__fmul_rn(d, i2f_exact((int)sc)), __fmul_rn(dmin, i2f_exact((int)m))};
 }
 
 #define Q4_K_PARAMS const uint4* qs, const uint4* sc
 #define Q4_K_ARGS qs, sc
 struct Q4_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;
     const uint4* qs; const uint4* sc; int nb;
     struct Block { uint4 q; float dl, ml; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
-        const KHeader k = k_header(sc[b / 8], kb % 8);   // nb % 8 == 0: sub-block kb % 8 of super-block b / 8
+        const KHeader k = k_header(sc[b >> 3], kb & 7);   // nb % 8 == 0: sub-block kb % 8 of super-block b / 8
         return {qs[b], k.dl, k.ml};
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
@@ -167,11 +192,12 @@ struct Q4_KW {
 #define Q5_K_ARGS qs, qh, sc
 struct Q5_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 7;
     const uint4* qs; const uint32_t* qh; const uint4* sc; int nb;
     struct Block { uint4 q; uint32_t h; float dl, ml; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
-        const KHeader k = k_header(sc[b / 8], kb % 8);
+        const KHeader k = k_header(sc[b >> 3], kb & 7);
         return {qs[b], qh[b], k.dl, k.ml};
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
@@ -192,13 +218,19 @@ struct Q5_KW {
 #define Q6_K_ARGS qs, qh, sc, d
 struct Q6_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 6;
     const uint4* qs; const uint2* qh; const char2* sc; const __half* d; int nb;
-    struct Block { uint4 q; uint2 h; float d0, d1; };
+    // The scales stay raw in the block (char2 and f16: two registers, not two floats) and become d*sc in dot():
+    // load() then does no arithmetic on its bytes, which lets the matvec issue all of a step's loads at once
+    // (with the products in load(), ptxas issued the scale loads after the quants' DRAM round trip, sm_90 SASS).
+    struct Block { uint4 q; uint2 h; char2 s; __half d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
-        const char2 s = sc[b];
-        const float dd = __half2float(d[b / 8]);
-        return {qs[b], qh[b], __fmul_rn(dd, (float)s.x), __fmul_rn(dd, (float)s.y)};
+        return {qs[b], qh[b], sc[b], d[b >> 3]};
+    }
+    __device__ __forceinline__ static float2 scales(const Block& w) {   // (d*sc0, d*sc1), rounded as gguf does
+        const float dd = __half2float(w.d);
+        return make_float2(__fmul_rn(dd, i2f_exact(w.s.x)), __fmul_rn(dd, i2f_exact(w.s.y)));
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
         nibble_words(w.q, lo, hi);
@@ -209,10 +241,12 @@ struct Q6_KW {
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         int4 lo, hi; words(w, lo, hi);
         const float2 s = half_dots(lo, hi, x);   // x.d.w: sum of x over weights 0..15
-        return w.d0 * (s.x - 32.0f * x.d.w) + w.d1 * (s.y - 32.0f * (x.d.z - x.d.w));
+        const float2 dl = scales(w);
+        return dl.x * (s.x - 32.0f * x.d.w) + dl.y * (s.y - 32.0f * (x.d.z - x.d.w));
     }
     __device__ __forceinline__ static float deq(const Block& w, const int4& lo, const int4& hi, int i) {
-        return __fmul_rn(i < 16 ? w.d0 : w.d1, (float)(code_at(lo, hi, i) - 32));
+        const float2 dl = scales(w);
+        return __fmul_rn(i < 16 ? dl.x : dl.y, (float)(code_at(lo, hi, i) - 32));
     }
 };
 
@@ -222,13 +256,14 @@ struct Q6_KW {
 #define Q3_K_ARGS qs, qh, sc, d
 struct Q3_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 7;
     const uint2* qs; const uint32_t* qh; const char2* sc; const __half* d; int nb;
     struct Block { uint2 q; uint32_t h; float d0, d1; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
         const char2 s = sc[b];
-        const float dd = __half2float(d[b / 8]);
-        return {qs[b], qh[b], __fmul_rn(dd, (float)s.x), __fmul_rn(dd, (float)s.y)};
+        const float dd = __half2float(d[b >> 3]);
+        return {qs[b], qh[b], __fmul_rn(dd, i2f_exact(s.x)), __fmul_rn(dd, i2f_exact(s.y))};
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
         lo = crumb_words(w.q.x, 0); hi = crumb_words(w.q.y, 0); add_bit_words(lo, hi, w.h, 2);
@@ -249,14 +284,15 @@ struct Q3_KW {
 #define Q2_K_ARGS qs, sc, d, m
 struct Q2_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 8;
     const uint2* qs; const uchar2* sc; const __half* d; const __half* m; int nb;
     struct Block { uint2 q; float d0, d1, m0, m1; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
         const uchar2 s = sc[b];
-        const float dd = __half2float(d[b / 8]), mm = __half2float(m[b / 8]);
-        return {qs[b], __fmul_rn(dd, (float)(s.x & 0xF)), __fmul_rn(dd, (float)(s.y & 0xF)),
-                __fmul_rn(mm, (float)(s.x >> 4)), __fmul_rn(mm, (float)(s.y >> 4))};
+        const float dd = __half2float(d[b >> 3]), mm = __half2float(m[b >> 3]);
+        return {qs[b], __fmul_rn(dd, i2f_exact(s.x & 0xF)), __fmul_rn(dd, i2f_exact(s.y & 0xF)),
+                __fmul_rn(mm, i2f_exact(s.x >> 4)), __fmul_rn(mm, i2f_exact(s.y >> 4))};
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
         lo = crumb_words(w.q.x, 0); hi = crumb_words(w.q.y, 0);
@@ -307,6 +343,7 @@ __device__ __forceinline__ float kv_at(const int4& lo, const int4& hi, int i) {
 #define IQ4_NL_ARGS qs, d
 struct IQ4_NLW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 6;
     const uint4* qs; const __half* d; int nb;
     struct Block { uint4 q; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -327,11 +364,12 @@ struct IQ4_NLW {
 #define IQ4_XS_ARGS qs, sc, d
 struct IQ4_XSW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
+    static constexpr int BLOCKS = 7, B1_BLOCKS = 6;
     const uint4* qs; const int8_t* sc; const __half* d; int nb;
     struct Block { uint4 q; float dl; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
-        return {qs[b], __fmul_rn(__half2float(d[b / 8]), (float)sc[b])};
+        return {qs[b], __fmul_rn(__half2float(d[b >> 3]), i2f_exact(sc[b]))};
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { iq4_words(w.q, lo, hi); }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {

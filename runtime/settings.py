@@ -108,6 +108,12 @@ DECODE_ATTN = Setting(
     _decode_attn,
     "v8 or v7",
     "The GPU decode attention kernel: v8 (per-page tiles, cost follows the context) or v7 (the previous one).",
+MATVEC_B1 = Setting(
+    "INGOT_MATVEC_B1",
+    True,
+    _flag,
+    "1 or 0",
+    "Single-sequence decode runs the one-column matrix-vector kernels (matvec_<type>_b1); 0 uses the any-batch ones.",
 )
 KV_FRACTION = Setting(
     "INGOT_KV_FRACTION",
@@ -219,6 +225,7 @@ ALL: tuple[Setting, ...] = (
     CPU_WEIGHT_CACHE_MIB,
     DECODE_GEMM_MIN_BATCH,
     DECODE_ATTN,
+    MATVEC_B1,
     KV_FRACTION,
     PREFIX_CACHE,
     ATTN_PREFILL,

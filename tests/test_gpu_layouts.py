@@ -8,6 +8,7 @@ device arrays to the same model byte for byte (tests/gpu/test_gpu_kernels.py).
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -115,7 +116,8 @@ def _kernels(sm_count=132):
     """Kernels without a device: the launch geometry only (kernel lookups give named stand-ins)."""
     k = Kernels.__new__(Kernels)
     k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count))
-    k.k = {n: _FakeKernel(n) for q in GPU_QTYPES for n in (f"matvec_{q.lower()}", f"matmul_{q.lower()}")}
+    names = ("matvec_{}", "matvec_{}_b1", "matmul_{}")
+    k.k = {n.format(q.lower()): _FakeKernel(n.format(q.lower())) for q in GPU_QTYPES for n in names}
     return k
 
 
@@ -142,6 +144,34 @@ def test_matvec_on_one_matrix_is_one_launch_and_gated_modes_halve_the_rows():
     (launch,) = _kernels().matvec(W, (1, 2), 100, 1, ldy=48, mode=constants.MODE_GEGLU)
     assert _ptr_args(launch)[-5:] == [48, 512, 1, 48, constants.MODE_GEGLU]
     assert launch.grid[0] == -(-48 // (constants.MATVEC_ROWS_PER_BLOCK // 2))
+
+
+@pytest.mark.parametrize("ncols", [1, 2, 4, 5])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K", "F16"])
+def test_one_column_runs_the_b1_kernel_and_the_setting_turns_it_off(monkeypatch, qtype, ncols):
+    """cuda/matvec.cu: matvec_<type>_b1 computes exactly one column (it ignores blockIdx.y and ncols), so it may
+    only be chosen for ncols == 1; INGOT_MATVEC_B1=0 falls back to the any-column kernel."""
+    W = _matrix(qtype, 64, 256)
+    xin = (1, 2) if W.quantized else 1
+    (launch,) = _kernels().matvec(W, xin, 100, ncols, ldy=64)
+    assert launch.kernel.name == f"matvec_{qtype.lower()}" + ("_b1" if ncols == 1 else "")
+    assert launch.grid[:2] == (-(-64 // constants.MATVEC_ROWS_PER_BLOCK), -(-ncols // constants.MATVEC_COLS))
+    monkeypatch.setenv("INGOT_MATVEC_B1", "0")
+    (launch,) = _kernels().matvec(W, xin, 100, ncols, ldy=64)
+    assert launch.kernel.name == f"matvec_{qtype.lower()}"
+
+
+def test_every_type_has_both_matvec_kernels_in_the_source():
+    """The host asks for matvec_<type> and matvec_<type>_b1 for every GPU type: both must exist in cuda/matvec.cu
+    (one X-macro row per type, expanded by MATVEC_KERNELS into the two kernels; F16 written out)."""
+    src = (Path(__file__).parents[1] / "cuda" / "matvec.cu").read_text()
+    generic = (Path(__file__).parents[1] / "cuda" / "weights.cuh").read_text()
+    assert "matvec_##NAME(" in src and "matvec_##NAME##_b1(" in src and "matvec_f16_b1(" in src
+    for q in GPU_QTYPES:
+        if q == "F16":
+            continue
+        row = f"X({q.lower()}, {q}W,"
+        assert row in src or row in generic, f"{q}: no X-macro row in matvec.cu or weights.cuh"
 
 
 @pytest.mark.parametrize("mode", [constants.MODE_SWIGLU, constants.MODE_GEGLU])

@@ -282,7 +282,7 @@ def test_f16_weights_read_fp32_activations():
     c = config_of(SHAPES["tiny-qwen3"])
     e = plan_engine(c, qtype="F16")
     names = kernel_names(e._decode_launches(1))
-    assert "quantize_q8x2" not in names and names.count("matvec_f16") == 4 * c.n_layers + 1
+    assert "quantize_q8x2" not in names and names.count("matvec_f16_b1") == 4 * c.n_layers + 1  # one sequence
 
 
 def _refused(config) -> IncompatibleError:

@@ -61,7 +61,8 @@ WEIGHT_LAYOUT = (
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
 KERNEL_ABI = 3  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
-# 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments
+# 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
+# matvec_<type>_b1 kernels, attention_prefill module
 
 
 def header() -> str:

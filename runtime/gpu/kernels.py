@@ -161,6 +161,14 @@ def layout_bytes(qtype: str, rows: int, cols: int) -> dict[str, int]:
     return {field: rows * cols * per_256 // 256 for field, per_256 in LAYOUTS[qtype]}
 
 
+def matvec_kernel(qtype: str, ncols: int) -> str:
+    """The matvec kernel for ncols columns: one column (single-sequence decode) has its own, which keeps fewer
+    registers than the any-column kernel and so runs more warps per SM (cuda/matvec.cu); INGOT_MATVEC_B1=0
+    falls back to the any-column one."""
+    one = ncols == 1 and settings.MATVEC_B1.get()
+    return f"matvec_{qtype.lower()}{'_b1' if one else ''}"
+
+
 def kernel_images(kernel_dir: Path | None = None) -> dict[str, bytes]:
     """Fatbins for running a bare GGUF without a bundle: kernel_dir, else $INGOT_KERNELS (a folder of
     fatbins, e.g. `ingot build --out DIR`), else the ones `pip install` built (ingot/runtime/fatbins)."""
@@ -326,7 +334,7 @@ class Kernels:
             part_bias = None if bias is None else bias.at(4 * offset)
             launches.append(
                 Launch(
-                    self.k[f"matvec_{part.qtype.lower()}"],
+                    self.k[matvec_kernel(part.qtype, ncols)],
                     grid,
                     128,
                     [

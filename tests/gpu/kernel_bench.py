@@ -10,6 +10,7 @@ GB/s counts the weight bytes each launch must read once; the decode step is boun
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -61,7 +62,9 @@ def random_matrix(gpu: Gpu, rng, qtype: str, rows: int, cols: int):
     return W
 
 
-def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=C.MODE_STORE):
+def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=C.MODE_STORE, b1=True):
+    """b1=False: at B=1, the any-column kernel instead of matvec_<type>_b1 (INGOT_MATVEC_B1=0)."""
+    os.environ["INGOT_MATVEC_B1"] = "1" if b1 else "0"
     W = random_matrix(gpu, rng, qtype, rows, cols)
     out_rows = rows // 2 if mode == C.MODE_SWIGLU else rows
     y = gpu.empty(4 * B * out_rows, 0)
@@ -75,7 +78,9 @@ def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=C.MODE_STORE):
     launches = gpu.k.matvec(W, x, y.ptr, B, ldy=out_rows, mode=mode)
     us = timed(gpu, lambda stream: [launch(stream) for launch in launches])
     gb = rows * cols * BYTES_PER_WEIGHT[qtype] / 1e9
-    print(f"{name:<34} {qtype:<5} B={B:<3} {us:9.1f} us  {gb / (us * 1e-6):7.0f} GB/s")
+    kernel = launches[0].kernel.name
+    print(f"{name:<34} {qtype:<5} B={B:<3} {us:9.1f} us  {gb / (us * 1e-6):7.0f} GB/s  {kernel}")
+    os.environ.pop("INGOT_MATVEC_B1")
     return us
 
 
@@ -201,6 +206,16 @@ def main():
     matvec_row(gpu, rng, "down 4096x14336", "Q4_K", 4096, 14336)
     matvec_row(gpu, rng, "down 4096x14336", "Q6_K", 4096, 14336)
     matvec_row(gpu, rng, "head 128256x4096", "Q6_K", 128256, 4096)
+    print("the same at B=1 with the any-column kernels (INGOT_MATVEC_B1=0: v7's occupancy):")
+    for qtype, rows, cols, mode in (
+        ("Q4_0", 28672, 4096, C.MODE_SWIGLU),
+        ("Q4_K", 28672, 4096, C.MODE_SWIGLU),
+        ("Q4_K", 6144, 4096, C.MODE_STORE),
+        ("Q6_K", 4096, 14336, C.MODE_STORE),
+        ("Q6_K", 128256, 4096, C.MODE_STORE),
+        ("Q5_0", 28672, 4096, C.MODE_SWIGLU),
+    ):
+        matvec_row(gpu, rng, f"{rows}x{cols}", qtype, rows, cols, mode=mode, b1=False)
     for qtype in ("Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"):
         matvec_row(gpu, rng, "gate+up 28672x4096 (swiglu)", qtype, 28672, 4096, mode=C.MODE_SWIGLU)
     print("SmolLM2-shaped decode (Q4_1), per layer x30:")

@@ -182,8 +182,9 @@ def _gelu_tanh(g):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_matvec_add_and_gated(gpu, rng, qtype):
-    F, cols, ncols = 96, 256, 5
+@pytest.mark.parametrize("ncols", [1, 5])  # 1: the one-column kernels (matvec_<type>_b1)
+def test_matvec_add_and_gated(gpu, rng, qtype, ncols):
+    F, cols = 96, 256
     W, Wref = make_weight(gpu, rng, qtype, 2 * F, cols)
     x = rng.standard_normal((ncols, cols)).astype(np.float32)
     xin, xref = _activation(gpu, W, x)
@@ -198,6 +199,38 @@ def test_matvec_add_and_gated(gpu, rng, qtype):
     y = gpu.put(resid)
     _run_steps(gpu, gpu.k.matvec(W, xin, y.ptr, ncols, ldy=2 * F, mode=K.MODE_ADD))
     assert rel_err(gpu.get(y, np.float32, (ncols, 2 * F)), resid + xref @ Wref.T) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 256), (37, 768), (203, 4096), (64, 14336)])
+def test_matvec_one_column_kernel_matches_the_any_column_kernel(gpu, rng, monkeypatch, qtype, rows, cols):
+    """matvec_<type>_b1 (one column, register-capped, cuda/matvec.cu) against the any-column kernel at one column,
+    in every mode: odd row counts leave a half-empty last warp (its second row re-reads row 0 and must be dropped)
+    and warps past the end; nb < 32 leaves idle lanes. Both run the same PTX (the NC = 1 loop), so they agree to
+    fp32 rounding: 1e-6 leaves room only for ptxas contracting a mul+add differently under another register
+    budget, while a wrong row, block or lane would be off by the size of the output."""
+    cols = width(qtype, cols)
+    Ws, _ = make_weight(gpu, rng, qtype, 2 * rows + 1, cols)  # an odd row count for the plain modes
+    Wg, _ = make_weight(gpu, rng, qtype, 2 * rows, cols)  # [gate; up] for the gated ones
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    xin, _ = _activation(gpu, Ws, x)
+    resid = rng.standard_normal(2 * rows + 1).astype(np.float32)
+    bias = gpu.put(rng.standard_normal(2 * rows + 1).astype(np.float32))
+    modes = (K.MODE_STORE, K.MODE_ADD, K.MODE_SWIGLU, K.MODE_GEGLU)
+    outs = {}
+    for b1 in ("1", "0"):
+        monkeypatch.setenv("INGOT_MATVEC_B1", b1)
+        for mode in modes:
+            gated = mode in (K.MODE_SWIGLU, K.MODE_GEGLU)
+            W, n = (Wg, rows) if gated else (Ws, 2 * rows + 1)
+            y = gpu.put(resid[:n]) if mode == K.MODE_ADD else gpu.empty(4 * n)
+            launches = gpu.k.matvec(W, xin, y.ptr, 1, ldy=n, mode=mode, bias=None if gated else bias)
+            assert [launch.kernel.name.endswith("_b1") for launch in launches] == [b1 == "1"]
+            _run_steps(gpu, launches)
+            outs[b1, mode] = gpu.get(y, np.float32, (n,))
+    for mode in modes:
+        assert np.isfinite(outs["1", mode]).all(), mode  # every output written (the buffers start as NaN)
+        assert rel_err(outs["1", mode], outs["0", mode]) < 1e-6, mode
 
 
 def _stack(gpu, rng, qtypes, rows, cols):

@@ -28,6 +28,7 @@ static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // byt
     return r;
 }
 static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 #undef __global__
 #define __global__
 #define __launch_bounds__(x)
