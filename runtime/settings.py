@@ -108,6 +108,7 @@ DECODE_ATTN = Setting(
     _decode_attn,
     "v8 or v7",
     "The GPU decode attention kernel: v8 (per-page tiles, cost follows the context) or v7 (the previous one).",
+)
 MATVEC_B1 = Setting(
     "INGOT_MATVEC_B1",
     True,
