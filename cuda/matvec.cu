@@ -145,6 +145,7 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
 matvec_q4_0(const uint8_t* qs, const __half* d, const int8_t* xq, const float4* xd, const float* bias, float* y,
             int rows, int cols, int ncols, int ldy, int mode) {
+    INGOT_PDL_ENTRY();
     const Q4_0W w{qs, d, cols / QK};
 #define CALL(N) matvec_q<Q4_0W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
     DISPATCH_NC(CALL)
@@ -154,6 +155,7 @@ matvec_q4_0(const uint8_t* qs, const __half* d, const int8_t* xq, const float4* 
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
 matvec_q4_1(const uint8_t* qs, const __half* d, const __half* m, const int8_t* xq, const float4* xd,
             const float* bias, float* y, int rows, int cols, int ncols, int ldy, int mode) {
+    INGOT_PDL_ENTRY();
     const Q4_1W w{qs, d, m, cols / QK};
 #define CALL(N) matvec_q<Q4_1W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
     DISPATCH_NC(CALL)
@@ -163,6 +165,7 @@ matvec_q4_1(const uint8_t* qs, const __half* d, const __half* m, const int8_t* x
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
 matvec_q8_0(const int8_t* qs, const __half* d, const int8_t* xq, const float4* xd, const float* bias, float* y,
             int rows, int cols, int ncols, int ldy, int mode) {
+    INGOT_PDL_ENTRY();
     const Q8_0W w{qs, d, cols / QK};
 #define CALL(N) matvec_q<Q8_0W, N>(w, xq, xd, bias, y, rows, cols, ldy, mode)
     DISPATCH_NC(CALL)
@@ -174,6 +177,7 @@ matvec_q8_0(const int8_t* qs, const __half* d, const int8_t* xq, const float4* x
     extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)                                                \
     matvec_##NAME(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows, int cols,  \
                   int ncols, int ldy, int mode) {                                                                \
+        INGOT_PDL_ENTRY();                                                                                       \
         const WT w{ARGS, cols / QK};                                                                             \
         switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {                                               \
             case 1: matvec_q<WT, 1>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
@@ -222,6 +226,7 @@ __device__ __forceinline__ void matvec_h(const __half* __restrict__ w, const flo
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
 matvec_f16(const __half* w, const float* x, const float* bias, float* y, int rows, int cols, int ncols, int ldy,
            int mode) {
+    INGOT_PDL_ENTRY();
 #define CALL(N) matvec_h<N>(w, x, bias, y, rows, cols, ldy, mode)
     DISPATCH_NC(CALL)
 #undef CALL
@@ -230,6 +235,7 @@ matvec_f16(const __half* w, const float* x, const float* bias, float* y, int row
 // x fp32 [n/32 blocks of 32] -> q8x2 (xq [2n], xd [n/32]). One warp per block of 32 values.
 extern "C" __global__ void quantize_q8x2(const float* __restrict__ x, int8_t* __restrict__ xq, float4* __restrict__ xd,
                                          long long nblocks) {
+    INGOT_PDL_ENTRY();
     const long long b = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (b >= nblocks) return;
     warp_quantize_q8x2(x[b * QK + threadIdx.x % WARP], xq + b * 2 * QK, xd + b);

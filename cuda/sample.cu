@@ -57,6 +57,7 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
            int hist_cap, const unsigned long long* __restrict__ seed, const int* __restrict__ counter,
            const int* __restrict__ masked, const unsigned* __restrict__ mask, int mask_words,
            int* __restrict__ out_token, int use_smem) {
+    INGOT_PDL_ENTRY();
     extern __shared__ float staged[];
     __shared__ float red[WARP];
     __shared__ ArgMax red_arg[WARP];

@@ -110,6 +110,13 @@ PREFIX_CACHE = Setting(
     "1 or 0",
     "Engines reuse the KV pages of a prompt prefix seen before instead of recomputing it; 0 turns it off (benchmarks).",
 )
+PDL = Setting(
+    "INGOT_PDL",
+    True,
+    _flag,
+    "1 or 0",
+    "GPU kernels overlap their launch with the previous kernel (programmatic dependent launch, sm_90+); 0 turns it off.",
+)
 API_KEY = Setting(
     "INGOT_API_KEY",
     None,
@@ -190,6 +197,7 @@ ALL: tuple[Setting, ...] = (
     DECODE_GEMM_MIN_BATCH,
     KV_FRACTION,
     PREFIX_CACHE,
+    PDL,
     API_KEY,
     PREFILL_CHUNK,
     KEEP_ALIVE,
