@@ -115,7 +115,7 @@ PDL = Setting(
     True,
     _flag,
     "1 or 0",
-    "GPU kernels overlap their launch with the previous kernel (programmatic dependent launch, sm_90+); 0 turns it off.",
+    "GPU kernels start while the previous one finishes (programmatic dependent launch, sm_90+); 0 turns it off.",
 )
 API_KEY = Setting(
     "INGOT_API_KEY",

@@ -19,7 +19,7 @@ from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
 from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch
-from ingot.runtime.gpu.kernels import GpuMatrix, Kernels
+from ingot.runtime.gpu.kernels import GpuMatrix, Kernels, mark_pdl
 from ingot.runtime.model.architectures import ARCHITECTURES, Architecture
 from ingot.runtime.model.synth import SHAPES, config_of
 
@@ -316,3 +316,18 @@ def test_rope_tables_follow_the_reference():
     assert keys == {(c.rope_theta_local, 1.0), (c.rope_theta, 8.0)}
     glob = next(i for i in range(c.n_layers) if not c.layer_window(i))
     assert np.allclose(rope_inv_freq(c, glob) * 8.0, c.rope_theta ** (-np.arange(0, c.rope_dim, 2) / c.rope_dim))
+
+
+@pytest.mark.parametrize("arch", sorted(SHAPE_OF))
+@pytest.mark.parametrize("cc", [89, 90])
+def test_every_decode_and_prefill_launch_may_use_pdl_on_sm90(arch, cc, monkeypatch):
+    """With PDL on (sm_90, INGOT_PDL unset) every launch of the decode step and of a prefill chunk is of a kernel
+    that waits on its predecessor (kernels.PDL_KERNELS): the whole step's kernel boundaries overlap. Below sm_90
+    none is. Memsets (split-K) carry no flag; the launch after one is serialized by the stream (driver.Launch)."""
+    monkeypatch.delenv("INGOT_PDL", raising=False)
+    e = plan_engine(config_of(SHAPES[SHAPE_OF[arch]]))
+    steps = e._decode_launches(2) + e._decode_launches(GEMM_MIN_BATCH) + e._prefill_launches(5, all_logits=False)
+    mark_pdl(e.k.k, cc)
+    launches = [s for s in steps if isinstance(s, Launch)]
+    assert len(launches) > 8 * e.config.n_layers
+    assert all(s.pdl == (cc >= 90) for s in launches), [s.kernel.name for s in launches if s.pdl != (cc >= 90)]

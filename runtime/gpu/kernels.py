@@ -236,8 +236,8 @@ class Kernels:
     def embed(self, E: GpuMatrix, tokens: int, x: DeviceBuffer, n: int, scale: float = 1.0) -> Launch:
         """x[n, dim] fp32 = E[tokens[i]] * scale (each row dequantized in fp32, then multiplied in fp32). 512 threads:
         a decode step's one row is a few loop trips per thread, not 32 (4096 wide at 128 threads)."""
-        threads = min(512, E.cols)
-        return Launch(self.k[f"embed_{E.qtype.lower()}"], (n,), threads, [tokens, *E.args(), x, i32(E.cols), f32(scale)])
+        args = [tokens, *E.args(), x, i32(E.cols), f32(scale)]
+        return Launch(self.k[f"embed_{E.qtype.lower()}"], (n,), min(512, E.cols), args)
 
     def rmsnorm(
         self, x: int, w: DeviceBuffer, n: int, dim: int, eps: float, *, y=None, yq=None, yd=None, yh=None
