@@ -28,10 +28,12 @@ __device__ __forceinline__ void gated(const float* __restrict__ gu, __half* __re
 
 extern "C" __global__ void swiglu_f16(const float* __restrict__ gu, __half* __restrict__ hh, float* __restrict__ hf,
                                       int F, long long n) {
+    INGOT_PDL_ENTRY();
     gated<silu>(gu, hh, hf, F, n);
 }
 
 extern "C" __global__ void geglu_f16(const float* __restrict__ gu, __half* __restrict__ hh, float* __restrict__ hf,
                                      int F, long long n) {
+    INGOT_PDL_ENTRY();
     gated<gelu_tanh>(gu, hh, hf, F, n);
 }

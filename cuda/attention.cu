@@ -225,6 +225,7 @@ attn_decode_f16(const float* qkv, const float2* rope, int rope_dim, int neox, __
                 const int* block_table, int max_pages, const int* pos, float* part_acc, float2* part_ml,
                 int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H, int Hkv, int hd, int S,
                 float scale, const float* q_norm, const float* k_norm, float eps, int window, float softcap) {
+    INGOT_PDL_ENTRY();
 #define ATTN_DECODE(HD)                                                                                            \
     attn_decode<HD>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc, part_ml,  \
                     counters, out, outq, outd, outh, H, Hkv, S, scale, q_norm, k_norm, eps, window, softcap)
@@ -240,6 +241,7 @@ attn_decode_f16_hd256(const float* qkv, const float2* rope, int rope_dim, int ne
                       float2* part_ml, int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H,
                       int Hkv, int hd, int S, float scale, const float* q_norm, const float* k_norm, float eps,
                       int window, float softcap) {
+    INGOT_PDL_ENTRY();
     ATTN_DECODE(256);
 #undef ATTN_DECODE
 }
@@ -324,6 +326,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 attn_prefill_f16(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache, const int* block_row,
                  const int* tok_pos, int T, __half* out, int H, int Hkv, int hd, float scale, int window,
                  float softcap) {
+    INGOT_PDL_ENTRY();
     const int start = tok_pos[0];      // positions are start..start+T-1; kept on the device so a prefill plan
                                        // (and its launches) depends only on T
 #define ATTN_PREFILL(HD) \
@@ -337,6 +340,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 attn_prefill_f16_hd256(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache,
                        const int* block_row, const int* tok_pos, int T, __half* out, int H, int Hkv, int hd,
                        float scale, int window, float softcap) {
+    INGOT_PDL_ENTRY();
     const int start = tok_pos[0];
     ATTN_PREFILL(256);
 #undef ATTN_PREFILL

@@ -314,6 +314,7 @@ attn_decode_tile_f16(const float* qkv, const float2* rope, int rope_dim, int neo
                      float2* part_ml, int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H,
                      int Hkv, int hd, int S, float scale, const float* q_norm, const float* k_norm, float eps,
                      int window, float softcap) {
+    INGOT_PDL_ENTRY();
 #define ATTN_DECODE_TILE(HD)                                                                                     \
     attn_decode_tile<HD>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc,    \
                          part_ml, counters, out, outq, outd, outh, H, Hkv, S, scale, q_norm, k_norm, eps, window, \
@@ -331,6 +332,7 @@ attn_decode_tile_f16_hd256(const float* qkv, const float2* rope, int rope_dim, i
                            float* part_acc, float2* part_ml, int* counters, float* out, int8_t* outq,
                            float4* outd, __half* outh, int H, int Hkv, int hd, int S, float scale,
                            const float* q_norm, const float* k_norm, float eps, int window, float softcap) {
+    INGOT_PDL_ENTRY();
     ATTN_DECODE_TILE(256);
 #undef ATTN_DECODE_TILE
 }

@@ -277,6 +277,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 attn_prefill_mma_f16(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache, const int* block_row,
                      const int* tok_pos, int T, __half* out, int H, int Hkv, int hd, float scale, int window,
                      float softcap) {
+    INGOT_PDL_ENTRY();
     if (hd == 64) ATTN_PREFILL_MMA(64);
     else ATTN_PREFILL_MMA(128);
 }
@@ -285,6 +286,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 attn_prefill_mma_f16_hd256(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache,
                            const int* block_row, const int* tok_pos, int T, __half* out, int H, int Hkv, int hd,
                            float scale, int window, float softcap) {
+    INGOT_PDL_ENTRY();
     ATTN_PREFILL_MMA(256);
 }
 #undef ATTN_PREFILL_MMA

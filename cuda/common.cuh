@@ -45,6 +45,27 @@
 
 #define WARP 32
 
+// Programmatic dependent launch (PDL, sm_90+). The host may launch a kernel that starts with this macro with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (runtime/gpu/kernels.py PDL_KERNELS; a CUDA graph
+// captures it as a programmatic edge): its blocks are then scheduled while the previous kernel in the stream
+// is still running, so launch latency and block ramp-up overlap the predecessor's tail instead of following it.
+//   griddepcontrol.wait              blocks until the previous grid has completed and its writes are visible;
+//                                    a no-op when the kernel was launched without the attribute.
+//   griddepcontrol.launch_dependents lets the next kernel's blocks be scheduled (they wait in turn, so at most
+//                                    one kernel runs ahead; until every block of this grid has issued it, or
+//                                    exited, the next grid does not start).
+// It must be the kernel's FIRST statement, executed by every thread of every block, before any early return
+// and any global memory access: a block that exited without waiting would let the next grid complete, and so
+// its successors start, before this grid's predecessor has finished (the chain is only transitive if every
+// kernel waits), and a write before the wait could race with the predecessor still reading that buffer. The
+// "memory" clobber keeps the compiler from hoisting loads above it. Below sm_90 it is empty (the host never
+// sets the attribute there).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define INGOT_PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define INGOT_PDL_ENTRY() ((void)0)
+#endif
+
 // Nibble j of a Q4 block (GGUF order): byte j holds w[j] (low) and w[j + 16] (high).
 __device__ __forceinline__ int q4_nibble(const uint8_t* qs, int j) {
     return j < 16 ? (qs[j] & 0xF) : (qs[j - 16] >> 4);

@@ -1,19 +1,24 @@
 // Embedding lookup: x[i, :] = E[tokens[i], :] * scale as fp32, for n tokens, from the soa-v2 layout (common.cuh).
-// One block per token; threads stride over the dim (a multiple of 32) columns, or over its 32-weight blocks for
-// the weights.cuh types. Each value is gguf's dequantization in fp32, then times `scale` in fp32 (Gemma's
-// sqrt(dim), 1 otherwise), the CPU reference's order (runtime/model/reference.py forward).
+// One block per token; threads stride over the dim (a multiple of 32) columns, unrolled by 4 so a thread's loads
+// are in flight together (a decode step embeds one row: its latency, not its bytes, is the cost), or over its
+// 32-weight blocks for the weights.cuh types. Each value is gguf's dequantization in fp32, then times `scale` in
+// fp32 (Gemma's sqrt(dim), 1 otherwise), the CPU reference's order (runtime/model/reference.py forward).
 #include "weights.cuh"
 
 extern "C" __global__ void embed_q8_0(const int* __restrict__ tokens, const int8_t* __restrict__ qs,
                                       const __half* __restrict__ d, float* __restrict__ x, int dim, float scale) {
+    INGOT_PDL_ENTRY();
     const long long row = tokens[blockIdx.x];
+#pragma unroll 4
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         x[(size_t)blockIdx.x * dim + i] = __fmul_rn(__fmul_rn(__half2float(d[row * (dim / QK) + i / QK]), qs[row * dim + i]), scale);
 }
 
 extern "C" __global__ void embed_q4_0(const int* __restrict__ tokens, const uint8_t* __restrict__ qs,
                                       const __half* __restrict__ d, float* __restrict__ x, int dim, float scale) {
+    INGOT_PDL_ENTRY();
     const long long row = tokens[blockIdx.x];
+#pragma unroll 4
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const long long b = row * (dim / QK) + i / QK;
         x[(size_t)blockIdx.x * dim + i] = __fmul_rn(__fmul_rn(__half2float(d[b]), q4_nibble(qs + b * 16, i % QK) - 8), scale);
@@ -23,7 +28,9 @@ extern "C" __global__ void embed_q4_0(const int* __restrict__ tokens, const uint
 extern "C" __global__ void embed_q4_1(const int* __restrict__ tokens, const uint8_t* __restrict__ qs,
                                       const __half* __restrict__ d, const __half* __restrict__ m,
                                       float* __restrict__ x, int dim, float scale) {
+    INGOT_PDL_ENTRY();
     const long long row = tokens[blockIdx.x];
+#pragma unroll 4
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const long long b = row * (dim / QK) + i / QK;
         x[(size_t)blockIdx.x * dim + i] =
@@ -33,7 +40,9 @@ extern "C" __global__ void embed_q4_1(const int* __restrict__ tokens, const uint
 
 extern "C" __global__ void embed_f16(const int* __restrict__ tokens, const __half* __restrict__ w,
                                      float* __restrict__ x, int dim, float scale) {
+    INGOT_PDL_ENTRY();
     const long long row = tokens[blockIdx.x];
+#pragma unroll 4
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         x[(size_t)blockIdx.x * dim + i] = __fmul_rn(__half2float(w[row * dim + i]), scale);
 }
@@ -57,6 +66,7 @@ __device__ __forceinline__ void embed_w(const W& w, const int* __restrict__ toke
 
 #define EMBED_KERNEL(NAME, WT, PARAMS, ARGS)                                                                     \
     extern "C" __global__ void embed_##NAME(const int* tokens, PARAMS, float* x, int dim, float scale) {         \
+        INGOT_PDL_ENTRY();                                                                                       \
         embed_w(WT{ARGS, dim / QK}, tokens, x, dim, scale);                                                      \
     }
 FOR_EACH_GENERIC_TYPE(EMBED_KERNEL)

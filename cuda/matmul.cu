@@ -176,29 +176,34 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
 extern "C" __global__ void __launch_bounds__(128)
 matmul_q4_0(const uint8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
             int ldc, int mode) {
+    INGOT_PDL_ENTRY();
     matmul(TileQ4_0{qs, d}, A, bias, C, M, N, K, ldc, mode);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
 matmul_q4_1(const uint8_t* qs, const __half* d, const __half* m, const __half* A, const float* bias, float* C,
             int M, int N, int K, int ldc, int mode) {
+    INGOT_PDL_ENTRY();
     matmul(TileQ4_1{qs, d, m}, A, bias, C, M, N, K, ldc, mode);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
 matmul_q8_0(const int8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
             int ldc, int mode) {
+    INGOT_PDL_ENTRY();
     matmul(TileQ8_0{qs, d}, A, bias, C, M, N, K, ldc, mode);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
 matmul_f16(const __half* w, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode) {
+    INGOT_PDL_ENTRY();
     matmul(TileF16{w, K}, A, bias, C, M, N, K, ldc, mode);
 }
 
 #define MATMUL_KERNEL(NAME, WT, PARAMS, ARGS)                                                                    \
     extern "C" __global__ void __launch_bounds__(128)                                                            \
     matmul_##NAME(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode) { \
+        INGOT_PDL_ENTRY();                                                                                       \
         matmul(TileW<WT>{WT{ARGS, K / QK}}, A, bias, C, M, N, K, ldc, mode);                                     \
     }
 FOR_EACH_GENERIC_TYPE(MATMUL_KERNEL)

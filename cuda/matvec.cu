@@ -181,6 +181,7 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
     extern "C" __global__ void MV_BOUNDS(WT::BLOCKS)                                                             \
     matvec_##NAME(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows, int cols,  \
                   int ncols, int ldy, int mode) {                                                                \
+        INGOT_PDL_ENTRY();                                                                                       \
         const WT w{__VA_ARGS__, cols / QK};                                                                      \
         switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {                                               \
             case 1: matvec_q<WT, 1>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
@@ -192,6 +193,7 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
     extern "C" __global__ void MV_BOUNDS(WT::B1_BLOCKS)                                                          \
     matvec_##NAME##_b1(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,       \
                        int cols, int ncols, int ldy, int mode) {                                                 \
+        INGOT_PDL_ENTRY();                                                                                       \
         matvec_q<WT, 1>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, y, rows, cols, ldy, mode);                     \
     }
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
@@ -234,6 +236,7 @@ __device__ __forceinline__ void matvec_h(const __half* __restrict__ w, const flo
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
 matvec_f16(const __half* w, const float* x, const float* bias, float* y, int rows, int cols, int ncols, int ldy,
            int mode) {
+    INGOT_PDL_ENTRY();
     switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {
         case 1: matvec_h<1>(w, x, bias, y, rows, cols, ldy, mode); break;
         case 2: matvec_h<2>(w, x, bias, y, rows, cols, ldy, mode); break;
@@ -245,12 +248,14 @@ matvec_f16(const __half* w, const float* x, const float* bias, float* y, int row
 extern "C" __global__ void MV_BOUNDS(9)
 matvec_f16_b1(const __half* w, const float* x, const float* bias, float* y, int rows, int cols, int ncols, int ldy,
               int mode) {
+    INGOT_PDL_ENTRY();
     matvec_h<1>(w, x, bias, y, rows, cols, ldy, mode);
 }
 
 // x fp32 [n/32 blocks of 32] -> q8x2 (xq [2n], xd [n/32]). One warp per block of 32 values.
 extern "C" __global__ void quantize_q8x2(const float* __restrict__ x, int8_t* __restrict__ xq, float4* __restrict__ xd,
                                          long long nblocks) {
+    INGOT_PDL_ENTRY();
     const long long b = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (b >= nblocks) return;
     warp_quantize_q8x2(x[b * QK + threadIdx.x % WARP], xq + b * 2 * QK, xd + b);

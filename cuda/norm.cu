@@ -6,9 +6,19 @@
 // common.cuh) and fp16 yh [n, dim] (tensor-core GEMM, prefill). dim must be a multiple of 32.
 #include "common.cuh"
 
-// Row `row` of x (already summed: ss = sum of its squares) times scale(ss) * w, into the requested forms. Each
-// warp handles whole 32-value blocks so the q8x2 quantization stays inside one warp. xr is read through the
-// coherent path (no __restrict__): add_rmsnorm_f32 reads values this block has just written.
+// One normalized value v of row `row`, block b (this lane's value b * 32 + lane), into the requested forms. The
+// whole warp calls it for the same b, so the q8x2 quantization stays inside one warp.
+__device__ __forceinline__ void put_normed(float v, size_t row, int b, float* __restrict__ y, int8_t* __restrict__ yq,
+                                           float4* __restrict__ yd, __half* __restrict__ yh, int dim) {
+    const size_t o = row * dim + b * QK + threadIdx.x % WARP;
+    if (y) y[o] = v;
+    if (yh) yh[o] = __float2half(v);
+    if (yq) warp_quantize_q8x2(v, yq + 2 * (row * dim + b * QK), yd + row * (dim / QK) + b);
+}
+
+// Row `row` of x (already summed: ss = sum of its squares) times scale(ss) * w, into the requested forms, each
+// warp taking whole 32-value blocks. xr is read through the coherent path (no __restrict__): add_rmsnorm_f32
+// reads values this block has just written. The loop form, for rows wider than the register form below holds.
 __device__ __forceinline__ void write_normed(const float* xr, float ss, const float* __restrict__ w, size_t row,
                                              float* __restrict__ y, int8_t* __restrict__ yq, float4* __restrict__ yd,
                                              __half* __restrict__ yh, int dim, float eps) {
@@ -16,45 +26,107 @@ __device__ __forceinline__ void write_normed(const float* xr, float ss, const fl
     const int lane = threadIdx.x % WARP;
     for (int b = threadIdx.x / WARP; b < dim / QK; b += blockDim.x / WARP) {
         const int i = b * QK + lane;
-        const float v = xr[i] * scale * w[i];
-        const size_t o = row * dim + i;
-        if (y) y[o] = v;
-        if (yh) yh[o] = __float2half(v);
-        if (yq) warp_quantize_q8x2(v, yq + 2 * (row * dim + b * QK), yd + row * (dim / QK) + b);
+        put_normed(xr[i] * scale * w[i], row, b, y, yq, yd, yh, dim);
     }
 }
 
-extern "C" __global__ void rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
-                                       float* __restrict__ y, int8_t* __restrict__ yq, float4* __restrict__ yd,
-                                       __half* __restrict__ yh, int dim, float eps) {
+// The register form: a thread keeps its values of the row (and of w) in registers, blocks b = warp + k * nwarps
+// for k < NORM_REGS, all loaded before the first use. A decode row is one block of latency, not bandwidth: the
+// loop form's runtime trip count keeps it from being unrolled, so each trip waited one DRAM round trip (x, then
+// w again in write_normed: 4.9 us per 4096-wide norm on the H200, PERF.md v7). Rows up to NORM_REGS * blockDim
+// values (8192 at 1024 threads) take it. Thread t holds values t + k * blockDim in both forms and sums them in
+// that order, so the two forms give bit-identical results.
+#define NORM_REGS 8
+
+// 1024 threads at most (kernels.py: min(1024, dim)): the bound keeps the register form within 64 per thread.
+extern "C" __global__ void __launch_bounds__(1024)
+rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int8_t* __restrict__ yq,
+            float4* __restrict__ yd, __half* __restrict__ yh, int dim, float eps) {
+    INGOT_PDL_ENTRY();
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
-    write_normed(xr, block_sum(ss, scratch), w, blockIdx.x, y, yq, yd, yh, dim, eps);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nwarps = blockDim.x / WARP, nb = dim / QK;
+    if (nb > NORM_REGS * nwarps) {                // (block-uniform) a row too wide for the registers
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+        write_normed(xr, block_sum(ss, scratch), w, blockIdx.x, y, yq, yd, yh, dim, eps);
+        return;
+    }
+    float xv[NORM_REGS] = {}, wv[NORM_REGS] = {}, ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_REGS; k++) {
+        const int b = warp + k * nwarps;
+        if (b < nb) { xv[k] = xr[b * QK + lane]; wv[k] = w[b * QK + lane]; }
+    }
+#pragma unroll
+    for (int k = 0; k < NORM_REGS; k++)
+        if (warp + k * nwarps < nb) ss += xv[k] * xv[k];
+    const float scale = rsqrtf(block_sum(ss, scratch) / dim + eps);
+#pragma unroll
+    for (int k = 0; k < NORM_REGS; k++) {
+        const int b = warp + k * nwarps;
+        if (b < nb) put_normed(xv[k] * scale * wv[k], blockIdx.x, b, y, yq, yd, yh, dim);
+    }
 }
 
 // Post-norm residual (Gemma's post_attention_norm / post_ffw_norm): x[r] += o[r] / sqrt(mean(o[r]^2) + eps) * w,
 // one block per row of x, o [n, dim] fp32 (the projection before it stores o instead of adding into x). Then,
 // when w_next is given, the next RMSNorm of the updated row, into y/yq/yd/yh as rmsnorm_f32 writes them: the
-// residual add and the norm that always follows it in one launch.
-extern "C" __global__ void add_rmsnorm_f32(float* x, const float* __restrict__ o, const float* __restrict__ w,
-                                           const float* __restrict__ w_next, float* __restrict__ y,
-                                           int8_t* __restrict__ yq, float4* __restrict__ yd, __half* __restrict__ yh,
-                                           int dim, float eps) {
+// residual add and the norm that always follows it in one launch. Register and loop forms as rmsnorm_f32.
+extern "C" __global__ void __launch_bounds__(1024)
+add_rmsnorm_f32(float* x, const float* __restrict__ o, const float* __restrict__ w, const float* __restrict__ w_next,
+                float* __restrict__ y, int8_t* __restrict__ yq, float4* __restrict__ yd, __half* __restrict__ yh,
+                int dim, float eps) {
+    INGOT_PDL_ENTRY();
     __shared__ float scratch[32];
     const float* orow = o + (size_t)blockIdx.x * dim;
     float* xr = x + (size_t)blockIdx.x * dim;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += orow[i] * orow[i];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nwarps = blockDim.x / WARP, nb = dim / QK;
+    if (nb > NORM_REGS * nwarps) {                // (block-uniform) a row too wide for the registers
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += orow[i] * orow[i];
+        const float scale = rsqrtf(block_sum(ss, scratch) / dim + eps);
+        float ss_new = 0.0f;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+            const float v = xr[i] + orow[i] * scale * w[i];
+            xr[i] = v;
+            ss_new += v * v;
+        }
+        if (!w_next) return;                      // (block-uniform)
+        // block_sum's barrier also makes every thread's new x visible to the warps that normalize it below
+        write_normed(xr, block_sum(ss_new, scratch), w_next, blockIdx.x, y, yq, yd, yh, dim, eps);
+        return;
+    }
+    float ov[NORM_REGS] = {}, xv[NORM_REGS] = {}, wv[NORM_REGS] = {}, wn[NORM_REGS] = {}, ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_REGS; k++) {
+        const int b = warp + k * nwarps, i = b * QK + lane;
+        if (b < nb) {
+            ov[k] = orow[i];
+            xv[k] = xr[i];
+            wv[k] = w[i];
+            if (w_next) wn[k] = w_next[i];
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NORM_REGS; k++)
+        if (warp + k * nwarps < nb) ss += ov[k] * ov[k];
     const float scale = rsqrtf(block_sum(ss, scratch) / dim + eps);
     float ss_new = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float v = xr[i] + orow[i] * scale * w[i];
-        xr[i] = v;
-        ss_new += v * v;
+#pragma unroll
+    for (int k = 0; k < NORM_REGS; k++) {
+        const int b = warp + k * nwarps;
+        if (b < nb) {
+            xv[k] = xv[k] + ov[k] * scale * wv[k];
+            xr[b * QK + lane] = xv[k];
+            ss_new += xv[k] * xv[k];
+        }
     }
     if (!w_next) return;                          // (block-uniform)
-    // block_sum's barrier also makes every thread's new x visible to the warps that normalize it below
-    write_normed(xr, block_sum(ss_new, scratch), w_next, blockIdx.x, y, yq, yd, yh, dim, eps);
+    const float scale_next = rsqrtf(block_sum(ss_new, scratch) / dim + eps);
+#pragma unroll
+    for (int k = 0; k < NORM_REGS; k++) {
+        const int b = warp + k * nwarps;
+        if (b < nb) put_normed(xv[k] * scale_next * wn[k], blockIdx.x, b, y, yq, yd, yh, dim);
+    }
 }

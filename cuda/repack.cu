@@ -23,11 +23,13 @@ __device__ __forceinline__ void split_18(const uint8_t* __restrict__ src, uint8_
 
 extern "C" __global__ void repack_q4_0(const uint8_t* __restrict__ src, uint8_t* __restrict__ qs,
                                        __half* __restrict__ d, long long nblocks) {
+    INGOT_PDL_ENTRY();
     split_18(src, qs, d, nblocks);
 }
 
 extern "C" __global__ void repack_q4_1(const uint8_t* __restrict__ src, uint8_t* __restrict__ qs,
                                        __half* __restrict__ d, __half* __restrict__ m, long long nblocks) {
+    INGOT_PDL_ENTRY();
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
     const uint8_t* blk = src + b * 20;                       // f16 d, f16 m, u8 qs[16]
@@ -40,6 +42,7 @@ extern "C" __global__ void repack_q4_1(const uint8_t* __restrict__ src, uint8_t*
 
 extern "C" __global__ void repack_q8_0(const uint8_t* __restrict__ src, int8_t* __restrict__ qs,
                                        __half* __restrict__ d, long long nblocks) {
+    INGOT_PDL_ENTRY();
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
     const uint8_t* blk = src + b * 34;                       // f16 d, i8 qs[32]
@@ -50,11 +53,13 @@ extern "C" __global__ void repack_q8_0(const uint8_t* __restrict__ src, int8_t* 
 }
 
 extern "C" __global__ void convert_bf16_f16(const uint16_t* __restrict__ src, __half* __restrict__ dst, long long n) {
+    INGOT_PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = __float2half(__uint_as_float((uint32_t)src[i] << 16));
 }
 
 extern "C" __global__ void convert_f32_f16(const float* __restrict__ src, __half* __restrict__ dst, long long n) {
+    INGOT_PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = __float2half(src[i]);
 }
@@ -120,12 +125,14 @@ __device__ __forceinline__ void repack_q5(const uint8_t* src, uint4* qs, uint32_
 
 extern "C" __global__ void repack_q5_0(const uint8_t* __restrict__ src, uint4* __restrict__ qs,
                                        uint32_t* __restrict__ qh, __half* __restrict__ d, long long nblocks) {
+    INGOT_PDL_ENTRY();
     repack_q5<false>(src, qs, qh, d, nullptr, nblocks);
 }
 
 extern "C" __global__ void repack_q5_1(const uint8_t* __restrict__ src, uint4* __restrict__ qs,
                                        uint32_t* __restrict__ qh, __half* __restrict__ d, __half* __restrict__ m,
                                        long long nblocks) {
+    INGOT_PDL_ENTRY();
     repack_q5<true>(src, qs, qh, d, m, nblocks);
 }
 
@@ -157,11 +164,13 @@ __device__ __forceinline__ void repack_k45(const uint8_t* src, uint4* qs, uint32
 
 extern "C" __global__ void repack_q4_k(const uint8_t* __restrict__ src, uint4* __restrict__ qs,
                                        uint4* __restrict__ sc, long long nblocks) {
+    INGOT_PDL_ENTRY();
     repack_k45<false>(src, qs, nullptr, sc, nblocks);
 }
 
 extern "C" __global__ void repack_q5_k(const uint8_t* __restrict__ src, uint4* __restrict__ qs,
                                        uint32_t* __restrict__ qh, uint4* __restrict__ sc, long long nblocks) {
+    INGOT_PDL_ENTRY();
     repack_k45<true>(src, qs, qh, sc, nblocks);
 }
 
@@ -171,6 +180,7 @@ extern "C" __global__ void repack_q5_k(const uint8_t* __restrict__ src, uint4* _
 extern "C" __global__ void repack_q6_k(const uint8_t* __restrict__ src, uint4* __restrict__ qs,
                                        uint2* __restrict__ qh, char2* __restrict__ sc, __half* __restrict__ d,
                                        long long nblocks) {
+    INGOT_PDL_ENTRY();
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
     const int s = b % 8, h = s / 4, j = s % 4;
@@ -191,6 +201,7 @@ extern "C" __global__ void repack_q6_k(const uint8_t* __restrict__ src, uint4* _
 extern "C" __global__ void repack_q2_k(const uint8_t* __restrict__ src, uint2* __restrict__ qs,
                                        uchar2* __restrict__ sc, __half* __restrict__ d, __half* __restrict__ m,
                                        long long nblocks) {
+    INGOT_PDL_ENTRY();
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
     const int s = b % 8, h = s / 4, j = s % 4;
@@ -206,6 +217,7 @@ extern "C" __global__ void repack_q2_k(const uint8_t* __restrict__ src, uint2* _
 extern "C" __global__ void repack_q3_k(const uint8_t* __restrict__ src, uint2* __restrict__ qs,
                                        uint32_t* __restrict__ qh, char2* __restrict__ sc, __half* __restrict__ d,
                                        long long nblocks) {
+    INGOT_PDL_ENTRY();
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
     const int s = b % 8, h = s / 4, j = s % 4;
@@ -232,6 +244,7 @@ extern "C" __global__ void repack_q3_k(const uint8_t* __restrict__ src, uint2* _
 // IQ4_NL (18 bytes: d, qs[16]) is Q4_0's block with other values: the same split.
 extern "C" __global__ void repack_iq4_nl(const uint8_t* __restrict__ src, uint8_t* __restrict__ qs,
                                          __half* __restrict__ d, long long nblocks) {
+    INGOT_PDL_ENTRY();
     split_18(src, qs, d, nblocks);
 }
 
@@ -239,6 +252,7 @@ extern "C" __global__ void repack_iq4_nl(const uint8_t* __restrict__ src, uint8_
 // its 6-bit scale is nibble s % 2 of scales_l[s / 2] plus bits 2s..2s+1 of scales_h at bit 4, minus 32.
 extern "C" __global__ void repack_iq4_xs(const uint8_t* __restrict__ src, uint4* __restrict__ qs,
                                          int8_t* __restrict__ sc, __half* __restrict__ d, long long nblocks) {
+    INGOT_PDL_ENTRY();
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
     const int s = b % 8;

@@ -20,6 +20,7 @@ extern "C" __global__ void rope_kv_f32(float* __restrict__ qkv, const float2* __
                                        int H, int Hkv, int hd, int rope_dim, int neox,
                                        const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                                        float eps) {
+    INGOT_PDL_ENTRY();
     const int t = blockIdx.x, pos = tok_pos[t], half_dim = rope_dim / 2;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nwarps = blockDim.x / WARP;
     float* row = qkv + (size_t)t * (H + 2 * Hkv) * hd;

@@ -93,6 +93,7 @@ sample_prep_f32(float* __restrict__ logits, int V, int ld, int chunk, const floa
                 const int* __restrict__ hist, const int* __restrict__ hist_len, int hist_cap,
                 const int* __restrict__ masked, const unsigned* __restrict__ mask, int mask_words,
                 float4* __restrict__ chunks) {
+    INGOT_PDL_ENTRY();
     __shared__ float red[WARP];
     __shared__ ArgMax red_arg[WARP];
     const int c = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
@@ -118,6 +119,7 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
            int hist_cap, const unsigned long long* __restrict__ seed, const int* __restrict__ counter,
            const int* __restrict__ masked, const unsigned* __restrict__ mask, int mask_words,
            int* __restrict__ out_token, int use_smem, const float4* __restrict__ chunks, int nchunks) {
+    INGOT_PDL_ENTRY();
     extern __shared__ float staged[];
     __shared__ float red[WARP];
     __shared__ ArgMax red_arg[WARP];

@@ -146,6 +146,12 @@ ATTN_PREFILL = Setting(
     _attn_prefill,
     "mma or scalar",
     "The GPU engine's prefill attention: mma (tensor cores, compute capability >= 8.0) or scalar (any GPU).",
+PDL = Setting(
+    "INGOT_PDL",
+    True,
+    _flag,
+    "1 or 0",
+    "GPU kernels start while the previous one finishes (programmatic dependent launch, sm_90+); 0 turns it off.",
 )
 API_KEY = Setting(
     "INGOT_API_KEY",
@@ -230,6 +236,7 @@ ALL: tuple[Setting, ...] = (
     KV_FRACTION,
     PREFIX_CACHE,
     ATTN_PREFILL,
+    PDL,
     API_KEY,
     PREFILL_CHUNK,
     KEEP_ALIVE,

@@ -19,7 +19,7 @@ from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
 from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch
-from ingot.runtime.gpu.kernels import GpuMatrix, Kernels
+from ingot.runtime.gpu.kernels import GpuMatrix, Kernels, mark_pdl
 from ingot.runtime.model.architectures import ARCHITECTURES, Architecture
 from ingot.runtime.model.synth import SHAPES, config_of
 
@@ -343,3 +343,16 @@ def test_the_sampler_splits_large_vocabularies_only():
         assert prep.kernel.name == "sample_prep_f32" and prep.grid == (128, B, 1) and final.grid == (B, 1, 1)
     small = plan_engine(config_of(SHAPES["tiny-k"]))
     assert kernel_names(small._decode_launches(2))[-2:] == ["matvec_q8_0", "sample_f32"]
+@pytest.mark.parametrize("arch", sorted(SHAPE_OF))
+@pytest.mark.parametrize("cc", [89, 90])
+def test_every_decode_and_prefill_launch_may_use_pdl_on_sm90(arch, cc, monkeypatch):
+    """With PDL on (sm_90, INGOT_PDL unset) every launch of the decode step and of a prefill chunk is of a kernel
+    that waits on its predecessor (kernels.PDL_KERNELS): the whole step's kernel boundaries overlap. Below sm_90
+    none is. Memsets (split-K) carry no flag; the launch after one is serialized by the stream (driver.Launch)."""
+    monkeypatch.delenv("INGOT_PDL", raising=False)
+    e = plan_engine(config_of(SHAPES[SHAPE_OF[arch]]))
+    steps = e._decode_launches(2) + e._decode_launches(GEMM_MIN_BATCH) + e._prefill_launches(5, all_logits=False)
+    mark_pdl(e.k.k, cc)
+    launches = [s for s in steps if isinstance(s, Launch)]
+    assert len(launches) > 8 * e.config.n_layers
+    assert all(s.pdl == (cc >= 90) for s in launches), [s.kernel.name for s in launches if s.pdl != (cc >= 90)]

@@ -174,8 +174,12 @@ class Device:
 
 
 class Kernel:
-    def __init__(self, fn, name: str):
-        self.fn, self.name = fn, name
+    """A kernel of a loaded module. `pdl`: launch it with programmatic dependent launch (PDL) after another
+    kernel; set by Kernels (runtime/gpu/kernels.py) only for kernels that begin with INGOT_PDL_ENTRY()
+    (cuda/common.cuh), on a GPU that has it."""
+
+    def __init__(self, fn, name: str, pdl: bool = False):
+        self.fn, self.name, self.pdl = fn, name, pdl
 
     @property
     def static_smem(self) -> int:
@@ -295,8 +299,13 @@ class PinnedBuffer:
 
 
 class Stream:
+    """A CUDA stream. `after_kernel` says whether the last work put on it through these wrappers was a kernel
+    launch: only then may a PDL launch (Launch) overlap its predecessor. Copies, memsets, event records and graph
+    launches clear it, so the kernel after them is fully serialized (programmatic edges join two kernels only)."""
+
     def __init__(self):
         self.handle = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.after_kernel = False
 
     def synchronize(self) -> None:
         _check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
@@ -305,15 +314,18 @@ class Stream:
         """Host -> device, ordered on this stream. `src` must stay alive until the stream passes this point
         (pinned memory is truly async; pageable memory is staged by the driver)."""
         src = np.ascontiguousarray(src)
+        self.after_kernel = False
         if src.nbytes:
             _check(cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, self.handle), "cuMemcpyHtoDAsync")
 
     def download(self, dst: np.ndarray, src: int) -> None:
         assert dst.flags.c_contiguous
+        self.after_kernel = False
         if dst.nbytes:
             _check(cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, self.handle), "cuMemcpyDtoHAsync")
 
     def memset(self, dst: int, value: int, nbytes: int) -> None:
+        self.after_kernel = False
         _check(cu.cuMemsetD8Async(dst, value, nbytes, self.handle), "cuMemsetD8Async")
 
     def close(self) -> None:
@@ -327,6 +339,7 @@ class Event:
         self.handle = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
 
     def record(self, stream: Stream) -> None:
+        stream.after_kernel = False
         _check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
 
     def synchronize(self) -> None:
@@ -348,9 +361,16 @@ class Launch:
     """A kernel launch with its arguments packed once into a void*[] (re-launchable, graph-capturable).
 
     Arguments are numpy scalars of the kernel's parameter types (np.int32, np.float32, np.int64,
-    np.uint64) or device addresses (int or DeviceBuffer, passed as 64-bit pointers; None = null)."""
+    np.uint64) or device addresses (int or DeviceBuffer, passed as 64-bit pointers; None = null).
 
-    __slots__ = ("kernel", "grid", "block", "smem", "_held", "_params")
+    A kernel marked `pdl` that directly follows another kernel on the stream is launched with cuLaunchKernelEx
+    and CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (programmatic dependent launch, sm_90+): its blocks
+    may be scheduled while the previous kernel finishes, and its griddepcontrol.wait (INGOT_PDL_ENTRY) holds
+    them until that kernel has completed. Stream capture records this as a programmatic graph edge (CUDA 12.3+),
+    so a captured decode step keeps it on every replay. After anything but a kernel (Stream.after_kernel) the
+    launch is a plain cuLaunchKernel."""
+
+    __slots__ = ("kernel", "grid", "block", "smem", "_held", "_params", "_config")
 
     def __init__(self, kernel: Kernel, grid: tuple, block: int, args: list, smem: int = 0):
         self.kernel, self.grid, self.block, self.smem = kernel, tuple(grid) + (1,) * (3 - len(grid)), block, smem
@@ -366,17 +386,44 @@ class Launch:
                 raise TypeError(f"{kernel.name}: unsupported kernel argument {a!r}")
         self._held = held
         self._params = np.array([h.ctypes.data for h in held], dtype=np.uint64)
+        self._config = None  # the cuLaunchKernelEx configuration, built on the first PDL launch
         if any(g <= 0 for g in self.grid):
             raise ValueError(f"{kernel.name}: empty grid {self.grid}")
 
+    @property
+    def pdl(self) -> bool:
+        return self.kernel.pdl
+
     def __call__(self, stream: Stream) -> None:
-        gx, gy, gz = self.grid
-        _check(
-            cu.cuLaunchKernel(
-                self.kernel.fn, gx, gy, gz, self.block, 1, 1, self.smem, stream.handle, self._params.ctypes.data, 0
-            ),
-            f"cuLaunchKernel({self.kernel.name})",
-        )
+        if self.kernel.pdl and stream.after_kernel:
+            config = self._config or self._pdl_config()
+            config.hStream = stream.handle
+            _check(
+                cu.cuLaunchKernelEx(config, self.kernel.fn, self._params.ctypes.data, 0),
+                f"cuLaunchKernelEx({self.kernel.name})",
+            )
+        else:
+            gx, gy, gz = self.grid
+            _check(
+                cu.cuLaunchKernel(
+                    self.kernel.fn, gx, gy, gz, self.block, 1, 1, self.smem, stream.handle, self._params.ctypes.data, 0
+                ),
+                f"cuLaunchKernel({self.kernel.name})",
+            )
+        stream.after_kernel = True
+
+    def _pdl_config(self):
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = self.grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = self.block, 1, 1
+        config.sharedMemBytes = self.smem
+        config.attrs = [attr]
+        config.numAttrs = 1
+        self._config = config
+        return config
 
 
 class Memset:
@@ -388,6 +435,7 @@ class Memset:
         self.ptr, self.value, self.count = int(ptr), value, count
 
     def __call__(self, stream: Stream) -> None:
+        stream.after_kernel = False
         _check(cu.cuMemsetD32Async(self.ptr, self.value, self.count, stream.handle), "cuMemsetD32Async")
 
 
@@ -395,6 +443,7 @@ class Graph:
     """A captured sequence of stream work, instantiated once and replayed with one cuGraphLaunch."""
 
     def __init__(self, stream: Stream, work):
+        stream.after_kernel = False  # the graph's first kernel has no kernel before it
         _check(
             cu.cuStreamBeginCapture(stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
             "cuStreamBeginCapture",
@@ -403,10 +452,12 @@ class Graph:
             work()
         finally:
             graph = _check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
+            stream.after_kernel = False  # the captured work did not run: the stream is where it was
         self.graph = graph
         self.exec = _check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
 
     def launch(self, stream: Stream) -> None:
+        stream.after_kernel = False
         _check(cu.cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
 
     def close(self) -> None:

@@ -79,6 +79,49 @@ i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
 # The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).
 ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
 
+# The kernels whose first statement is INGOT_PDL_ENTRY() (cuda/common.cuh: griddepcontrol.wait, then
+# launch_dependents): only these may be launched with programmatic dependent launch, which lets a kernel's blocks
+# start before its predecessor has finished. Opt-in by name, so a new kernel without the macro is never launched
+# early (tests/test_pdl.py checks this list against cuda/*.cu and the built PTX, both ways).
+PDL_KERNELS = frozenset(
+    {
+        *(f"{op}_{q.lower()}" for op in ("embed", "matvec", "matmul") for q in GPU_QTYPES),
+        *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
+        *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
+        "convert_bf16_f16",
+        "convert_f32_f16",
+        "quantize_q8x2",
+        "rmsnorm_f32",
+        "add_rmsnorm_f32",
+        "rope_kv_f32",
+        "swiglu_f16",
+        "geglu_f16",
+        "attn_decode_f16",
+        "attn_decode_f16_hd256",
+        "attn_prefill_f16",
+        "attn_prefill_f16_hd256",
+        "attn_decode_tile_f16",
+        "attn_decode_tile_f16_hd256",
+        "attn_prefill_mma_f16",
+        "attn_prefill_mma_f16_hd256",
+        "sample_prep_f32",
+        "sample_f32",
+    }
+)
+PDL_MIN_CC = 90  # griddepcontrol is sm_90 PTX (Hopper and newer)
+
+
+def pdl_enabled(cc: int) -> bool:
+    """Programmatic dependent launch on a GPU of compute capability `cc` (90 = 9.0): sm_90+, unless INGOT_PDL=0."""
+    return cc >= PDL_MIN_CC and settings.PDL.get()
+
+
+def mark_pdl(kernels: dict[str, Kernel], cc: int) -> None:
+    """Set Kernel.pdl: the PDL_KERNELS among `kernels`, when the GPU has PDL and it is not turned off."""
+    on = pdl_enabled(cc)
+    for name, kernel in kernels.items():
+        kernel.pdl = on and name in PDL_KERNELS
+
 
 @dataclass
 class GpuMatrix:
@@ -249,6 +292,7 @@ class Kernels:
         # Its shared memory grows with the head size (scalar: 80 KiB at hd 256, more than sm_75's 64 KiB opt-in;
         # mma: 99 KiB); one opt-in per head size this GPU can hold.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
+        mark_pdl(self.k, device.info.cc)
         for hd in self.prefill_head_dims:
             self.k[self._prefill_kernel(hd)].allow_dynamic_smem(self.prefill_bytes(hd))
         # the staged logits share the block's shared memory with the kernel's own static arrays
@@ -271,8 +315,10 @@ class Kernels:
     # --- per-token ops ---------------------------------------------------------------------------
 
     def embed(self, E: GpuMatrix, tokens: int, x: DeviceBuffer, n: int, scale: float = 1.0) -> Launch:
-        """x[n, dim] fp32 = E[tokens[i]] * scale (each row dequantized in fp32, then multiplied in fp32)."""
-        return Launch(self.k[f"embed_{E.qtype.lower()}"], (n,), 128, [tokens, *E.args(), x, i32(E.cols), f32(scale)])
+        """x[n, dim] fp32 = E[tokens[i]] * scale (each row dequantized in fp32, then multiplied in fp32). 512 threads:
+        a decode step's one row is a few loop trips per thread, not 32 (4096 wide at 128 threads)."""
+        args = [tokens, *E.args(), x, i32(E.cols), f32(scale)]
+        return Launch(self.k[f"embed_{E.qtype.lower()}"], (n,), min(512, E.cols), args)
 
     def rmsnorm(
         self, x: int, w: DeviceBuffer, n: int, dim: int, eps: float, *, y=None, yq=None, yd=None, yh=None

@@ -1,6 +1,8 @@
 """Kernel lab: device time of each decode-step kernel at real model shapes, against the bytes it must move.
 
     python3 tests/gpu/kernel_bench.py            # needs a GPU; INGOT_KERNELS may point at a build of cuda/
+    python3 tests/gpu/kernel_bench.py --pdl [M.gguf]   # decode step with INGOT_PDL=0 vs 1 (default: a random
+                                                       # SmolLM2-135M-shaped Q4_1 model)
 
 Each kernel is captured in a CUDA graph of `reps` back-to-back launches and timed with events (median of 5
 graph replays), so launch gaps of the real decode graph are included but Python overhead is not. Inputs are
@@ -152,7 +154,7 @@ def small_kernels(gpu, rng, name, D, H, Hkv, hd, V, ctx):
     )
 
 
-def engine_step(path: str) -> None:
+def engine_step(path: str) -> tuple[float, int]:
     """Device time of one whole decode-step graph (B=1) vs the wall time of engine.decode: the host's share."""
     import time
 
@@ -177,14 +179,40 @@ def engine_step(path: str) -> None:
     for _ in range(50):
         tok = eng.decode([s], [tok])[0]
     wall_ms = (time.perf_counter() - t0) * 1000 / 50
+    n = len(eng._decode_launches(1))
+    pdl = "on" if eng.k.k["rmsnorm_f32"].pdl else "off"
     print(
-        f"{Path(path).name}: decode step B=1: device {gpu_ms:.3f} ms, engine.decode wall {wall_ms:.3f} ms "
-        f"({len(eng._decode_launches(1))} kernels)"
+        f"{Path(path).name}: decode step B=1 (PDL {pdl}): device {gpu_ms:.3f} ms, engine.decode wall {wall_ms:.3f} ms "
+        f"({n} kernels)"
     )
     eng.close()
+    return gpu_ms * 1000, n
+
+
+def pdl_ab(path: str | None) -> None:
+    """The whole decode step (B=1) with programmatic dependent launch off and on: device time of the graph replay
+    and engine.decode's wall time, so one device call reads the gain per step and per kernel boundary."""
+    import os
+    import tempfile
+
+    from ingot.runtime.model.synth import synthesize
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if path is None:
+            path = str(synthesize("smollm2-135m", "Q4_1", Path(tmp) / "smollm2-shape.gguf"))
+        rows = {}
+        for flag in ("0", "1"):
+            os.environ["INGOT_PDL"] = flag  # read when the engine loads its kernels (runtime/gpu/kernels.py)
+            rows[flag] = engine_step(path)
+        os.environ.pop("INGOT_PDL")
+    (off, n), (on, _) = rows["0"], rows["1"]
+    print(f"PDL: {off:.1f} -> {on:.1f} us per step ({off - on:+.1f}), {(off - on) / max(n - 1, 1):.2f} us per boundary")
 
 
 def main():
+    if sys.argv[1:2] == ["--pdl"]:
+        pdl_ab(sys.argv[2] if len(sys.argv) > 2 else None)
+        return
     if len(sys.argv) > 1:
         for path in sys.argv[1:]:
             engine_step(path)
