@@ -146,6 +146,7 @@ ATTN_PREFILL = Setting(
     _attn_prefill,
     "mma or scalar",
     "The GPU engine's prefill attention: mma (tensor cores, compute capability >= 8.0) or scalar (any GPU).",
+)
 PDL = Setting(
     "INGOT_PDL",
     True,

@@ -27,14 +27,23 @@ CUDA = ROOT / "cuda"
 MACRO = "INGOT_PDL_ENTRY();"
 
 # `extern "C" __global__ void [__launch_bounds__(..)] name(` or, inside a #define, `prefix_##NAME(`
-_DEFINITION = re.compile(r"__global__\s+void[\s\\]+(?:__launch_bounds__\([^)]*\)[\s\\]*)?(\w+?)(##NAME)?\s*\(")
+_DEFINITION = re.compile(
+    r"__global__\s+void[\s\\]+(?:(?:__launch_bounds__|MV_BOUNDS)\([^)]*\)[\s\\]*)?(\w+?)(##NAME(?:##(\w+))?)?\s*\("
+)
 
 
-def _generic_types() -> list[str]:
-    """The NAME arguments of FOR_EACH_GENERIC_TYPE (cuda/weights.cuh), which the *_KERNEL macros expand over."""
-    text = (CUDA / "weights.cuh").read_text()
-    block = text[text.index("#define FOR_EACH_GENERIC_TYPE") :].split("\n\n")[0]
-    return re.findall(r"X\((\w+),", block)
+def _types(text: str, define_at: int) -> list[str]:
+    """The NAME arguments a kernel-defining macro expands over: the FOR_EACH_*_TYPE list (cuda/weights.cuh,
+    matvec.cu) that the source applies to the #define enclosing define_at, nested lists included."""
+    macro = re.findall(r"#define (\w+)", text[:define_at])[-1]
+    lists = (CUDA / "weights.cuh").read_text() + text
+
+    def expand(each: str) -> list[str]:
+        block = lists[lists.index(f"#define {each}(X)") :].split("\n\n")[0].split("\n", 1)[1]
+        nested = [t for sub in re.findall(r"(FOR_EACH_\w+)\(X\)", block) for t in expand(sub)]
+        return re.findall(r"X\((\w+),", block) + nested
+
+    return expand(re.search(rf"(FOR_EACH_\w+)\({macro}\)", text).group(1))
 
 
 def _first_statement(text: str, open_paren: int) -> str:
@@ -57,7 +66,8 @@ def kernel_definitions() -> dict[str, str]:
         text = src.read_text()
         for m in _DEFINITION.finditer(text):
             first = _first_statement(text, m.end() - 1)
-            names = [m.group(1) + t for t in _generic_types()] if m.group(2) else [m.group(1)]
+            suffix = m.group(3) or ""
+            names = [m.group(1) + t + suffix for t in _types(text, m.start())] if m.group(2) else [m.group(1)]
             for name in names:
                 assert name not in out, f"{name} defined twice"
                 out[name] = first

@@ -278,7 +278,7 @@ def _engine_run(model, B_wide: int) -> dict:
 def test_engine_is_the_same_with_and_without_pdl(tmp_path, monkeypatch, variant, gpu):
     """INGOT_PDL=1 vs 0 on a synthetic model: greedy decode token for token; the logits of batch decode (matvec)
     and of prefill (GEMMs without split-K) bit for bit; wide-batch decode's split-K GEMMs add their slices with
-    atomics in no fixed order, so there the logits agree to fp32 rounding (1e-5 relative)."""
+    atomics in no fixed order, so there the logits agree to the rounding that order moves (below 1e-3 relative)."""
     model = load_model(write_model(tmp_path / f"{variant}.gguf", variant))
     wide = settings.DECODE_GEMM_MIN_BATCH.get()
     monkeypatch.setenv("INGOT_PDL", "1")
@@ -289,4 +289,9 @@ def test_engine_is_the_same_with_and_without_pdl(tmp_path, monkeypatch, variant,
     assert on["greedy"] == off["greedy"]
     assert all(bits_equal(a, b) for a, b in zip(on[3], off[3], strict=True))
     assert bits_equal(on["prefill"], off["prefill"])
-    assert all(rel_err(a, b) < 1e-5 for a, b in zip(on[wide], off[wide], strict=True))
+    # The wide path's split-K slices meet in fp32 atomics in no fixed order, and its activations are fp16 (~5e-4
+    # per product, test_gpu_engine's budget); an order change moves a logit by rounding that the following layers
+    # amplify on a random-weight model (1e-5 was seen exceeded on the H200). 1e-3 stays far below what a stale read
+    # (a kernel overtaking its producer) does to a logit vector, an O(1) change.
+    errs = [rel_err(a, b) for a, b in zip(on[wide], off[wide], strict=True)]
+    assert max(errs) < 1e-3, errs
