@@ -138,11 +138,13 @@ def _attn_prefill(text: str) -> str:
     return text
 
 
-# An A/B switch for the prefill attention kernel (cuda/attention_prefill.cu vs attention.cu's scalar one), so a
-# kernel regression on some GPU costs a flag, not a rebuild.
+# The prefill attention kernel: attention.cu's scalar one (default) or cuda/attention_prefill.cu's tensor-core one.
+# Default scalar because mma's fp16 q*scale and P cost accuracy on a real model (H200, 2026-12-01: Gemma 3 270M,
+# 500-token prefill then 41 decode steps, rel err 1.03e-2 against the CPU reference vs < 1e-2 with scalar; the
+# engine's budget is 1e-2) although it makes Gemma's pp512 89k tok/s instead of ~61k; opt in with mma.
 ATTN_PREFILL = Setting(
     "INGOT_ATTN_PREFILL",
-    "mma",
+    "scalar",
     _attn_prefill,
     "mma or scalar",
     "The GPU engine's prefill attention: mma (tensor cores, compute capability >= 8.0) or scalar (any GPU).",

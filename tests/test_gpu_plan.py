@@ -343,6 +343,8 @@ def test_the_sampler_splits_large_vocabularies_only():
         assert prep.kernel.name == "sample_prep_f32" and prep.grid == (128, B, 1) and final.grid == (B, 1, 1)
     small = plan_engine(config_of(SHAPES["tiny-k"]))
     assert kernel_names(small._decode_launches(2))[-2:] == ["matvec_q8_0", "sample_f32"]
+
+
 @pytest.mark.parametrize("arch", sorted(SHAPE_OF))
 @pytest.mark.parametrize("cc", [89, 90])
 def test_every_decode_and_prefill_launch_may_use_pdl_on_sm90(arch, cc, monkeypatch):

@@ -230,6 +230,8 @@ def prefill_uses_mma(cc: int) -> bool:
     """Whether prefill attention runs the tensor-core kernel (cuda/attention_prefill.cu: mma.sync m16n8k16 and
     cp.async need compute capability 8.0) on a GPU of compute capability cc (90 for 9.0)."""
     return cc >= 80 and settings.ATTN_PREFILL.get() == "mma"
+
+
 # Large-vocabulary sampling (cuda/sample.cu): from SAMPLE_PREP_MIN_V logits a row's penalty, mask and argmax pass
 # runs over ceil(V / SAMPLE_CHUNK) blocks of sample_prep_f32 (Gemma's 262,144: 128 blocks of 2,048 logits,
 # 8 per thread) before sample_f32; below it one block's pass is shorter than the extra launch.
