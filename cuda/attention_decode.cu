@@ -23,39 +23,7 @@
 // Scores are scaled by `scale`, then soft-capped (cap * tanh(s / cap)) when softcap > 0; everything accumulates
 // in fp32. Outputs: fp32 [B, H*hd], and when non-null its q8x2 (outq, outd) and fp16 (outh) forms.
 // v7's kernels (attention.cu, attn_decode_f16*) stay reachable with INGOT_DECODE_ATTN=v7 until v8 is measured.
-#include "common.cuh"
-
-#define GMAX 8           // query heads per kv head one block serves (GQA group size; kernels.GQA_MAX)
-#define NEG_BIG -1e30f   // running-max start: exp(NEG_BIG - m) == 0 without inf - inf
-
-// The helpers below are attention.cu's (the prefill kernel there is being rewritten separately): they belong in
-// a shared attention header once both files settle.
-__device__ __forceinline__ void dec_load8(const __half* p, float (&out)[8]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; i++) { const float2 f = __half22float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
-}
-
-// Rotate the first rope_dim dims of one head in place (normal: pairs (2i, 2i+1); neox: (i, i + rope_dim/2)).
-__device__ __forceinline__ void dec_rope_head(float* x, const float2* cs, int rope_dim, int neox, int t, int nt) {
-    const int half_dim = rope_dim / 2;
-    for (int i = t; i < half_dim; i += nt) {
-        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half_dim : 2 * i + 1;
-        const float x0 = x[i0], x1 = x[i1];
-        x[i0] = x0 * cs[i].x - x1 * cs[i].y;
-        x[i1] = x0 * cs[i].y + x1 * cs[i].x;
-    }
-}
-
-// RMSNorm of one head in place, x * w / sqrt(mean(x^2) + eps) over hd values: one warp per head.
-__device__ __forceinline__ void dec_warp_rmsnorm(float* x, const float* __restrict__ w, int hd, float eps) {
-    const int lane = threadIdx.x % WARP;
-    float ss = 0.0f;
-    for (int d = lane; d < hd; d += WARP) ss += x[d] * x[d];
-    const float r = rsqrtf(warp_sum(ss) / hd + eps);
-    for (int d = lane; d < hd; d += WARP) x[d] *= r * w[d];
-}
+#include "attention.cuh"   // load8, rope_head, warp_rmsnorm, GMAX, NEG_BIG
 
 // Dynamic shared memory of the block, in this order (Kernels.decode_smem computes the same total):
 //   sK, sV    fp16 [PAGE][HD + 8]     the staged page
@@ -149,11 +117,11 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     __syncthreads();
     if (q_norm) {                                 // one warp per head: the G q heads, then k (if written here)
         for (int g = warp; g < G + (owns_new ? 1 : 0); g += ATT_WARPS)
-            dec_warp_rmsnorm(g < G ? sq + g * HD : sk, g < G ? snq : snk, HD, eps);
+            warp_rmsnorm(g < G ? sq + g * HD : sk, g < G ? snq : snk, HD, eps);
         __syncthreads();
     }
-    for (int g = 0; g < G; g++) dec_rope_head(sq + g * HD, scs, rope_dim, neox, tid, NT);
-    if (owns_new) dec_rope_head(sk, scs, rope_dim, neox, tid, NT);
+    for (int g = 0; g < G; g++) rope_head(sq + g * HD, scs, rope_dim, neox, tid, NT);
+    if (owns_new) rope_head(sk, scs, rope_dim, neox, tid, NT);
     __syncthreads();
     for (int i = tid; i < G * HD; i += NT) sq[i] *= scale;
     if (owns_new) {                               // (read by later steps; this one stages the row from sk, sv)
@@ -202,7 +170,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
 #pragma unroll 8
             for (int c = 0; c < CPR; c++) {
                 float k8[8];
-                dec_load8(kr + c * 8, k8);
+                load8(kr + c * 8, k8);
                 const float4 q0 = *reinterpret_cast<const float4*>(qg + c * 8);
                 const float4 q1 = *reinterpret_cast<const float4*>(qg + c * 8 + 4);
                 s += k8[0] * q0.x + k8[1] * q0.y + k8[2] * q0.z + k8[3] * q0.w;

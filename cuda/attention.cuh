@@ -1,0 +1,35 @@
+// Helpers shared by the attention kernels (attention.cu: v7 decode and the scalar prefill; attention_decode.cu: v8
+// decode): fp16 row loads, RoPE and RMSNorm of one head in shared memory, and the decode block's GQA bound.
+#pragma once
+#include "common.cuh"
+
+#define GMAX 8           // query heads per kv head one decode block serves (GQA group size; kernels.GQA_MAX)
+#define NEG_BIG -1e30f   // running-max start: exp(NEG_BIG - m) == 0 without inf - inf
+
+__device__ __forceinline__ void load8(const __half* p, float (&out)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; i++) { const float2 f = __half22float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+}
+
+// Rotate the first rope_dim dims of one head in place (normal: pairs (2i, 2i+1); neox: (i, i + rope_dim/2)).
+// Called by all threads of the block; pairs are split among them.
+__device__ __forceinline__ void rope_head(float* x, const float2* cs, int rope_dim, int neox, int t, int nt) {
+    const int half_dim = rope_dim / 2;
+    for (int i = t; i < half_dim; i += nt) {
+        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half_dim : 2 * i + 1;
+        const float x0 = x[i0], x1 = x[i1];
+        x[i0] = x0 * cs[i].x - x1 * cs[i].y;
+        x[i1] = x0 * cs[i].y + x1 * cs[i].x;
+    }
+}
+
+// RMSNorm of one head in place, x * w / sqrt(mean(x^2) + eps) over hd values: one warp per head.
+__device__ __forceinline__ void warp_rmsnorm(float* x, const float* __restrict__ w, int hd, float eps) {
+    const int lane = threadIdx.x % WARP;
+    float ss = 0.0f;
+    for (int d = lane; d < hd; d += WARP) ss += x[d] * x[d];
+    const float r = rsqrtf(warp_sum(ss) / hd + eps);
+    for (int d = lane; d < hd; d += WARP) x[d] *= r * w[d];
+}
