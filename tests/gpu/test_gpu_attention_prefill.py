@@ -18,17 +18,12 @@ import contextlib
 
 import numpy as np
 import pytest
+from numerics import rel_err
 
 from ingot.runtime.gpu import constants as K
 from ingot.runtime.model.reference import attention
 
 TOL = 2e-3
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(out).all(), "non-finite output (unwritten element, or a poisoned slot was read)"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 class _Cfg:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import soa_reference as soa
 from gguf import GGMLQuantizationType, quants
+from numerics import rel_err
 from sampling_reference import FILTERS, TEMPERATURES, assert_draws_match, filtered_distribution, penalized, top_p_margin
 from soa_reference import bits_equal, dequant_q8x2, q8x2
 
@@ -28,12 +29,6 @@ def width(qtype: str, cols: int) -> int:
     """cols rounded up to the type's block: 256 for the K-quants (GGUF's super-block), else 32."""
     block = 256 if qtype in SUPERBLOCK_TYPES else 32
     return -(-cols // block) * block
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(out).all(), "non-finite output (unwritten element or overflow)"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def _run_steps(gpu, steps):
