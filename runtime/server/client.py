@@ -160,9 +160,13 @@ class EngineClient:
         self._loop = asyncio.get_running_loop()
         self._dir = tempfile.mkdtemp(prefix="ingot-core-")
         to_core, from_core = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        # The core binds its inbox and we connect to it: a connecting PUSH has its pipe at once, so what we send
+        # before the core has even started queues until it is there. (A binding PUSH has no pipe until a peer's
+        # handshake completes, and a non-blocking send then fails: under CPU load an Add sent right after Ready
+        # was lost that way, and its request waited forever.)
         self._outbox = self._sync_ctx.socket(zmq.PUSH)
         self._outbox.setsockopt(zmq.SNDHWM, 0)  # never block the event loop: messages queue instead
-        self._outbox.bind(to_core)
+        self._outbox.connect(to_core)
         self._inbox = self._ctx.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.RCVHWM, 0)
         self._inbox.bind(from_core)
@@ -305,8 +309,9 @@ class EngineClient:
             return
         try:
             self._outbox.send(protocol.encode(message), zmq.NOBLOCK)
-        except zmq.Again:  # the core is gone; the receiver notices and fails its requests
-            pass
+        except zmq.Again:  # cannot happen on a connected PUSH without a high-water mark; never silently
+            log.error("the engine core's inbox refused %s; its requests are failed", type(message).__name__)
+            self._fail_all(ApiError(503, "the engine process is not accepting requests; retry"), "error")
 
     # --- the core's steps --------------------------------------------------------------------------
 
