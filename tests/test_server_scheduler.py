@@ -113,6 +113,20 @@ def test_batched_output_equals_one_at_a_time(tiny_model, tiny_tokenizer):
     assert sorted(i for s in steps for i, _ in s.started) == list(range(len(PROMPTS)))
 
 
+def test_seeded_sampling_is_the_same_chunked_batched_or_alone(tiny_model, tiny_tokenizer):
+    """A seeded request at temperature 1 gives the same text whether its prompt is prefilled in one piece or in
+    8-token chunks (whose intermediate samples the scheduler discards), and batched with others or alone: each
+    draw depends on the seed and the position only."""
+    long_prompt = " ".join(PROMPTS)  # ~30 tokens: four chunks of 8
+    params = [SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=s) for s in (11, 12, 13)]
+    requests = [GenerationRequest(tuple(tiny_tokenizer.encode(long_prompt)), p, 16) for p in params]
+    whole, _ = _run(CpuEngine(tiny_model, max_seqs=4), tiny_tokenizer, requests)
+    chunked, _ = _run(CpuEngine(tiny_model, max_seqs=4), tiny_tokenizer, requests, prefill_chunk=8)
+    alone = _one_at_a_time(tiny_model, tiny_tokenizer, requests)
+    assert whole == chunked == alone
+    assert len(set(whole)) == 3  # different seeds, different samples: the draws are not all greedy
+
+
 def test_admission_waits_for_free_kv_pages(tiny_model, tiny_tokenizer):
     """Each request reserves pages for prompt + max_tokens (<= 64 tokens: one page); a pool of 2 pages runs at
     most 2 sequences at once, whatever max_seqs says."""

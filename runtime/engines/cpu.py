@@ -67,7 +67,7 @@ class DequantizedWeights:
 @dataclass
 class _Sequence:
     params: SamplingParams
-    rng: np.random.Generator
+    seed: int  # the request's seed, or a random one: each draw comes from (seed, position), see _sample
     cache: KVCache
     tokens: list[int]
     pages: list[int] = field(default_factory=list)  # page ids booked in the engine's PagePool
@@ -107,9 +107,8 @@ class CpuEngine:
         if len(self._seqs) >= self.max_seqs:
             raise IngotError(f"all {self.max_seqs} sequences are in use", hint="release one first")
         seq, self._next_id = self._next_id, self._next_id + 1
-        self._seqs[seq] = _Sequence(
-            params, np.random.default_rng(params.seed), KVCache.empty(self.config, self.max_ctx), []
-        )
+        seed = (params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)) % 2**64
+        self._seqs[seq] = _Sequence(params, seed, KVCache.empty(self.config, self.max_ctx), [])
         return seq
 
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
@@ -233,4 +232,8 @@ class CpuEngine:
         del self._page_rows[page]
 
     def _sample(self, s: _Sequence, row: np.ndarray, mask: np.ndarray | None = None) -> int:
-        return sample(row, s.params, s.rng, s.tokens, mask)
+        """The token after s.tokens. Its random draw depends on the seed and the position only (counter-based, as
+        the GPU sampler's seed + counter): a sequence prefilled in chunks, whose earlier chunks' samples are
+        discarded by the scheduler, draws the same as one prefilled at once."""
+        rng = np.random.default_rng((s.seed, len(s.tokens)))
+        return sample(row, s.params, rng, s.tokens, mask)
