@@ -10,7 +10,10 @@ the SmolLM2 default model and a synthetic llama3-8b.
 
 The 1e-2 bound: the GPU quantizes activations (q8x2, ~1e-5 relative per product) or runs them in fp16 (prefill
 and wide-batch GEMMs, ~5e-4 per product) and keeps K/V in fp16; over a few layers these compound to a few 1e-3
-on the logits, while a real bug (a wrong mask, norm or rotation) gives errors of order 1.
+on the logits, while a real bug (a wrong mask, norm or rotation) gives errors of order 1. On a real model the
+decode steps after a long prompt carry that prompt's fp16 GEMM roundings in their KV cache: there the bound is
+also the fp16 budget of test_gpu_precision (twice what fp16 operands in the prefill cost the CPU reference, plus
+the q8x2 decode's 1e-3), whichever is larger: measured on real Gemma 3 after 500 tokens, 1.03e-2 at one step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from numerics import Q8X2_TOL, fp16_operands, rel_err
 from tiny_models import VARIANTS, write_model
 
 from ingot.runtime import settings
@@ -31,11 +35,6 @@ DECODE_PROMPTS = (100, 500)
 DECODE_STEPS = 64
 GREEDY_TOKENS = 32
 TOL = 1e-2
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _models() -> list:
@@ -101,18 +100,28 @@ def test_decode_steps_match_cpu(engines, n):
     model, cpu, gpu = engines
     tokens = _prompt(model, n, seed=1)
     c, g = cpu.new_sequence(SamplingParams()), gpu.new_sequence(SamplingParams())
+    # Real models: the same prompt through the CPU reference with the prefill GEMMs' fp16 operands and an fp16 KV
+    # cache, the decode steps in fp32 (the q8x2 paths): d16, the distance the prefill's design roundings alone put
+    # between a decode step and fp32.
+    emu = CpuEngine(model, max_seqs=1, max_ctx=cpu.max_ctx) if gpu.strict else None
     try:
         nxt = cpu.prefill(c, tokens)  # greedy: the argmax of the last row
         gpu.prefill(g, tokens)
-        errs = []
+        if emu is not None:
+            with fp16_operands():
+                e = emu.new_sequence(SamplingParams())
+                emu.prefill(e, tokens)
+        errs, d16s = [], []
         for step in range(DECODE_STEPS):
             ref = cpu.logits(c, [nxt])[-1]
             out = gpu.decode_logits([g], [nxt])[0]
             errs.append(rel_err(out, ref))
-            assert errs[-1] < TOL, f"step {step}: rel err {errs[-1]:.2e}"
+            d16s.append(rel_err(emu.logits(e, [nxt])[-1], ref) if emu is not None else 0.0)
+            bound = max(TOL, 2 * d16s[-1] + Q8X2_TOL)
+            assert errs[-1] < bound, f"step {step}: rel err {errs[-1]:.2e} (fp16 emulation {d16s[-1]:.2e})"
             assert same_choice(out, ref, gpu.strict), f"step {step}: argmax differs"
             nxt = int(np.argmax(ref))
-        print(f"decode: max rel err {max(errs):.2e}")
+        print(f"decode: max rel err {max(errs):.2e}, fp16-emulated prefill {max(d16s):.2e}")
     finally:
         cpu.release(c)
         gpu.release(g)

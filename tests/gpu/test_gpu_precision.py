@@ -20,53 +20,19 @@ this run.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
+from numerics import fp16_operands, rel_err, within_fp16_budget
 from tiny_models import write_model
 
 from ingot.runtime import settings
 from ingot.runtime.engines.cpu import CpuEngine
-from ingot.runtime.model import reference
 from ingot.runtime.model.gguf import load_model
 from ingot.runtime.sampling import SamplingParams
 
 STEPS = 8
-Q8X2_TOL = 1e-3  # what the q8x2 matvec paths reach against fp32 on the same models (test_gpu_engine prints it)
-
-
-def within_fp16_budget(errs: dict) -> bool:
-    """The GPU's distance from fp32 is at most twice what fp16 operands alone cost, plus the q8x2 budget."""
-    return errs["gpu-fp32"] <= 2 * errs["fp16emu-fp32"] + Q8X2_TOL
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-@contextmanager
-def fp16_operands():
-    """The CPU reference with the GPU GEMM path's roundings: matmul operands fp16, KV cache fp16."""
-    rounded: dict[int, np.ndarray] = {}
-    plain_linear, plain_empty = reference.linear, reference.KVCache.empty
-
-    def linear(x, w):
-        if id(w) not in rounded:
-            rounded[id(w)] = w.astype(np.float16).astype(np.float32)
-        return plain_linear(x.astype(np.float16).astype(np.float32), rounded[id(w)])
-
-    def empty(c, capacity):
-        shape = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
-        return reference.KVCache(np.zeros(shape, np.float16), np.zeros(shape, np.float16))
-
-    reference.linear, reference.KVCache.empty = linear, empty  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        reference.linear, reference.KVCache.empty = plain_linear, plain_empty  # type: ignore[method-assign]
 
 
 def _models() -> list:
