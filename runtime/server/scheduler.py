@@ -24,9 +24,8 @@ constrained sequence pass token masks to the engine (`mask=`/`masks=`; a step wi
 computes none), and each accepted token advances its sequence's matcher. A complete grammar allows only EOS,
 which ends the sequence as usual.
 
-On the CPU engine a chunked prompt's discarded samples draw from a seeded sequence's random generator, so a
-seeded, non-greedy request whose prompt was split differs from the same request unsplit (greedy requests and
-the GPU engine, whose sampling is counter-based, are unaffected).
+A chunk's sampled token is discarded unless it is the prompt's last: both engines draw by (seed, position), so a
+seeded request's text is the same however its prompt was split.
 """
 
 from __future__ import annotations
