@@ -33,7 +33,7 @@ def _kernels(mma: bool) -> Kernels:
 
 def test_the_tensor_core_kernel_needs_sm80_and_yields_to_the_switch(monkeypatch):
     monkeypatch.delenv("INGOT_ATTN_PREFILL", raising=False)
-    assert not prefill_uses_mma(90)  # default scalar: mma's accuracy on a real model is short (settings.py)
+    assert prefill_uses_mma(90) and prefill_uses_mma(80) and not prefill_uses_mma(75)  # the default: mma
     monkeypatch.setenv("INGOT_ATTN_PREFILL", "mma")
     assert prefill_uses_mma(90) and prefill_uses_mma(80) and not prefill_uses_mma(75)
     monkeypatch.setenv("INGOT_ATTN_PREFILL", "scalar")
