@@ -30,11 +30,29 @@ def test_the_load_report_has_ttft_and_merges_processes(server, procs):
     report = asyncio.run(loadgen.run(server.url, 4, 2, 16, 12, 0.0, None, seed=0, procs=procs))
     assert report["failed"] == 0, report["errors"]
     assert report["procs"] == procs and report["requests"] == 8  # every process's samples are in it
+    assert report["client_processes"] == procs  # each share in its own process (the start barrier)
     assert 0 < report["generated_tokens"] <= 8 * 12  # the server's usage, EOS may end one early
     ttft, decode = report["ttft_ms"], report["decode_tok_s_per_stream"]
     assert ttft["p50"] is not None and 0 < ttft["p50"] <= ttft["p95"] <= ttft["max"]
     assert ttft["max"] < report["wall_s"] * 1000  # a first token comes before the run's end
     assert decode["p50"] is not None and decode["p50"] > 0
+
+
+def test_each_run_sends_fresh_prompts_unless_seeded(server):
+    """Two runs without a seed share no prompt page with each other (the prefix cache saves nothing); the same seed
+    twice does (so this test can tell the two apart)."""
+    saved = "ingot_prefix_cache_saved_prefill_tokens"
+
+    def run(seed):
+        before = server.metrics()[saved]
+        report = asyncio.run(loadgen.run(server.url, 2, 1, 64, 2, 0.0, None, seed=seed))
+        assert report["failed"] == 0, report["errors"]
+        return server.metrics()[saved] - before
+
+    run(None)
+    assert run(None) == 0
+    run(12345)
+    assert run(12345) >= 2 * 32  # each client's first page (the last one holds the token that must be computed)
 
 
 class _Job:

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
 from ingot.runtime.engines.cpu import CpuEngine
 from ingot.runtime.engines.kvcache import PagePool
 from ingot.runtime.generate import Chunk, Generation, GenerationRequest, SamplingParams, generate
-from ingot.runtime.server.client import Job
+from ingot.runtime.server import anthropic, openai
+from ingot.runtime.server.client import PING, SSE_PING_S, EngineClient, Job
+from ingot.runtime.server.core import Options
 from ingot.runtime.server.protocol import Add, Step, decode_from_core, decode_to_core, encode
 from ingot.runtime.server.request import ApiError
 from ingot.runtime.server.scheduler import Scheduler
+from ingot.runtime.server.server import SSE_PING
 from ingot.runtime.structured import json_schema
 
 
@@ -278,3 +282,53 @@ def test_chunks_that_queue_up_come_out_merged(tiny_tokenizer):
     assert done == [Chunk("ab", (5, 6), "eos")]
     failed = asyncio.run(consume([Chunk("a", (5,)), ApiError(500, "device lost")]))
     assert failed == [Chunk("a", (5,)), 500]
+
+
+def test_a_silent_stream_gets_keep_alives(tiny_tokenizer):
+    """A streamed job with nothing for SSE_PING_S (queued, or behind another request's long prefill) gets a PING
+    from the receiver's check, which OpenAI's stream sends as an SSE comment and Anthropic's as its ping event;
+    a job that is not a stream, or that had output lately, gets none; a PING never displaces real chunks."""
+    client = EngineClient("unused.gguf", Options(), observer=None)  # type: ignore[arg-type]  # never started
+    request = GenerationRequest((1,), SamplingParams(), 8)
+    quiet, lively, whole = Job(tiny_tokenizer, request), Job(tiny_tokenizer, request), Job(tiny_tokenizer, request)
+    quiet.ping = lively.ping = True  # server.stream() sets it for event streams; `whole` is a non-streamed request
+    for i, job in enumerate((quiet, lively, whole)):
+        client._jobs[i] = job
+    now = time.monotonic()
+    quiet.last_emit = whole.last_emit = now - SSE_PING_S
+    lively.last_emit = now - SSE_PING_S / 2
+    client.ping_idle(now)
+    assert quiet._queue.qsize() == 1 and lively._queue.qsize() == 0 and whole._queue.qsize() == 0
+    head = {"id": "x", "object": "o", "created": 0, "model": "m"}
+
+    async def ping_then_text():
+        stream = openai._stream(quiet, head, False, False, None).__aiter__()
+        first = await stream.__anext__()  # the PING alone in the queue
+        quiet.emit(Chunk("hi", (5,)))
+        quiet.emit(Chunk("", (), "eos"))
+        return [first] + [e async for e in stream]
+
+    events = asyncio.run(ping_then_text())
+    assert events[0] == SSE_PING and b'"hi"' in events[1]
+
+    pinged = Job(tiny_tokenizer, request)
+    pinged.emit(PING)
+
+    async def anthropic_events():
+        stream = anthropic._stream(pinged, {}, None).__aiter__()
+        opening = [await stream.__anext__() for _ in range(4)]  # its opening events, then the PING's
+        pinged.emit(Chunk("", (), "eos"))
+        return [e.event for e in opening + [e async for e in stream]]
+
+    assert asyncio.run(anthropic_events()) == [
+        "message_start", "content_block_start", "ping", "ping", "content_block_stop", "message_delta", "message_stop"
+    ]  # fmt: skip
+
+    both = Job(tiny_tokenizer, request)
+    both.emit(PING)
+    both.emit(Chunk("a", (5,), "eos"))
+
+    async def chunks(job):
+        return [c async for c in job.chunks()]
+
+    assert asyncio.run(chunks(both)) == [Chunk("a", (5,), "eos")]  # merged with real output, the PING is dropped

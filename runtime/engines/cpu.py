@@ -13,6 +13,7 @@ INGOT_CPU_WEIGHT_CACHE_MIB); a bigger model (an 8B) is dequantized matrix by mat
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -107,7 +108,7 @@ class CpuEngine:
         if len(self._seqs) >= self.max_seqs:
             raise IngotError(f"all {self.max_seqs} sequences are in use", hint="release one first")
         seq, self._next_id = self._next_id, self._next_id + 1
-        seed = (params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)) % 2**64
+        seed = (params.seed if params.seed is not None else secrets.randbits(64)) % 2**64
         self._seqs[seq] = _Sequence(params, seed, KVCache.empty(self.config, self.max_ctx), [])
         return seq
 

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from ingot.runtime.model.gguf import Vocab
 from ingot.runtime.model.toolcalls import ToolCall, parse_calls
 from ingot.runtime.sampling import SamplingParams
-from ingot.runtime.server.client import Job
+from ingot.runtime.server.client import PING, Job
 from ingot.runtime.server.request import ApiError, Body, Bool, Str, TextRequest, joined_text, validate, with_tools
 from ingot.runtime.server.server import Server
 
@@ -197,6 +197,9 @@ async def _stream(job: Job, message: dict, tools: str | None) -> AsyncIterator[S
     yield _event("ping", {"type": "ping"})
     held = []
     async for chunk in job.chunks():
+        if chunk is PING:  # what Anthropic's API sends to keep a stream alive
+            yield _event("ping", {"type": "ping"})
+            continue
         held.append(chunk.text)
         if chunk.text and tools is None:
             yield _event(

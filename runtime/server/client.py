@@ -40,6 +40,12 @@ from ingot.runtime.server.protocol import Abort, Add, Closed, Failed, Output, Re
 from ingot.runtime.server.request import ApiError
 
 RECEIVE_POLL_MS = 200  # how often the receiver checks that the core is alive while it is quiet
+# A streamed response with nothing to send for SSE_PING_S (queued behind full sequences, waiting out another
+# request's long prefill) gets a keep-alive, so that a proxy's read timeout (nginx: 60 s) does not cut it: its
+# Job's chunks() yields PING, which the SSE dialects send as a comment line (OpenAI) or a ping event
+# (Anthropic). The receiver looks for such jobs every PING_CHECK_S; nothing is added per token.
+SSE_PING_S = 15.0
+PING_CHECK_S = 1.0
 STOP_TIMEOUT_S = 10  # how long stop() waits for the core to close its engine before killing it
 log = logging.getLogger("uvicorn.error")
 
@@ -67,6 +73,9 @@ class _StopMatch(StopStrings):
         return out, stopped
 
 
+PING = Chunk("", ())  # what chunks() yields for a keep-alive (compared by identity)
+
+
 class Job:
     """One request in the front end: its Generation (text, stop strings, finish) and the queue its chunks (then
     the end, or an ApiError) go to. `constraint` is a serialized structured-output spec for the core (None:
@@ -81,6 +90,8 @@ class Job:
         self.id = 0  # the core's request id, set by submit
         self.client: EngineClient | None = None  # the core it went to, set by submit
         self.cancelled = False
+        self.ping = False  # a server-sent-event stream: chunks() yields PING after SSE_PING_S of silence
+        self.last_emit = time.monotonic()
         self.submitted = time.monotonic_ns()
         # time.monotonic_ns() (CLOCK_MONOTONIC, the same clock in the core process): prefill start, first token, end
         self.started = self.first_token = self.ended = 0
@@ -105,6 +116,7 @@ class Job:
 
     def emit(self, item: Chunk | ApiError) -> None:
         """On the event loop."""
+        self.last_emit = time.monotonic()
         self._queue.put_nowait(item)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
@@ -112,16 +124,18 @@ class Job:
 
         Chunks that arrived while the consumer was busy come out merged into one, so a response that falls
         behind the engine (many streams, a fast GPU) sends fewer, larger deltas instead of falling further
-        behind."""
+        behind. A PING (keep-alive) comes out only when nothing else did."""
         while True:
             items = [await self._queue.get()]
             while not self._queue.empty() and not isinstance(items[-1], ApiError):
                 items.append(self._queue.get_nowait())
-            chunks = [c for c in items if isinstance(c, Chunk)]
+            chunks = [c for c in items if isinstance(c, Chunk) and c is not PING]
             if chunks:
                 yield _merged(chunks)
                 if chunks[-1].finish_reason:
                     return
+            elif items[-1] is PING:
+                yield PING
             if isinstance(items[-1], ApiError):
                 raise items[-1]
 
@@ -232,7 +246,12 @@ class EngineClient:
     async def _receive(self, process: multiprocessing.process.BaseProcess) -> None:
         inbox = self._inbox
         assert inbox is not None  # set by start
+        next_ping = time.monotonic() + PING_CHECK_S
         while True:
+            now = time.monotonic()
+            if now >= next_ping:
+                next_ping = now + PING_CHECK_S
+                self.ping_idle(now)
             if await inbox.poll(RECEIVE_POLL_MS):
                 message = protocol.decode_from_core(await inbox.recv())
                 if isinstance(message, Step):
@@ -256,6 +275,12 @@ class EngineClient:
     @property
     def in_flight(self) -> int:
         return len(self._jobs)
+
+    def ping_idle(self, now: float) -> None:
+        """A keep-alive for every streamed job that has had nothing for SSE_PING_S (see PING)."""
+        for job in self._jobs.values():
+            if job.ping and now - job.last_emit >= SSE_PING_S:
+                job.emit(PING)
 
     # --- requests ----------------------------------------------------------------------------------
 

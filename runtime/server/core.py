@@ -98,11 +98,11 @@ def main(spec: str, options: Options, to_core: str, from_core: str) -> None:
     parent = os.getppid()
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inbox.bind(to_core)  # bound here, connected by the front end: its messages queue until we are up
     outbox.connect(from_core)
     outbox.setsockopt(zmq.LINGER, 5000)  # the last messages (Closed) still go out as the process ends
     try:
         try:
+            inbox.bind(to_core)  # bound here, connected by the front end: its messages queue until we are up
             opened = open_model(spec, pubkeys=options.pubkeys)
             version = model_version(opened)
             engine = open_serving_engine(opened, options)

@@ -4,8 +4,10 @@
         --max-tokens 128
 
 Each client sends --requests streamed /v1/completions one after another. A prompt is --prompt-tokens token
-ids (seeded random ids in [100, 500): ordinary tokens of any vocabulary, so the prompt length is exact and
-no prompt is cached), greedy unless --temperature is given. The report:
+ids (random ids in [100, 500): ordinary tokens of any vocabulary, so the prompt length is exact; drawn afresh
+for every run, so no prompt is in the server's prefix cache from an earlier run, unless the same --seed is
+given again), greedy unless --temperature is given. With --procs the processes start their clients together,
+once every one of them is connected. The report:
     generated_tok_s      all generated tokens / wall time from the first request to the last end
     ttft_ms p50/p95      request sent -> first text received (queueing and prefill included)
     decode_tok_s p50     per stream: (tokens - 1) / (end - first token)
@@ -33,13 +35,17 @@ import os
 import random
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
+
+START_TIMEOUT_S = 660  # --procs: how long the processes wait for each other (each waits up to 600 s for /health)
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Sample:
     end: float | None = None
     tokens: int = 0
     error: str | None = None
+    pid: int = field(default_factory=os.getpid)  # the client process that sent it
 
 
 async def _one(
@@ -115,12 +122,16 @@ async def _clients(
     temperature: float,
     api_key: str | None,
     seed: int,
+    start: Any = None,
 ) -> tuple[str, list[Sample]]:
-    """`clients` streaming clients in this process, each sending `requests` one after another."""
+    """`clients` streaming clients in this process, each sending `requests` one after another. start: a
+    multiprocessing Barrier the processes of a --procs run wait at before their first request."""
     async with _client(clients, api_key) as client:
         await _wait_ready(client, url, 600)
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         rng = random.Random(seed)
+        if start is not None:
+            await asyncio.to_thread(start.wait)
 
         async def worker() -> list[Sample]:
             out = []
@@ -145,23 +156,35 @@ async def run(
     max_tokens: int,
     temperature: float,
     api_key: str | None,
-    seed: int,
+    seed: int | None = None,
     procs: int = 1,
 ) -> dict:
     """The load report. With procs > 1 the clients are split across that many processes (spawned), whose
     samples are merged: one asyncio process parses ~10-15k SSE events a second (httpx, measured on one CPU
-    core), less than a GPU server delivers at 64 streams, so one process would measure itself."""
+    core), less than a GPU server delivers at 64 streams, so one process would measure itself. The processes
+    wait at a barrier until all are connected, so every share runs at once, each in its own process (without it
+    a process that came up first could run one share after another at a fraction of the concurrency).
+    seed None: fresh prompts (a repeated run would otherwise be served from the prefix cache)."""
     procs = max(1, min(procs, clients))
+    seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     if procs == 1:
         model, samples = await _clients(url, clients, requests, prompt_tokens, max_tokens, temperature, api_key, seed)
     else:
         shares = [clients // procs + (i < clients % procs) for i in range(procs)]
-        jobs = [
-            (url, n, requests, prompt_tokens, max_tokens, temperature, api_key, seed + i) for i, n in enumerate(shares)
-        ]
         loop = asyncio.get_running_loop()
-        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            parts = await asyncio.gather(*[loop.run_in_executor(pool, _clients_in_process, j) for j in jobs])
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Manager() as manager, ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+            start = manager.Barrier(procs, timeout=START_TIMEOUT_S)
+            jobs = [
+                (url, n, requests, prompt_tokens, max_tokens, temperature, api_key, seed + i, start)
+                for i, n in enumerate(shares)
+            ]
+            try:
+                parts = await asyncio.gather(*[loop.run_in_executor(pool, _clients_in_process, j) for j in jobs])
+            except threading.BrokenBarrierError:
+                raise SystemExit(
+                    f"loadgen: the {procs} client processes did not all connect within {START_TIMEOUT_S} s"
+                ) from None
         model, samples = parts[0][0], [s for _, part in parts for s in part]
     return report(url, model, clients, samples, prompt_tokens, max_tokens) | {"procs": procs}
 
@@ -180,6 +203,7 @@ def report(url: str, model: str, clients: int, samples: list[Sample], prompt_tok
         "model": model,
         "clients": clients,
         "requests": len(samples),
+        "client_processes": len({s.pid for s in samples}),
         "failed": len(samples) - len(ok),
         "errors": sorted({s.error for s in samples if s.error})[:5],
         "prompt_tokens": prompt_tokens,
@@ -198,7 +222,9 @@ def _client(clients: int, api_key: str | None) -> httpx.AsyncClient:
     return httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(600.0), limits=limits)
 
 
-async def interference(url: str, long_prompt_tokens: int, stream_tokens: int, api_key: str | None, seed: int) -> dict:
+async def interference(
+    url: str, long_prompt_tokens: int, stream_tokens: int, api_key: str | None, seed: int | None
+) -> dict:
     """One stream's longest gap between tokens while a long prompt is prefilled, against its usual gap."""
     rng = random.Random(seed)
     async with _client(2, api_key) as client:
@@ -329,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="per request (interference: the stream's)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--api-key")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="prompts from this seed (default: fresh ones every run)")
     p.add_argument("--mode", choices=["load", "interference", "hotswap"], default="load")
     p.add_argument("--long-prompt-tokens", type=int, default=4000, help="interference: the long prompt's length")
     p.add_argument("--duration", type=float, default=20.0, help="hotswap: seconds of load, the swap halfway")

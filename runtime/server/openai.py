@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from ingot.runtime.model.gguf import Vocab
 from ingot.runtime.model.toolcalls import ToolCall, parse_calls
 from ingot.runtime.sampling import SamplingParams
-from ingot.runtime.server.client import Job
+from ingot.runtime.server.client import PING, Job
 from ingot.runtime.server.request import (
     ApiError,
     Body,
@@ -37,7 +37,7 @@ from ingot.runtime.server.request import (
     validate,
     with_tools,
 )
-from ingot.runtime.server.server import Server
+from ingot.runtime.server.server import SSE_PING, Server
 from ingot.runtime.structured import Constraint, json_schema
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -267,6 +267,9 @@ async def _stream(job: Job, head: dict, chat: bool, include_usage: bool, tools: 
         yield _event(head | {"choices": [choice(None, None)]} | usage)
     held = []
     async for chunk in job.chunks():
+        if chunk is PING:
+            yield SSE_PING
+            continue
         # a legacy completion has an event for every generated token, even one with no text yet (a control
         # token, half a UTF-8 character): a client can then time its first token and count arrivals; a chat
         # delta has nothing to say without text

@@ -304,6 +304,7 @@ class Server:
 
         response: Response
         if media_type is None:
+            job.ping = True  # keep-alives while it waits (client.PING); NDJSON has no line a client would skip
             response = StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
         else:
             response = StreamingResponse(guarded(), media_type=media_type)
@@ -311,7 +312,9 @@ class Server:
 
 
 # What sse-starlette sent with every event stream: no caching, and no buffering by a proxy (nginx) in between.
+# (Its keep-alive comment is client.PING's, sent by the dialects.)
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+SSE_PING = b": ping\n\n"  # an SSE comment line: every client skips it
 
 
 def frame(event: bytes | str | ServerSentEvent) -> bytes:

@@ -132,7 +132,10 @@ def server(model, engine_figures):  # after the engine figures: the GPU is the s
 
 
 def _load(url: str, requests: int) -> dict:
-    return asyncio.run(loadgen.run(url, CLIENTS, requests, PROMPT, GENERATED, 0.0, None, seed=1, procs=LOADGEN_PROCS))
+    # fresh prompts each call (seed None): the measured run must not find the warm-up's prompts in the prefix cache
+    return asyncio.run(
+        loadgen.run(url, CLIENTS, requests, PROMPT, GENERATED, 0.0, None, seed=None, procs=LOADGEN_PROCS)
+    )
 
 
 def test_http_aggregate_and_ttft_at_64_clients(server, engine_figures, summary):
