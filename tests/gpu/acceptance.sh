@@ -17,7 +17,7 @@
 #   3  tests/gpu/test_gpu_serve_load.py: HTTP vs engine figures, TTFT, interference, prefix cache, hot swap
 #   4  (a model part only)
 #   5  Gemma 3 complete, sha256 checked: the engine and precision tests on it (INGOT_TEST_MODELS), and its
-#      prefill/decode tests again with INGOT_ATTN_PREFILL=mma (the kernel issue 10's pp512 goal needs)
+#      prefill/decode tests again with INGOT_ATTN_PREFILL=scalar (the A/B of the prefill attention)
 #   6  Gemma 3: ingot bench (pp512/tg128, depth 0 and 4096) with each prefill attention kernel; pack, verify
 #      --device, run
 #   7  Gemma 3: the transformers oracle (INGOT_TEST_ORACLE_LONG=1)
@@ -107,9 +107,9 @@ prepare) prepare ;;
     INGOT_TEST_MODELS=$M/gemma.gguf timeout 560 python3 -m pytest -q -p no:cacheprovider -rfE -s -n 4 -k gemma \
         tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_precision.py 2>&1 | tee "$OUT/5_gemma.log" |
         grep -E "rel err|decode:|prefill [0-9]|wide|passed|failed|Error|assert" | tail -60
-    echo "the decode-after-prefill tests again with the tensor-core prefill attention (the default is scalar):"
-    INGOT_ATTN_PREFILL=mma INGOT_TEST_MODELS=$M/gemma.gguf timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -s \
-        -k "gemma and (decode_steps or prefill_logits)" tests/gpu/test_gpu_engine.py 2>&1 | tee "$OUT/5_gemma_mma.log" |
+    echo "the decode-after-prefill tests again with the scalar prefill attention (the default is mma):"
+    INGOT_ATTN_PREFILL=scalar INGOT_TEST_MODELS=$M/gemma.gguf timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -s \
+        -k "gemma and (decode_steps or prefill_logits)" tests/gpu/test_gpu_engine.py 2>&1 | tee "$OUT/5_gemma_scalar.log" |
         grep -E "decode:|prefill [0-9]|passed|failed|assert" | tail -20
     ;;
 6)
