@@ -5,6 +5,9 @@ parameters change the output is tests/test_server_protocol.py::test_sampling_par
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 
 from ingot.runtime.sampling import SamplingParams
@@ -178,3 +181,12 @@ def test_validation_errors_and_text_parts():
     assert joined_text("plain") == "plain" and joined_text(None) == ""
     parts = [openai.TextPart(type="text", text="a"), openai.TextPart(type="text", text="b")]
     assert joined_text(parts) == "a\nb"
+
+
+def test_an_ndjson_line_stays_one_line_for_the_ollama_client():
+    """Generated text with U+2028, U+2029 or U+0085 (which JSON leaves raw and httpx's iter_lines, the ollama
+    client's reader, splits on) still arrives as one line with the same text."""
+    text = "a\u2028b\u2029c\x85d\u00e9\u4e2d\n"
+    line = ollama._line({"message": {"content": text}})
+    lines = list(httpx.Response(200, content=line.encode()).iter_lines())
+    assert len(lines) == 1 and json.loads(lines[0])["message"]["content"] == text

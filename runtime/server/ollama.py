@@ -203,8 +203,14 @@ def _final(job: Job) -> dict:
     }
 
 
+# Characters JSON leaves raw that Python's str.splitlines() (httpx's iter_lines, which the official ollama client
+# reads NDJSON with) takes for line ends: left raw, a generated U+2028 would cut a line in two for that client.
+_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _line(obj: dict) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
+    """One NDJSON line. Those characters can only sit inside JSON strings, where their escapes mean the same."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKERS) + "\n"
 
 
 async def _stream(job: Job, head: dict, wrap) -> AsyncIterator[str]:
