@@ -1,6 +1,7 @@
 """The oracle tests' report: every measured number (logit errors per prefill length, greedy agreement,
 perplexities) is recorded through the `oracle_record` fixture, printed as a table at the end of the run (no -s
-needed) and written to $OUT/oracle.json when $OUT is set (the device machine's output folder)."""
+needed) and written to $OUT/oracle-<xdist worker or main>.json when $OUT is set (the device machine's output
+folder)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,21 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("transformers oracle: measured")
     for r in RESULTS:
         terminalreporter.write_line(_row(r))
+    if _write_results():
+        terminalreporter.write_line(f"(also written to {os.environ['OUT']}/oracle-main.json)")
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist every worker measures its share and the controller none: each writes its own file."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _write_results()
+
+
+def _write_results() -> bool:
+    """RESULTS to $OUT/oracle-<xdist worker or main>.json (the device tool brings $OUT back)."""
     out = os.environ.get("OUT")
-    if out and Path(out).is_dir():
-        (Path(out) / "oracle.json").write_text(json.dumps(RESULTS, indent=1))
-        terminalreporter.write_line(f"(also written to {Path(out) / 'oracle.json'})")
+    if not (RESULTS and out and Path(out).is_dir()):
+        return False
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    (Path(out) / f"oracle-{worker}.json").write_text(json.dumps(RESULTS, indent=1))
+    return True

@@ -16,8 +16,9 @@ acceptance's. The oracle runs on the GPU when torch sees one, else on the CPU; t
 measurement is computed once and shared by the two engines.
 
 Run: python3 -m pytest tests/oracle -q [INGOT_TEST_ORACLE_LONG=1]; the numbers are printed at the end (and
-written to $OUT/oracle.json). Skipped without torch + transformers (CI has neither), and the Gemma 3 270M cases
-without its GGUF (`ingot model fetch gemma3-270m`, or INGOT_TEST_GEMMA3=path). On the GPU machine:
+written to $OUT/oracle-<xdist worker or main>.json). Skipped without torch + transformers (CI has neither), and
+the Gemma 3 270M cases without its GGUF (`ingot model fetch gemma3-270m`, or INGOT_TEST_GEMMA3=path). On the GPU
+machine:
 
     . tests/gpu/device_env.sh
     INGOT_TEST_GEMMA3=/path/to/gemma-3-270m-q4_k_m.gguf INGOT_TEST_ORACLE_LONG=1 python3 -m pytest tests/oracle -q
