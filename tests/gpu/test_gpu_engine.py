@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from numerics import Q8X2_TOL, fp16_operands, rel_err
+from numerics import fp16_budget, fp16_operands, rel_err
 from tiny_models import VARIANTS, write_model
 
 from ingot.runtime import settings
@@ -119,7 +119,7 @@ def test_decode_steps_match_cpu(engines, n):
             out = gpu.decode_logits([g], [nxt])[0]
             errs.append(rel_err(out, ref))
             d16s.append(rel_err(emu.logits(e, [nxt])[-1], ref) if emu is not None else 0.0)
-            bound = max(TOL, 2 * d16s[-1] + Q8X2_TOL)
+            bound = max(TOL, fp16_budget(d16s[-1]))
             assert errs[-1] < bound, f"step {step}: rel err {errs[-1]:.2e} (fp16 emulation {d16s[-1]:.2e})"
             assert same_choice(out, ref, gpu.strict), f"step {step}: argmax differs"
             nxt = int(np.argmax(ref))

@@ -33,27 +33,28 @@ def _row(r: dict) -> str:
     return "  ".join(f"{k}={fmt(v)}" for k, v in r.items() if k != "test")
 
 
+def pytest_sessionfinish(session):
+    """Every process that measured writes its own file: under pytest-xdist each worker its share (the controller
+    measures nothing), without it the one process (oracle-main.json)."""
+    path = _results_path()
+    if RESULTS and path is not None:
+        path.write_text(json.dumps(RESULTS, indent=1))
+
+
 def pytest_terminal_summary(terminalreporter):
     if not RESULTS:
         return
     terminalreporter.section("transformers oracle: measured")
     for r in RESULTS:
         terminalreporter.write_line(_row(r))
-    if _write_results():
-        terminalreporter.write_line(f"(also written to {os.environ['OUT']}/oracle-main.json)")
+    path = _results_path()
+    if path is not None:  # written by pytest_sessionfinish, which runs before this summary
+        terminalreporter.write_line(f"(also written to {path})")
 
 
-def pytest_sessionfinish(session):
-    """Under pytest-xdist every worker measures its share and the controller none: each writes its own file."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        _write_results()
-
-
-def _write_results() -> bool:
-    """RESULTS to $OUT/oracle-<xdist worker or main>.json (the device tool brings $OUT back)."""
+def _results_path() -> Path | None:
+    """$OUT/oracle-<xdist worker or main>.json when $OUT is a folder (the device tool brings $OUT back)."""
     out = os.environ.get("OUT")
-    if not (RESULTS and out and Path(out).is_dir()):
-        return False
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    (Path(out) / f"oracle-{worker}.json").write_text(json.dumps(RESULTS, indent=1))
-    return True
+    if not (out and Path(out).is_dir()):
+        return None
+    return Path(out) / f"oracle-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.json"
