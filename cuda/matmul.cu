@@ -7,8 +7,12 @@
 // by one quantization block (32) per step. Epilogue modes as in matvec.cu: MODE_STORE (C = AW^T + bias) and
 // MODE_ADD (C += AW^T + bias, the residual). M, N arbitrary; K a multiple of 32.
 // Split-K (gridDim.z > 1): for few rows of A (decode batches) there are too few tiles to fill the GPU, so each
-// z-slice takes a range of K and adds its part into C atomically (C must then hold the addend: the residual for
-// MODE_ADD, zeros for MODE_STORE). Atomic order makes the low bits run-dependent, so prefill does not split.
+// z-slice takes a range of K and stores its partial 64x64 tile into a workspace, ws[tile][z][64*64] fp32; the
+// tile's last slice to finish (a counter per tile, left at zero again for the next launch) adds the S partials in
+// slice order and applies the epilogue. Fixed order: the result is the same on every run (v9 added the partials
+// into C with atomics, whose order made Gemma's logits differ by up to 1e-2 between identical runs), and no
+// memset of C is needed (it broke the chain of programmatic launches). ws holds gridDim.x*gridDim.y*S tiles,
+// counters gridDim.x*gridDim.y ints (kernels.py sizes both for the worst case: SplitK).
 #include <mma.h>
 #include "weights.cuh"
 
@@ -114,7 +118,8 @@ struct TileW {
 
 template <typename Tile>
 __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const float* __restrict__ bias,
-                       float* __restrict__ C, int M, int N, int K, int ldc, int mode) {
+                       float* __restrict__ C, int M, int N, int K, int ldc, int mode, float* __restrict__ ws,
+                       int* __restrict__ counters) {
     __shared__ __align__(32) __half sA[BM][LDS];
     __shared__ __align__(32) __half sB[BN][LDS];
     __shared__ __align__(32) float sC[BM][LDC];
@@ -160,51 +165,72 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
         for (int j = 0; j < 2; j++)
             wmma::store_matrix_sync(&sC[wm * 32 + i * 16][wn * 32 + j * 16], acc[i][j], LDC, wmma::mem_row_major);
     __syncthreads();
+    if (gridDim.z > 1) {
+        __shared__ bool is_last;
+        const int tile = blockIdx.y * gridDim.x + blockIdx.x, S = gridDim.z;
+        float* mine = ws + ((size_t)tile * S + blockIdx.z) * (BM * BN);
+        for (int e = tid; e < BM * BN; e += blockDim.x) mine[e] = sC[e / BN][e % BN];
+        __threadfence();                              // this slice visible device-wide before the count says so
+        __syncthreads();
+        if (tid == 0) is_last = atomicAdd(counters + tile, 1) == S - 1;
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        if (tid == 0) counters[tile] = 0;             // zero again for the next launch (stream-ordered)
+        const float* all = ws + (size_t)tile * S * (BM * BN);
+        for (int e = tid; e < BM * BN; e += blockDim.x) {
+            float v = 0.0f;
+            for (int z = 0; z < S; z++) v += __ldcg(all + (size_t)z * (BM * BN) + e);  // L2: other SMs wrote them
+            sC[e / BN][e % BN] = v;
+        }
+        __syncthreads();
+    }
     for (int e = tid; e < BM * BN; e += blockDim.x) {
         const int r = e / BN, c = e % BN;
         const long long gr = m0 + r, gc = n0 + c;
         if (gr >= M || gc >= N) continue;
-        const float v = sC[r][c] + (bias && blockIdx.z == 0 ? bias[gc] : 0.0f);
+        const float v = sC[r][c] + (bias ? bias[gc] : 0.0f);
         float* out = C + gr * ldc + gc;
-        if (gridDim.z > 1) atomicAdd(out, v);
-        else if (mode == MODE_ADD) *out += v;
+        if (mode == MODE_ADD) *out += v;
         else *out = v;
     }
 }
 
-// All of them: grid (ceil(N/64), ceil(M/64), split-K slices), 128 threads.
+// All of them: grid (ceil(N/64), ceil(M/64), split-K slices), 128 threads; ws/counters unused without split-K.
 extern "C" __global__ void __launch_bounds__(128)
 matmul_q4_0(const uint8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
-            int ldc, int mode) {
+            int ldc, int mode, float* ws, int* counters) {
     INGOT_PDL_ENTRY();
-    matmul(TileQ4_0{qs, d}, A, bias, C, M, N, K, ldc, mode);
+    matmul(TileQ4_0{qs, d}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
 matmul_q4_1(const uint8_t* qs, const __half* d, const __half* m, const __half* A, const float* bias, float* C,
-            int M, int N, int K, int ldc, int mode) {
+            int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
     INGOT_PDL_ENTRY();
-    matmul(TileQ4_1{qs, d, m}, A, bias, C, M, N, K, ldc, mode);
+    matmul(TileQ4_1{qs, d, m}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
 matmul_q8_0(const int8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
-            int ldc, int mode) {
+            int ldc, int mode, float* ws, int* counters) {
     INGOT_PDL_ENTRY();
-    matmul(TileQ8_0{qs, d}, A, bias, C, M, N, K, ldc, mode);
+    matmul(TileQ8_0{qs, d}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
-matmul_f16(const __half* w, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode) {
+matmul_f16(const __half* w, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode,
+           float* ws, int* counters) {
     INGOT_PDL_ENTRY();
-    matmul(TileF16{w, K}, A, bias, C, M, N, K, ldc, mode);
+    matmul(TileF16{w, K}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
 #define MATMUL_KERNEL(NAME, WT, PARAMS, ARGS)                                                                    \
     extern "C" __global__ void __launch_bounds__(128)                                                            \
-    matmul_##NAME(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode) { \
+    matmul_##NAME(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode, \
+                  float* ws, int* counters) {                                                                    \
         INGOT_PDL_ENTRY();                                                                                       \
-        matmul(TileW<WT>{WT{ARGS, K / QK}}, A, bias, C, M, N, K, ldc, mode);                                     \
+        matmul(TileW<WT>{WT{ARGS, K / QK}}, A, bias, C, M, N, K, ldc, mode, ws, counters);                    \
     }
 FOR_EACH_GENERIC_TYPE(MATMUL_KERNEL)
 #undef MATMUL_KERNEL

@@ -21,7 +21,18 @@ from ingot.runtime.engines.cuda_weights import stack_plan, upload_weights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu import constants
 from ingot.runtime.gpu.driver import DeviceBuffer
-from ingot.runtime.gpu.kernels import GPU_QTYPES, LAYOUTS, SUPERBLOCK_TYPES, GpuMatrix, GpuStack, Kernels, layout_bytes
+from ingot.runtime.gpu.kernels import (
+    GPU_QTYPES,
+    LAYOUTS,
+    MAX_K_SLICES,
+    SPLIT_K_TILES_PER_SM,
+    SUPERBLOCK_TYPES,
+    GpuMatrix,
+    GpuStack,
+    Kernels,
+    SplitK,
+    layout_bytes,
+)
 from ingot.runtime.model.quants import QUANT_TYPES
 
 QUANTIZED = [q for q in GPU_QTYPES if q != "F16"]
@@ -182,19 +193,35 @@ def test_gated_matvec_refuses_a_stack(mode):
     assert e.value.hint
 
 
-def test_matmul_on_a_stack_zeroes_once_then_one_launch_per_part():
+def test_split_k_matmul_on_a_stack_is_one_launch_per_part_sharing_the_scratch():
+    """No memset before the slices (their sums are ordered in the kernel), one launch per part at its column
+    offset, every part with the same partial-tile and counter buffers, and grids within what SplitK holds."""
     parts = [_matrix("Q4_K", 64, 256), _matrix("Q6_K", 32, 256)]
-    C = 1 << 30
-    steps = _kernels().matmul(GpuStack(parts), 7, C, 2, ldc=96, split_k=True)
-    memset, *launches = steps
-    assert (memset.ptr, memset.count) == (C, 2 * 96)  # split-K slices add into zeros: the whole output
+    C, ws, counters = 1 << 30, DeviceBuffer(1 << 32, 4, "ws"), DeviceBuffer(1 << 33, 4, "counters")
+    launches = _kernels().matmul(GpuStack(parts), 7, C, 2, ldc=96, split_k=SplitK(ws, counters))
     assert [launch.kernel.name for launch in launches] == ["matmul_q4_k", "matmul_q6_k"]
     for launch, part, off in zip(launches, parts, [0, 64], strict=True):
         args = _ptr_args(launch)
         n = len(part.args())
         assert args[n] == 7 and args[n + 2] == C + 4 * off
         assert args[n + 3 : n + 7] == [2, part.rows, 256, 96]
+        assert args[n + 8 :] == [ws.ptr, counters.ptr]
         assert launch.grid[2] > 1
+    plain = _kernels().matmul(GpuStack(parts), 7, C, 2, ldc=96)
+    assert all(launch.grid[2] == 1 and _ptr_args(launch)[-2:] == [0, 0] for launch in plain)
+
+
+@pytest.mark.parametrize("sm_count", [1, 8, 132])
+@pytest.mark.parametrize("rows,cols,M", [(64, 256, 1), (4096, 4096, 16), (576, 1536, 37), (28672, 4096, 64)])
+def test_split_k_grids_fit_the_scratch(sm_count, rows, cols, M):
+    """SplitK is sized once per GPU (Kernels.split_k): any shape's grid must fit its tiles and counters."""
+    ws, counters = DeviceBuffer(1 << 32, 4, "ws"), DeviceBuffer(1 << 33, 4, "counters")
+    (launch,) = _kernels(sm_count).matmul(
+        _matrix("Q4_0", rows, cols), 7, 1 << 30, M, ldc=rows, split_k=SplitK(ws, counters)
+    )
+    gx, gy, gz = launch.grid
+    assert gz == 1 or (gx * gy < 2 * sm_count and gx * gy * gz < SPLIT_K_TILES_PER_SM * sm_count)
+    assert gz <= min(MAX_K_SLICES, cols // 32)
 
 
 def test_weight_layout_and_abi_name_the_new_layout():

@@ -19,7 +19,7 @@ from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
 from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch
-from ingot.runtime.gpu.kernels import GpuMatrix, Kernels, mark_pdl
+from ingot.runtime.gpu.kernels import GpuMatrix, Kernels, SplitK, mark_pdl
 from ingot.runtime.model.architectures import ARCHITECTURES, Architecture
 from ingot.runtime.model.synth import SHAPES, config_of
 
@@ -109,6 +109,7 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
     e._all_logits = pool.alloc(4096, "all logits")
     e.step = SimpleNamespace(ptr={n: pool.alloc(64).ptr for n in _STEP_FIELDS})
     e.pre = SimpleNamespace(ptr={n: pool.alloc(64).ptr for n in _STEP_FIELDS})
+    e.split_k = SplitK(pool.alloc(4096, "split-K partial tiles"), pool.alloc(4096, "split-K tile counters"))
     e.k_cache = [pool.alloc(64) for _ in range(c.n_layers)]
     e.v_cache = [pool.alloc(64) for _ in range(c.n_layers)]
     e.rope_tables = {c.layer_rope(i): pool.alloc(64, f"rope {c.layer_rope(i)}") for i in range(c.n_layers)}
@@ -356,5 +357,6 @@ def test_every_decode_and_prefill_launch_may_use_pdl_on_sm90(arch, cc, monkeypat
     steps = e._decode_launches(2) + e._decode_launches(GEMM_MIN_BATCH) + e._prefill_launches(5, all_logits=False)
     mark_pdl(e.k.k, cc)
     launches = [s for s in steps if isinstance(s, Launch)]
+    assert len(launches) == len(steps), [type(s).__name__ for s in steps if not isinstance(s, Launch)]
     assert len(launches) > 8 * e.config.n_layers
     assert all(s.pdl == (cc >= 90) for s in launches), [s.kernel.name for s in launches if s.pdl != (cc >= 90)]

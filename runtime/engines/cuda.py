@@ -46,6 +46,7 @@ from ingot.runtime.gpu.kernels import (
     GQA_MAX,
     HEAD_DIMS,
     Kernels,
+    SplitK,
     decode_splits,
     kernel_images,
     sample_chunk_bytes,
@@ -254,7 +255,17 @@ class _GemmOps(_Ops):
     """Tensor-core GEMMs on fp16 activations (xh), fp32 outputs; the FFN activation is its own kernel."""
 
     def __init__(
-        self, e: CudaEngine, n: int, x: DeviceBuffer, tokens: int, *, xh: int, qkv: int, gu: int, o: int, split_k: bool
+        self,
+        e: CudaEngine,
+        n: int,
+        x: DeviceBuffer,
+        tokens: int,
+        *,
+        xh: int,
+        qkv: int,
+        gu: int,
+        o: int,
+        split_k: SplitK | None,
     ):
         super().__init__(e, n, x, tokens)
         self.xh, self.qkv, self.gu, self.o, self.split_k = xh, qkv, gu, o, split_k
@@ -284,7 +295,7 @@ class _GemmDecodeOps(_GemmOps):
 
     def __init__(self, e: CudaEngine, n: int, *, splits: int):
         super().__init__(
-            e, n, e.x, e.step.ptr["tokens"], xh=e.xh.ptr, qkv=e.qkv.ptr, gu=e.gu.ptr, o=e.o.ptr, split_k=True
+            e, n, e.x, e.step.ptr["tokens"], xh=e.xh.ptr, qkv=e.qkv.ptr, gu=e.gu.ptr, o=e.o.ptr, split_k=e.split_k
         )
         self.splits = splits
 
@@ -299,7 +310,7 @@ class _PrefillOps(_GemmOps):
 
     def __init__(self, e: CudaEngine, T: int):
         super().__init__(
-            e, T, e.px, e.pre.ptr["tokens"], xh=e.pxh.ptr, qkv=e.pqkv.ptr, gu=e.pgu.ptr, o=e.po.ptr, split_k=False
+            e, T, e.px, e.pre.ptr["tokens"], xh=e.pxh.ptr, qkv=e.pqkv.ptr, gu=e.pgu.ptr, o=e.po.ptr, split_k=None
         )
 
     def attention(self, layer: int, lw: LayerWeights) -> Act:
@@ -502,6 +513,7 @@ class CudaEngine:
         self.part_acc = a(4 * B * c.n_heads * MAX_SPLITS * c.head_dim, "attention partials")
         self.part_ml = a(8 * B * c.n_heads * MAX_SPLITS, "attention partial m,l")
         self.counters = a(4 * B * c.n_kv_heads, "attention split counters")  # zero between launches
+        self.split_k = self.k.split_k(self.pool, self.stream)  # wide-batch decode's GEMM scratch
         # sample_prep_f32's per-chunk results (decode's B rows; prefill's one row reuses row 0, stream-ordered)
         self.sample_chunks = a(sample_chunk_bytes(V, B), "sampler chunk results")
         self.stream.memset(self.counters.ptr, 0, self.counters.nbytes)

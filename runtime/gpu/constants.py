@@ -60,9 +60,10 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 3  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 4  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
+# 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
 
 
 def header() -> str:

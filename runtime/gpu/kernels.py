@@ -32,7 +32,7 @@ from ingot.runtime.gpu.constants import (
     QK,
     SAMPLE_THREADS,
 )
-from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch, Memset, Module
+from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch, Module
 from ingot.runtime.gpu.fatbin import parse_fatbin
 
 MODULES = (
@@ -121,6 +121,18 @@ def mark_pdl(kernels: dict[str, Kernel], cc: int) -> None:
     on = pdl_enabled(cc)
     for name, kernel in kernels.items():
         kernel.pdl = on and name in PDL_KERNELS
+
+
+MAX_K_SLICES = 16  # split-K slices of one GEMM at most
+SPLIT_K_TILES_PER_SM = 4  # partial 64x64 tiles SplitK holds per SM (the bound in Kernels.split_k)
+
+
+@dataclass(frozen=True)
+class SplitK:
+    """Scratch of the split-K GEMM (cuda/matmul.cu): ws fp32 partial tiles, counters int32 per output tile."""
+
+    ws: DeviceBuffer
+    counters: DeviceBuffer
 
 
 @dataclass
@@ -406,6 +418,16 @@ class Kernels:
         nblocks = n_values // QK
         return Launch(self.k["quantize_q8x2"], ((nblocks + 3) // 4,), 128, [x, xq, xd, i64(nblocks)])
 
+    def split_k(self, pool, stream) -> SplitK:
+        """The split-K GEMM's scratch for this GPU, from `pool`: slices' partial tiles and per-tile counters (zeroed
+        here once; every launch leaves them zero). Sized for the worst grid matmul() makes: slices are only added
+        while tiles < 2 x SMs, as many as bring tiles x slices to about 2 x SMs, so under 4 x SMs partial tiles."""
+        sm = self.device.info.sm_count
+        ws = pool.alloc(4 * SPLIT_K_TILES_PER_SM * sm * MATMUL_TILE * MATMUL_TILE, "split-K partial tiles")
+        counters = pool.alloc(4 * 2 * sm, "split-K tile counters")
+        stream.memset(counters.ptr, 0, counters.nbytes)
+        return SplitK(ws, counters)
+
     def matmul(
         self,
         W: GpuMatrix | GpuStack,
@@ -416,25 +438,24 @@ class Kernels:
         ldc: int,
         mode: int = MODE_STORE,
         bias: DeviceBuffer | None = None,
-        split_k: bool = False,
+        split_k: SplitK | None = None,
     ) -> list:
         """C[M, N] (op)= A[M, K] fp16 · W[N, K]^T, C fp32 with row stride ldc. Returns the steps to run.
-        split_k: when the tiles alone would not fill the GPU twice over, slice K too (decode batches; the sums
-        then go through atomics, so leave it off where bit-reproducibility matters). A GpuStack gets one launch
-        per part, writing its columns of C at the part's offset."""
+        split_k: when the tiles alone would not fill the GPU twice over, slice K too (decode batches), with this
+        scratch; the partial sums are added in a fixed order (cuda/matmul.cu), so results do not vary between runs.
+        A GpuStack gets one launch per part, writing its columns of C at the part's offset."""
         if mode in GATED_MODES:
             raise ValueError("matmul has no gated epilogue: run the activation kernel on its output")
+        sm = self.device.info.sm_count
         tiles = -(-W.rows // MATMUL_TILE) * -(-M // MATMUL_TILE)
         nb = W.cols // QK
-        splits = max(1, min(nb, 16, -(-2 * self.device.info.sm_count // tiles)) if split_k else 1)
+        splits = max(1, min(nb, MAX_K_SLICES, -(-2 * sm // tiles))) if split_k is not None else 1
         steps: list = []
-        if splits > 1 and mode == MODE_STORE:
-            if ldc != W.rows:
-                raise ValueError("split-K MODE_STORE needs a dense output (ldc == N)")
-            steps.append(Memset(C, 0, M * W.rows))  # the slices add into zeros
         offset = 0
         for part in W.parts:
             grid = (-(-part.rows // MATMUL_TILE), -(-M // MATMUL_TILE), splits)
+            if splits > 1:  # what SplitK holds (a part has at most the whole matrix's tiles)
+                assert grid[0] * grid[1] < 2 * sm and grid[0] * grid[1] * splits < SPLIT_K_TILES_PER_SM * sm
             part_bias = None if bias is None else bias.at(4 * offset)
             steps.append(
                 Launch(
@@ -451,6 +472,8 @@ class Kernels:
                         i32(part.cols),
                         i32(ldc),
                         i32(mode),
+                        None if split_k is None else split_k.ws,
+                        None if split_k is None else split_k.counters,
                     ],
                 )
             )

@@ -33,6 +33,7 @@ class Gpu:
         self.stream = Stream()
         self.pool = DevicePool()
         self.k = Kernels(self.dev, kernel_images())
+        self.split_k = self.k.split_k(self.pool, self.stream)
 
     def put(self, a: np.ndarray):
         a = np.ascontiguousarray(a)

@@ -90,7 +90,7 @@ def matmul_row(gpu, rng, name, qtype, rows, cols, M):
     W = random_matrix(gpu, rng, qtype, rows, cols)
     A = gpu.put((rng.standard_normal(M * cols) * 0.1).astype(np.float16))
     C = gpu.empty(4 * M * rows, 0)
-    steps = gpu.k.matmul(W, A.ptr, C.ptr, M, ldc=rows, split_k=M <= 64)
+    steps = gpu.k.matmul(W, A.ptr, C.ptr, M, ldc=rows, split_k=gpu.split_k if M <= 64 else None)
     us = timed(gpu, lambda stream: [step(stream) for step in steps], reps=5)
     tflops = 2 * M * rows * cols / (us * 1e-6) / 1e12
     gb = rows * cols * BYTES_PER_WEIGHT[qtype] / 1e9

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from numerics import fp16_budget, fp16_operands, rel_err
+from numerics import fp16_budget, fp16_operands, fp16_run_failure, rel_err
 from tiny_models import VARIANTS, write_model
 
 from ingot.runtime import settings
@@ -168,7 +168,9 @@ def test_batched_decode_equals_single(engines):
 
 
 def test_wide_batch_decode_matches_cpu(engines):
-    """Batches of >= GEMM_MIN_BATCH sequences take the tensor-core path; each sequence still matches the CPU."""
+    """Batches of >= GEMM_MIN_BATCH sequences take the tensor-core path; each sequence still matches the CPU: on
+    the synthetic models within TOL, on real ones within TOL or the fp16 budget of the run
+    (numerics.fp16_run_failure; test_gpu_precision explains it: SmolLM2 was seen at 0.0113 > TOL here)."""
     GEMM_MIN_BATCH = settings.DECODE_GEMM_MIN_BATCH.get()
 
     model, cpu, gpu = engines
@@ -176,19 +178,38 @@ def test_wide_batch_decode_matches_cpu(engines):
     prompts = [_prompt(model, 2 + 9 * i, seed=300 + i) for i in range(B)]
     cs = [cpu.new_sequence(SamplingParams()) for _ in range(B)]
     gs = [gpu.new_sequence(SamplingParams()) for _ in range(B)]
+    emu = CpuEngine(model, max_seqs=B, max_ctx=cpu.max_ctx) if gpu.strict else None
     try:
         nxt = [int(np.argmax(cpu.logits(c, p)[-1])) for c, p in zip(cs, prompts, strict=False)]
+        es = []
+        if emu is not None:
+            with fp16_operands():
+                for p in prompts:
+                    es.append(emu.new_sequence(SamplingParams()))
+                    emu.logits(es[-1], p)
         for g, p in zip(gs, prompts, strict=False):
             gpu.prefill(g, p)
+        errs, d16s = [], []
         for step in range(8):
             out = gpu.decode_logits(gs, nxt)
-            for b, c in enumerate(cs):
-                ref = cpu.logits(c, [nxt[b]])[-1]
-                assert rel_err(out[b], ref) < TOL, f"step {step}, sequence {b}"
+            refs = [cpu.logits(c, [nxt[b]])[-1] for b, c in enumerate(cs)]
+            if emu is not None:
+                with fp16_operands():  # once a step: it rounds the weights again each time
+                    d16s += [rel_err(emu.logits(e, [t])[-1], r) for e, t, r in zip(es, nxt, refs, strict=True)]
+            for b, ref in enumerate(refs):
+                errs.append(rel_err(out[b], ref))
+                if emu is None:
+                    assert errs[-1] < TOL, f"step {step}, sequence {b}: rel err {errs[-1]:.2e}"
                 # fp16 activations on this path: random-token prompts leave near-ties even in real models, so a
                 # flip is accepted only within the measured noise (the strict rule holds for the decode tests)
                 assert same_choice(out[b], ref, strict=False), f"step {step}, sequence {b}: argmax differs"
                 nxt[b] = int(np.argmax(ref))
+        if emu is not None:
+            print(
+                f"wide decode: max rel err {max(errs):.2e} (mean {np.mean(errs):.2e}), fp16 emulation {max(d16s):.2e}"
+            )
+            failure = fp16_run_failure(errs, d16s, floor=TOL)
+            assert failure is None, f"{failure} (samples in step-major order, {B} sequences a step)"
     finally:
         for c, g in zip(cs, gs, strict=False):
             cpu.release(c)

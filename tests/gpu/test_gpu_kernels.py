@@ -32,7 +32,7 @@ def width(qtype: str, cols: int) -> int:
 
 
 def _run_steps(gpu, steps):
-    """Run a list of launches (matvec, matmul: one per part of a stack, and split-K's zeroing) and wait."""
+    """Run a list of launches (matvec, matmul: one per part of a stack) and wait."""
     for step in steps:
         step(gpu.stream)
     gpu.stream.synchronize()
@@ -256,7 +256,8 @@ def test_matvec_and_matmul_on_mixed_type_stacks(gpu, rng, qtypes, rows):
     Wh = Sref.astype(np.float16).astype(np.float64)
     for split_k in (False, True):
         C = gpu.empty(4 * M * N)
-        _run_steps(gpu, gpu.k.matmul(S, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias), split_k=split_k))
+        scratch = gpu.split_k if split_k else None
+        _run_steps(gpu, gpu.k.matmul(S, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias), split_k=scratch))
         assert rel_err(gpu.get(C, np.float32, (M, N)), A.astype(np.float64) @ Wh.T + bias) < 1e-3, split_k
 
 
@@ -269,6 +270,7 @@ def test_matmul(gpu, rng, qtype, M, N, K_, split_k):
     A = rng.standard_normal((M, K_)).astype(np.float16)
     bias = rng.standard_normal(N).astype(np.float32)
     C = gpu.empty(4 * M * N)
+    split_k = gpu.split_k if split_k else None
     _run_steps(gpu, gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias), split_k=split_k))
     Wh = Wref.astype(np.float16).astype(np.float64)  # the kernel multiplies fp16-rounded weights
     ref = A.astype(np.float64) @ Wh.T + bias
@@ -279,6 +281,35 @@ def test_matmul(gpu, rng, qtype, M, N, K_, split_k):
         gpu, gpu.k.matmul(W, gpu.put(A).ptr, Cb.ptr, M, ldc=N, mode=K.MODE_ADD, bias=gpu.put(bias), split_k=split_k)
     )
     assert rel_err(gpu.get(Cb, np.float32, (M, N)), resid + A.astype(np.float64) @ Wh.T + bias) < 1e-3
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
+def test_split_k_matmul_is_deterministic_and_leaves_its_counters_zero(gpu, rng, qtype):
+    """The slices' partial tiles are summed in slice order by each tile's last block: five runs of a split decode
+    GEMM (odd M, N not a tile multiple, a strided output, MODE_ADD) give the same bits, and the per-tile counters
+    are back at zero after each launch (the next GEMM relies on it). With atomics (v9) runs differed in the last
+    bits, which Gemma's fp16 activations amplified to 1e-2 on the logits."""
+    M, N, K_, ldc = 13, 4096 + 96, width(qtype, 2048), 4096 + 128
+    W, Wref = make_weight(gpu, rng, qtype, N, K_)
+    A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
+    resid = rng.standard_normal((M, ldc)).astype(np.float32)
+    steps = gpu.k.matmul(W, A.ptr, 0, M, ldc=ldc, mode=K.MODE_ADD, split_k=gpu.split_k)
+    assert all(step.grid[2] > 1 for step in steps)
+    runs = []
+    for _ in range(5):
+        C = gpu.put(resid)
+        steps = gpu.k.matmul(W, A.ptr, C.ptr, M, ldc=ldc, mode=K.MODE_ADD, split_k=gpu.split_k)
+        _run_steps(gpu, steps)
+        runs.append(gpu.get(C, np.float32, (M, ldc)))
+        counters = gpu.get(gpu.split_k.counters, np.int32, (gpu.split_k.counters.nbytes // 4,))
+        assert not counters.any(), "split-K counters left non-zero"
+    for r in runs[1:]:
+        assert np.array_equal(r.view(np.uint32), runs[0].view(np.uint32))
+    Wh = Wref.astype(np.float16).astype(np.float64)
+    ref = resid.astype(np.float64)
+    ref[:, :N] += gpu.get(A, np.float16, (M, K_)).astype(np.float64) @ Wh.T
+    assert rel_err(runs[0], ref) < 1e-3
+    assert np.array_equal(runs[0][:, N:], resid[:, N:]), "columns past N (the stride's padding) were written"
 
 
 class _Cfg:

@@ -13,9 +13,13 @@ distance d16 that fp16 operands alone put between a result and fp32. The GPU may
 over (its rounding points are not exactly the emulation's: e.g. the activations it rounds come from its own
 fp32 arithmetic) plus the 1e-3 the q8x2 paths are held to; a GEMM path further away than that loses precision
 somewhere the design does not account for. Measured on the H200 with SmolLM2 (2026-12-01): fp16 emulation vs
-fp32 up to 2.8e-3 (prefill of 7 tokens), the GPU's GEMM paths within the same range, so the 1e-2 of
-test_gpu_engine is not a tolerance loosened to fit; the 0.0113 reported once on the wide path did not recur in
-this run.
+fp32 up to 2.8e-3 (prefill of 7 tokens), the GPU's GEMM paths within the same range.
+
+Decode over several steps is chaotic on real models: a value near an fp16 rounding boundary rounds one way on
+the GPU and the other in the emulation, and the difference is carried on. So the wide-batch decode is judged on
+its run, not sample by sample against the emulation's sample (numerics.fp16_run_failure). On Gemma 3 the
+split-K GEMM's atomic sums alone made two identical GPU runs differ by up to 1e-2 (v9): its partial sums are now
+added in a fixed order, so a run is repeatable and what is left is the rounding, not the schedule.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from numerics import fp16_operands, rel_err, within_fp16_budget
+from numerics import fp16_operands, fp16_run_failure, rel_err, within_fp16_budget
 from tiny_models import write_model
 
 from ingot.runtime import settings
@@ -70,7 +74,8 @@ def test_wide_batch_decode_is_within_its_fp16_budget(model):
         for g, p in zip(gs, prompts, strict=True):
             gpu.prefill(g, p)
         worst = {"gpu-fp16emu": 0.0, "gpu-fp32": 0.0, "fp16emu-fp32": 0.0}
-        for step in range(STEPS):
+        gpu_errs, d16s = [], []
+        for _ in range(STEPS):
             out = gpu.decode_logits(gs, nxt)
             for b in range(B):
                 r32 = ref32.logits(cs[b], [nxt[b]])[-1]
@@ -79,12 +84,16 @@ def test_wide_batch_decode_is_within_its_fp16_budget(model):
                 errs = {"gpu-fp16emu": rel_err(out[b], r16), "gpu-fp32": rel_err(out[b], r32),
                         "fp16emu-fp32": rel_err(r16, r32)}  # fmt: skip
                 worst = {k: max(worst[k], v) for k, v in errs.items()}
-                assert within_fp16_budget(errs), f"step {step}, sequence {b}: {errs}"
+                gpu_errs.append(errs["gpu-fp32"])
+                d16s.append(errs["fp16emu-fp32"])
                 nxt[b] = int(np.argmax(r32))
         print(
             f"wide-batch decode (B={B}, {STEPS} steps), worst rel err: "
             + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+            + f"; mean gpu-fp32 {np.mean(gpu_errs):.2e}, fp16emu-fp32 {np.mean(d16s):.2e}"
         )
+        failure = fp16_run_failure(gpu_errs, d16s)
+        assert failure is None, f"{failure} (samples in step-major order, {B} sequences a step)"
     finally:
         gpu.close()
 
