@@ -59,12 +59,28 @@
 // its successors start, before this grid's predecessor has finished (the chain is only transitive if every
 // kernel waits), and a write before the wait could race with the predecessor still reading that buffer. The
 // "memory" clobber keeps the compiler from hoisting loads above it. Below sm_90 it is empty (the host never
-// sets the attribute there).
+// sets the attribute there). One exception: L2 prefetches of weights (prefetch_l2) may precede it. Weights are
+// written once at load time, never by a kernel of a step, so nothing races, and a prefetch neither returns
+// data nor can fault the block out before its wait.
+// INGOT_PDL_ENTRY_AFTER(cond, prefetch): the one thing allowed before the wait, as the kernel's first statement
+// in place of INGOT_PDL_ENTRY(): `if (cond) prefetch;` where prefetch only issues prefetch_l2 of weights.
+#define INGOT_PDL_ENTRY_AFTER(cond, prefetch) \
+    do {                                      \
+        if (cond) prefetch;                   \
+        INGOT_PDL_ENTRY();                    \
+    } while (0)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define INGOT_PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
 #else
 #define INGOT_PDL_ENTRY() ((void)0)
 #endif
+
+// Bring the line holding p into L2 without waiting for it (prefetch.global.L2: no register, no fault).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+template <typename... P>
+__device__ __forceinline__ void prefetch_l2(const P*... p) {
+    (prefetch_l2(static_cast<const void*>(p)), ...);
+}
 
 // Nibble j of a Q4 block (GGUF order): byte j holds w[j] (low) and w[j + 16] (high).
 __device__ __forceinline__ int q4_nibble(const uint8_t* qs, int j) {

@@ -168,8 +168,9 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
     if (gridDim.z > 1) {
         __shared__ bool is_last;
         const int tile = blockIdx.y * gridDim.x + blockIdx.x, S = gridDim.z;
+        const int live = (int)min((long long)BM, M - m0) * BN;   // rows of A in this tile: 16 of 64 at a batch of 16
         float* mine = ws + ((size_t)tile * S + blockIdx.z) * (BM * BN);
-        for (int e = tid; e < BM * BN; e += blockDim.x) mine[e] = sC[e / BN][e % BN];
+        for (int e = tid; e < live; e += blockDim.x) mine[e] = sC[e / BN][e % BN];
         __threadfence();                              // this slice visible device-wide before the count says so
         __syncthreads();
         if (tid == 0) is_last = atomicAdd(counters + tile, 1) == S - 1;
@@ -178,7 +179,7 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
         __threadfence();
         if (tid == 0) counters[tile] = 0;             // zero again for the next launch (stream-ordered)
         const float* all = ws + (size_t)tile * S * (BM * BN);
-        for (int e = tid; e < BM * BN; e += blockDim.x) {
+        for (int e = tid; e < live; e += blockDim.x) {
             float v = 0.0f;
             for (int z = 0; z < S; z++) v += __ldcg(all + (size_t)z * (BM * BN) + e);  // L2: other SMs wrote them
             sC[e / BN][e % BN] = v;

@@ -29,6 +29,10 @@ struct Q4_0W {
         const long long b = r * nb + kb;
         return {reinterpret_cast<const uint4*>(qs)[b], __half2float(d[b])};
     }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b * 16, d + b);
+    }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         const float2 s = q4_dot(w.q, x);
         return w.d * (x.d.x * s.x + x.d.y * s.y - 8.0f * x.d.z);   // w = d*(q-8); x.d.z = sum of x
@@ -43,6 +47,10 @@ struct Q4_1W {
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
         return {reinterpret_cast<const uint4*>(qs)[b], __half2float(d[b]), __half2float(m[b])};
+    }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b * 16, d + b, m + b);
     }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         const float2 s = q4_dot(w.q, x);
@@ -59,6 +67,10 @@ struct Q8_0W {
         const long long b = r * nb + kb;
         const int4* p = reinterpret_cast<const int4*>(qs) + 2 * b;
         return {p[0], p[1], __half2float(d[b])};
+    }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b * 32, d + b);
     }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         return w.d * (x.d.x * i2f_exact(dot8(w.q0, w.q1, x.c0, x.c1)) + x.d.y * i2f_exact(dot8(w.q0, w.q1, x.f0, x.f1)));
@@ -81,6 +93,28 @@ __device__ __forceinline__ void warp_rows(int mode, int rows, long long r[2], bo
     } else {
         const long long o = ((long long)blockIdx.x * MV_WARPS + warp) * 2;
         r[0] = o; r[1] = o + 1; ok[0] = o < rows; ok[1] = o + 1 < rows; *out_row = o;
+    }
+}
+
+// Under PDL (sm_90) a kernel's blocks are scheduled while its predecessor drains, and sit at the wait until it
+// completes. Before waiting, each warp asks for the weights of its first MV_PREFETCH_STEPS steps (its two rows,
+// 32 blocks a step: a 4096-wide Q4 row whole) to be brought into L2, so their DRAM round trip overlaps the
+// predecessor's tail instead of following it. Weights only: no kernel of a step writes them (common.cuh).
+// `prefetch` is block-uniform: kernels.py passes 1 when the kernel is launched with PDL, unless
+// INGOT_WEIGHT_PREFETCH=0; the column groups past the first (blockIdx.y > 0) read the same rows and skip it.
+#define MV_PREFETCH_STEPS 4
+template <typename W>
+__device__ __forceinline__ void prefetch_rows(const W& w, int rows, int mode) {
+    long long r[2], out_row; bool ok[2];
+    warp_rows(mode, rows, r, ok, &out_row);
+    if (!ok[0]) return;
+    const int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int u = 0; u < MV_PREFETCH_STEPS; u++) {
+        const int kb = lane + u * WARP;
+        if (kb >= w.nb) break;
+        w.prefetch(r[0], kb);
+        if (ok[1]) w.prefetch(r[1], kb);
     }
 }
 
@@ -180,8 +214,8 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
 #define MATVEC_KERNELS(NAME, WT, PARAMS, ...)                                                                   \
     extern "C" __global__ void MV_BOUNDS(WT::BLOCKS)                                                             \
     matvec_##NAME(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows, int cols,  \
-                  int ncols, int ldy, int mode) {                                                                \
-        INGOT_PDL_ENTRY();                                                                                       \
+                  int ncols, int ldy, int mode, int prefetch) {                                                  \
+        INGOT_PDL_ENTRY_AFTER(prefetch && blockIdx.y == 0, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, mode)); \
         const WT w{__VA_ARGS__, cols / QK};                                                                      \
         switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {                                               \
             case 1: matvec_q<WT, 1>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
@@ -192,8 +226,8 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
     }                                                                                                            \
     extern "C" __global__ void MV_BOUNDS(WT::B1_BLOCKS)                                                          \
     matvec_##NAME##_b1(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,       \
-                       int cols, int ncols, int ldy, int mode) {                                                 \
-        INGOT_PDL_ENTRY();                                                                                       \
+                       int cols, int ncols, int ldy, int mode, int prefetch) {                                   \
+        INGOT_PDL_ENTRY_AFTER(prefetch, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, mode));                  \
         matvec_q<WT, 1>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, y, rows, cols, ldy, mode);                     \
     }
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
@@ -233,10 +267,22 @@ __device__ __forceinline__ void matvec_h(const __half* __restrict__ w, const flo
     write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy);
 }
 
+// F16 rows: the same prefetch as prefetch_rows, 16 bytes a lane a step.
+__device__ __forceinline__ void prefetch_rows_h(const __half* w, int rows, int cols, int mode) {
+    long long r[2], out_row; bool ok[2];
+    warp_rows(mode, rows, r, ok, &out_row);
+#pragma unroll
+    for (int u = 0; u < MV_PREFETCH_STEPS; u++) {
+        const int k = (threadIdx.x % WARP + u * WARP) * 8;
+#pragma unroll
+        for (int s = 0; s < 2; s++) if (ok[s] && k < cols) prefetch_l2(w + r[s] * cols + k);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
 matvec_f16(const __half* w, const float* x, const float* bias, float* y, int rows, int cols, int ncols, int ldy,
-           int mode) {
-    INGOT_PDL_ENTRY();
+           int mode, int prefetch) {
+    INGOT_PDL_ENTRY_AFTER(prefetch && blockIdx.y == 0, prefetch_rows_h(w, rows, cols, mode));
     switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {
         case 1: matvec_h<1>(w, x, bias, y, rows, cols, ldy, mode); break;
         case 2: matvec_h<2>(w, x, bias, y, rows, cols, ldy, mode); break;
@@ -247,8 +293,8 @@ matvec_f16(const __half* w, const float* x, const float* bias, float* y, int row
 
 extern "C" __global__ void MV_BOUNDS(9)
 matvec_f16_b1(const __half* w, const float* x, const float* bias, float* y, int rows, int cols, int ncols, int ldy,
-              int mode) {
-    INGOT_PDL_ENTRY();
+              int mode, int prefetch) {
+    INGOT_PDL_ENTRY_AFTER(prefetch, prefetch_rows_h(w, rows, cols, mode));
     matvec_h<1>(w, x, bias, y, rows, cols, ldy, mode);
 }
 

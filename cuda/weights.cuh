@@ -3,6 +3,7 @@
 // Every type is read in 32-weight blocks (kb = block index along a row, nb = blocks per row). A struct holds
 // the layout's array pointers and nb, and gives:
 //   Block load(r, kb)                      the block's packed quants and its fp32 scale(s), from global memory
+//   void prefetch(r, kb)                   the bytes load(r, kb) reads, into L2 (matvec.cu: before the PDL wait)
 //   static float dot(Block, XBlock)        sum_j w[j] * x[j] against a q8x2 activation block (integer dp4a)
 //   static void words(Block, lo, hi)       the unsigned quant codes as int8 bytes: lo = weights 0..15, hi 16..31
 //   static float deq(Block, lo, hi, i)     weight i in fp32, bit-identical to gguf's dequantization (the same
@@ -109,6 +110,10 @@ struct Q5_0W {
         const long long b = r * nb + kb;
         return {qs[b], qh[b], __half2float(d[b])};
     }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b, qh + b, d + b);
+    }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
         nibble_words(w.q, lo, hi); add_bit_words(lo, hi, w.h, 4);
     }
@@ -131,6 +136,10 @@ struct Q5_1W {
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
         return {qs[b], qh[b], __half2float(d[b]), __half2float(m[b])};
+    }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b, qh + b, d + b, m + b);
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
         nibble_words(w.q, lo, hi); add_bit_words(lo, hi, w.h, 4);
@@ -178,6 +187,10 @@ struct Q4_KW {
         const KHeader k = k_header(sc[b >> 3], kb & 7);   // nb % 8 == 0: sub-block kb % 8 of super-block b / 8
         return {qs[b], k.dl, k.ml};
     }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b, sc + (b >> 3));
+    }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         int4 lo, hi; words(w, lo, hi);
@@ -199,6 +212,10 @@ struct Q5_KW {
         const long long b = r * nb + kb;
         const KHeader k = k_header(sc[b >> 3], kb & 7);
         return {qs[b], qh[b], k.dl, k.ml};
+    }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b, qh + b, sc + (b >> 3));
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
         nibble_words(w.q, lo, hi); add_bit_words(lo, hi, w.h, 4);
@@ -227,6 +244,10 @@ struct Q6_KW {
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
         return {qs[b], qh[b], sc[b], d[b >> 3]};
+    }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b, qh + b, sc + b, d + (b >> 3));
     }
     __device__ __forceinline__ static float2 scales(const Block& w) {   // (d*sc0, d*sc1), rounded as gguf does
         const float dd = __half2float(w.d);
@@ -265,6 +286,10 @@ struct Q3_KW {
         const float dd = __half2float(d[b >> 3]);
         return {qs[b], qh[b], __fmul_rn(dd, i2f_exact(s.x)), __fmul_rn(dd, i2f_exact(s.y))};
     }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b, qh + b, sc + b, d + (b >> 3));
+    }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
         lo = crumb_words(w.q.x, 0); hi = crumb_words(w.q.y, 0); add_bit_words(lo, hi, w.h, 2);
     }
@@ -293,6 +318,10 @@ struct Q2_KW {
         const float dd = __half2float(d[b >> 3]), mm = __half2float(m[b >> 3]);
         return {qs[b], __fmul_rn(dd, i2f_exact(s.x & 0xF)), __fmul_rn(dd, i2f_exact(s.y & 0xF)),
                 __fmul_rn(mm, i2f_exact(s.x >> 4)), __fmul_rn(mm, i2f_exact(s.y >> 4))};
+    }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b, sc + b, d + (b >> 3), m + (b >> 3));
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) {
         lo = crumb_words(w.q.x, 0); hi = crumb_words(w.q.y, 0);
@@ -350,6 +379,10 @@ struct IQ4_NLW {
         const long long b = r * nb + kb;
         return {qs[b], __half2float(d[b])};
     }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b, d + b);
+    }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { iq4_words(w.q, lo, hi); }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         int4 lo, hi; words(w, lo, hi);
@@ -370,6 +403,10 @@ struct IQ4_XSW {
     __device__ __forceinline__ Block load(long long r, int kb) const {
         const long long b = r * nb + kb;
         return {qs[b], __fmul_rn(__half2float(d[b >> 3]), i2f_exact(sc[b]))};
+    }
+    __device__ __forceinline__ void prefetch(long long r, int kb) const {   // load()'s bytes, into L2
+        const long long b = r * nb + kb;
+        prefetch_l2(qs + b, sc + b, d + (b >> 3));
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { iq4_words(w.q, lo, hi); }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {

@@ -157,6 +157,14 @@ PDL = Setting(
     "1 or 0",
     "GPU kernels start while the previous one finishes (programmatic dependent launch, sm_90+); 0 turns it off.",
 )
+WEIGHT_PREFETCH = Setting(
+    "INGOT_WEIGHT_PREFETCH",
+    True,
+    _flag,
+    "1 or 0",
+    "Matrix-vector kernels launched with PDL request their first weights into L2 while the previous kernel finishes;"
+    " 0 turns it off.",
+)
 API_KEY = Setting(
     "INGOT_API_KEY",
     None,
@@ -241,6 +249,7 @@ ALL: tuple[Setting, ...] = (
     PREFIX_CACHE,
     ATTN_PREFILL,
     PDL,
+    WEIGHT_PREFETCH,
     API_KEY,
     PREFILL_CHUNK,
     KEEP_ALIVE,

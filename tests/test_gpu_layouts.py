@@ -119,8 +119,8 @@ def test_gpu_stack_properties():
 
 
 class _FakeKernel:
-    def __init__(self, name):
-        self.name, self.fn = name, None
+    def __init__(self, name, pdl=False):
+        self.name, self.fn, self.pdl = name, None, pdl
 
 
 def _kernels(sm_count=132):
@@ -147,14 +147,28 @@ def test_matvec_on_a_stack_launches_one_kernel_per_part_at_its_row_offset():
         n = len(part.args())
         assert args[n : n + 2] == [xq, xd]
         assert args[n + 2] == bias.ptr + 4 * off and args[n + 3] == y + 4 * off  # bias, y at the part's rows
-        assert args[n + 4 :] == [part.rows, 256, 3, 56, constants.MODE_STORE]
+        assert args[n + 4 :] == [part.rows, 256, 3, 56, constants.MODE_STORE, 0]  # ..., mode, no prefetch
 
 
 def test_matvec_on_one_matrix_is_one_launch_and_gated_modes_halve_the_rows():
     W = _matrix("Q4_K", 96, 512)
     (launch,) = _kernels().matvec(W, (1, 2), 100, 1, ldy=48, mode=constants.MODE_GEGLU)
-    assert _ptr_args(launch)[-5:] == [48, 512, 1, 48, constants.MODE_GEGLU]
+    assert _ptr_args(launch)[-6:] == [48, 512, 1, 48, constants.MODE_GEGLU, 0]
     assert launch.grid[0] == -(-48 // (constants.MATVEC_ROWS_PER_BLOCK // 2))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_matvec_prefetches_its_weights_only_when_launched_with_pdl(pdl, setting, monkeypatch):
+    """The L2 prefetch before the PDL wait (cuda/matvec.cu) only helps a kernel scheduled early: the last
+    argument is 1 for a PDL kernel unless INGOT_WEIGHT_PREFETCH=0, else 0."""
+    monkeypatch.setenv("INGOT_WEIGHT_PREFETCH", setting)
+    k = _kernels()
+    for kernel in k.k.values():
+        kernel.pdl = pdl
+    for ncols in (1, 3):
+        (launch,) = k.matvec(_matrix("Q4_0", 64, 256), (1, 2), 100, ncols, ldy=64)
+        assert _ptr_args(launch)[-1] == int(pdl and setting == "1")
 
 
 @pytest.mark.parametrize("ncols", [1, 2, 4, 5])

@@ -392,9 +392,13 @@ class Kernels:
             grid = ((rows + per_block - 1) // per_block, (ncols + MATVEC_COLS - 1) // MATVEC_COLS)
             xs = list(x) if part.quantized else [x]
             part_bias = None if bias is None else bias.at(4 * offset)
+            kernel = self.k[matvec_kernel(part.qtype, ncols)]
+            # its weights into L2 before the PDL wait (cuda/matvec.cu prefetch_rows): only useful when the kernel
+            # can be scheduled early, i.e. launched with PDL
+            prefetch = kernel.pdl and settings.WEIGHT_PREFETCH.get()
             launches.append(
                 Launch(
-                    self.k[matvec_kernel(part.qtype, ncols)],
+                    kernel,
                     grid,
                     128,
                     [
@@ -407,6 +411,7 @@ class Kernels:
                         i32(ncols),
                         i32(ldy),
                         i32(mode),
+                        i32(prefetch),
                     ],
                 )
             )
