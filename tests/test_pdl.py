@@ -3,10 +3,10 @@ the sources and the built PTX), on which GPUs and settings, and when a launch ge
 
 A kernel launched with PDL may start while its predecessor still runs; it is correct only if its first statement
 is INGOT_PDL_ENTRY() (griddepcontrol.wait), or INGOT_PDL_ENTRY_AFTER with a prefetch of weights into L2 (the
-matvec kernels: no load, store or return before the wait, which the PTX check below confirms), so the host list (kernels.PDL_KERNELS) must never name a kernel that
-lacks it. The checks here fail if a merge drops the macro from a listed kernel, if a kernel gains the macro
-without being listed (so a lost speedup is noticed too), or if the compiled PTX touches global memory or returns
-before the wait.
+matvec kernels: no load, store or return before the wait, which the PTX check below confirms). So the host list
+(kernels.PDL_KERNELS) must never name a kernel that lacks one of them. The checks here fail if a merge drops the
+macro from a listed kernel, if a kernel gains the macro without being listed (so a lost speedup is noticed too),
+or if the compiled PTX touches global memory or returns before the wait.
 """
 
 from __future__ import annotations
