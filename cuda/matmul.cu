@@ -165,12 +165,21 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
         for (int j = 0; j < 2; j++)
             wmma::store_matrix_sync(&sC[wm * 32 + i * 16][wn * 32 + j * 16], acc[i][j], LDC, wmma::mem_row_major);
     __syncthreads();
+    // The epilogue, and split-K's sum, in EPI float4 groups of the tile per thread (group f = tid + i * 128: row
+    // f / 16, columns 4 (f % 16) ..+3), every load of a phase issued before its first use: a loop with a load-use
+    // chain per element waits one L2/DRAM round trip per element (32 a thread). The sums stay in sC (registers
+    // would cost the main loop occupancy: ptxas allocates the kernel's peak).
+    constexpr int EPI = BM * BN / 4 / 128, EPI_HALF = EPI / 2;
+    const int live = (int)min((long long)BM, M - m0);   // rows of A in this tile (16 of 64 at a batch of 16)
     if (gridDim.z > 1) {
         __shared__ bool is_last;
         const int tile = blockIdx.y * gridDim.x + blockIdx.x, S = gridDim.z;
-        const int live = (int)min((long long)BM, M - m0) * BN;   // rows of A in this tile: 16 of 64 at a batch of 16
-        float* mine = ws + ((size_t)tile * S + blockIdx.z) * (BM * BN);
-        for (int e = tid; e < live; e += blockDim.x) mine[e] = sC[e / BN][e % BN];
+        float4* slices = reinterpret_cast<float4*>(ws + (size_t)tile * S * (BM * BN));   // [S][BM * BN / 4]
+#pragma unroll
+        for (int i = 0; i < EPI; i++) {
+            const int f = tid + i * 128, r = f / (BN / 4), c = f % (BN / 4) * 4;
+            if (r < live) slices[(size_t)blockIdx.z * (BM * BN / 4) + f] = *reinterpret_cast<const float4*>(&sC[r][c]);
+        }
         __threadfence();                              // this slice visible device-wide before the count says so
         __syncthreads();
         if (tid == 0) is_last = atomicAdd(counters + tile, 1) == S - 1;
@@ -178,48 +187,84 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
         if (!is_last) return;
         __threadfence();
         if (tid == 0) counters[tile] = 0;             // zero again for the next launch (stream-ordered)
-        const float* all = ws + (size_t)tile * S * (BM * BN);
-        for (int e = tid; e < live; e += blockDim.x) {
-            float v = 0.0f;
-            for (int z = 0; z < S; z++) v += __ldcg(all + (size_t)z * (BM * BN) + e);  // L2: other SMs wrote them
-            sC[e / BN][e % BN] = v;
+        // the slices in order 0..S-1 (this block's own included): the same sum on every run. A thread sums
+        // the groups it wrote, so sC needs no barrier between slices.
+        for (int z = 0; z < S; z++) {
+#pragma unroll 1
+            for (int h = 0; h < EPI; h += EPI_HALF) {
+                float4 t[EPI_HALF];
+#pragma unroll
+                for (int i = 0; i < EPI_HALF; i++) {   // L2 (__ldcg): other SMs wrote them
+                    const int f = tid + (h + i) * 128;
+                    if (f / (BN / 4) < live) t[i] = __ldcg(slices + (size_t)z * (BM * BN / 4) + f);
+                }
+#pragma unroll
+                for (int i = 0; i < EPI_HALF; i++) {
+                    const int f = tid + (h + i) * 128, r = f / (BN / 4), c = f % (BN / 4) * 4;
+                    if (r >= live) continue;
+                    float4& acc = *reinterpret_cast<float4*>(&sC[r][c]);
+                    if (z == 0) acc = t[i];
+                    else { acc.x += t[i].x; acc.y += t[i].y; acc.z += t[i].z; acc.w += t[i].w; }
+                }
+            }
         }
-        __syncthreads();
     }
-    for (int e = tid; e < BM * BN; e += blockDim.x) {
-        const int r = e / BN, c = e % BN;
-        const long long gr = m0 + r, gc = n0 + c;
-        if (gr >= M || gc >= N) continue;
-        const float v = sC[r][c] + (bias ? bias[gc] : 0.0f);
-        float* out = C + gr * ldc + gc;
-        if (mode == MODE_ADD) *out += v;
-        else *out = v;
+    // C (op)= sum + bias: the residual's loads first (MODE_ADD), then the stores; half the groups at a time
+#pragma unroll 1
+    for (int h = 0; h < EPI; h += EPI_HALF) {
+        float old[EPI_HALF][4];
+#pragma unroll
+        for (int i = 0; i < EPI_HALF; i++) {
+            const int f = tid + (h + i) * 128, r = f / (BN / 4), c = f % (BN / 4) * 4;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const long long gr = m0 + r, gc = n0 + c + j;
+                old[i][j] = mode == MODE_ADD && r < live && gc < N ? C[gr * ldc + gc] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < EPI_HALF; i++) {
+            const int f = tid + (h + i) * 128, r = f / (BN / 4), c = f % (BN / 4) * 4;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const long long gr = m0 + r, gc = n0 + c + j;
+                if (r < live && gc < N) C[gr * ldc + gc] = old[i][j] + (sC[r][c + j] + (bias ? bias[gc] : 0.0f));
+            }
+        }
     }
 }
 
 // All of them: grid (ceil(N/64), ceil(M/64), split-K slices), 128 threads; ws/counters unused without split-K.
-extern "C" __global__ void __launch_bounds__(128)
+// On sm_90, 7 blocks per SM (72 registers, no spill), as the kernels ran before the epilogue's batched loads
+// (uncapped they take 74-80: 6 blocks); shared memory (27 KiB a block) would allow 8. Other archs: ptxas's
+// choice (sm_80's count did not change; capped, sm_75/sm_80 spill).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define MATMUL_BOUNDS __launch_bounds__(128, 7)
+#else
+#define MATMUL_BOUNDS __launch_bounds__(128)
+#endif
+extern "C" __global__ void MATMUL_BOUNDS
 matmul_q4_0(const uint8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
             int ldc, int mode, float* ws, int* counters) {
     INGOT_PDL_ENTRY();
     matmul(TileQ4_0{qs, d}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void MATMUL_BOUNDS
 matmul_q4_1(const uint8_t* qs, const __half* d, const __half* m, const __half* A, const float* bias, float* C,
             int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
     INGOT_PDL_ENTRY();
     matmul(TileQ4_1{qs, d, m}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void MATMUL_BOUNDS
 matmul_q8_0(const int8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
             int ldc, int mode, float* ws, int* counters) {
     INGOT_PDL_ENTRY();
     matmul(TileQ8_0{qs, d}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void MATMUL_BOUNDS
 matmul_f16(const __half* w, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode,
            float* ws, int* counters) {
     INGOT_PDL_ENTRY();
@@ -227,7 +272,7 @@ matmul_f16(const __half* w, const __half* A, const float* bias, float* C, int M,
 }
 
 #define MATMUL_KERNEL(NAME, WT, PARAMS, ARGS)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128)                                                            \
+    extern "C" __global__ void MATMUL_BOUNDS                                                            \
     matmul_##NAME(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode, \
                   float* ws, int* counters) {                                                                    \
         INGOT_PDL_ENTRY();                                                                                       \
