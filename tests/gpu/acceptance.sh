@@ -21,9 +21,17 @@
 #   6  Gemma 3: ingot bench (pp512/tg128, depth 0 and 4096) with each prefill attention kernel; pack, verify
 #      --device, run
 #   7  Gemma 3: the transformers oracle (INGOT_TEST_ORACLE_LONG=1)
+#
+# The short chain (three calls, SmolLM2 instead of Gemma 3, for a session whose device time is spent in part):
+#   s1  [".whl", ".m/smol.a"]  wheels + build; every tests/gpu test on the synthetic models (8 workers)
+#   s2  [".m/smol.b"]          SmolLM2 complete, sha256 checked: the engine and precision tests on it, pack +
+#                              verify --device + run; the 8B benches (stage 2's, the GEMM kernels A/B, PDL off,
+#                              the wide-batch step profile)
+#   s3  []                     stage 3 (the serving load test)
 set -o pipefail
 cd "$(dirname "$0")/../.."
 GEMMA_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # runtime/model/fetch.py
 FIRST_PART=44000000  # bytes of the Gemma part that travels with .whl/ (~20 MB) in stage 1
 PART=52278256        # the other four: (253,113,024 - FIRST_PART) / 4
 WHEELS="gguf==0.19.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 zstandard==0.25.0 lz4==4.4.5 rfc8785==0.1.4
@@ -47,6 +55,13 @@ prepare() {
     tail -c +"$((FIRST_PART + 1))" "$gemma" | split -b "$PART" -d -a 1 - .m/gemma.b
     [ "$(cat .m/gemma.a .m/gemma.b0 .m/gemma.b1 .m/gemma.b2 .m/gemma.b3 | sha256sum | cut -d' ' -f1)" = "$GEMMA_SHA" ] ||
         { echo "error: the parts do not add up to the Gemma file" >&2; return 1; }
+    local smol="${INGOT_CACHE_DIR:-$HOME/.cache/ingot}/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if [ -f "$smol" ]; then
+        rm -f .m/smol.*
+        head -c "$FIRST_PART" "$smol" >.m/smol.a
+        tail -c +"$((FIRST_PART + 1))" "$smol" >.m/smol.b
+        echo "short chain: s1 [\".whl\", \".m/smol.a\"]   s2 [\".m/smol.b\"]   s3 []"
+    fi
     echo "calls, back to back: run 'bash tests/gpu/acceptance.sh N' with carry"
     echo "  1: [\".whl\", \".m/gemma.a\"]   2: [\".m/gemma.b0\"]   3: [\".m/gemma.b1\"]   4: [\".m/gemma.b2\"]"
     echo "  5: [\".m/gemma.b3\"]   6: []   7: []"
@@ -54,6 +69,7 @@ prepare() {
 
 # --- on the device ---------------------------------------------------------------------------------------
 M=/tmp/m
+SMOL=$M/SmolLM2-135M-Instruct.Q4_1.gguf  # the test ids name real models by file stem (-k SmolLM2)
 append() {
     [ -f ".m/$1" ] || { echo "error: .m/$1 did not travel: carry it (see prepare's list)"; exit 2; }
     cat ".m/$1" >>$M/gemma.part && echo "model part $1: $(stat -c %s $M/gemma.part) bytes so far"
@@ -128,8 +144,51 @@ prepare) prepare ;;
     INGOT_TEST_GEMMA3=$M/gemma.gguf INGOT_TEST_ORACLE_LONG=1 timeout 560 python3 -m pytest -q -p no:cacheprovider -rfE \
         -s -n 4 tests/oracle 2>&1 | tee "$OUT/7_oracle.log" | grep -E "rel|perplex|passed|failed|Error" | tail -40
     ;;
+s1)
+    mkdir -p $M && rm -f $M/smol.part
+    [ -f .m/smol.a ] && cat .m/smol.a >$M/smol.part || { echo "error: .m/smol.a did not travel"; exit 2; }
+    t0=$(date +%s)
+    env_up || { echo "error: device_env.sh failed (wheels or kernel build)"; exit 1; }
+    echo "wheels + kernels: $(($(date +%s) - t0)) s"
+    nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader
+    python3 -m ingot model synth --shape llama3-8b --quant Q4_0 --out /tmp/l8_Q4_0.gguf >/dev/null &
+    timeout 480 python3 -m pytest -q -p no:cacheprovider -rfE -n 8 tests/gpu --ignore tests/gpu/test_gpu_serve_load.py \
+        2>&1 | tee "$OUT/s1_tests.log" | tail -30
+    wait
+    ;;
+s2)
+    [ -f .m/smol.b ] && cat .m/smol.b >>$M/smol.part || { echo "error: .m/smol.b did not travel"; exit 2; }
+    env_up
+    mv $M/smol.part $SMOL
+    [ "$(sha256sum $SMOL | cut -d' ' -f1)" = "$SMOL_SHA" ] || { echo "error: SmolLM2 sha256 differs"; exit 1; }
+    python3 -m ingot model synth --shape llama3-8b --quant Q4_K_M --out /tmp/l8_Q4_K_M.gguf >/dev/null &
+    INGOT_TEST_MODELS=$SMOL timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -s -n 8 -k SmolLM2 \
+        tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_precision.py 2>&1 | tee "$OUT/s2_smol.log" |
+        grep -E "rel err|decode:|wide|prefill [0-9]|passed|failed|Error|assert" | tail -30
+    python3 -m ingot pack --model $SMOL --kernels /tmp/kernels --out /tmp/smol.ingot >/dev/null &&
+        python3 -m ingot verify /tmp/smol.ingot --device 2>&1 | tail -3
+    timeout 60 python3 -m ingot run /tmp/smol.ingot -p "The capital of France is" -n 16 --device cuda 2>&1 | tail -2
+    timeout 100 python3 -m ingot bench /tmp/smol.ingot -p 512 -r 5 2>&1 | tee "$OUT/s2_smol_bench.log" | grep -E "pp|tg|cold"
+    wait
+    timeout 200 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 512 -r 3 --batch 1,4,16,64 --no-cold-start 2>&1 |
+        tee "$OUT/s2_q4_0.log" | grep -E "pp|tg"
+    timeout 100 python3 -m ingot bench /tmp/l8_Q4_K_M.gguf -p 512 -r 3 --no-cold-start 2>&1 | tee "$OUT/s2_q4_k_m.log" |
+        grep -E "pp|tg"
+    echo "INGOT_PDL=0, Q4_0:"
+    INGOT_PDL=0 timeout 100 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 0 -r 3 --batch 1,16,64 --no-cold-start 2>&1 |
+        grep -E "tg"
+    echo "INGOT_MATMUL=wmma (the previous GEMM), Q4_0:"
+    INGOT_MATMUL=wmma timeout 100 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 512 -r 2 --batch 16,64 --no-cold-start \
+        2>&1 | grep -E "pp|tg"
+    timeout 100 python3 tests/gpu/step_profile.py /tmp/l8_Q4_0.gguf --batch 64 2>&1 | tee "$OUT/s2_profile_b64.log" | tail -25
+    ;;
+s3)
+    env_up
+    INGOT_TEST_MODEL=$SMOL timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/gpu/test_gpu_serve_load.py \
+        2>&1 | tee "$OUT/s3_serve.log" | tail -60
+    ;;
 *)
-    echo "usage: bash tests/gpu/acceptance.sh prepare|1..7 (see the header)" >&2
+    echo "usage: bash tests/gpu/acceptance.sh prepare|1..7|s1..s3 (see the header)" >&2
     exit 2
     ;;
 esac
