@@ -59,21 +59,39 @@
 // its successors start, before this grid's predecessor has finished (the chain is only transitive if every
 // kernel waits), and a write before the wait could race with the predecessor still reading that buffer. The
 // "memory" clobber keeps the compiler from hoisting loads above it. Below sm_90 it is empty (the host never
-// sets the attribute there). One exception: L2 prefetches of weights (prefetch_l2) may precede it. Weights are
-// written once at load time, never by a kernel of a step, so nothing races, and a prefetch neither returns
-// data nor can fault the block out before its wait.
-// INGOT_PDL_ENTRY_AFTER(cond, prefetch): the one thing allowed before the wait, as the kernel's first statement
-// in place of INGOT_PDL_ENTRY(): `if (cond) prefetch;` where prefetch only issues prefetch_l2 of weights.
-#define INGOT_PDL_ENTRY_AFTER(cond, prefetch) \
-    do {                                      \
-        if (cond) prefetch;                   \
-        INGOT_PDL_ENTRY();                    \
-    } while (0)
+// sets the attribute there).
+//
+// Two refinements for the weight-streaming kernels (matvec.cu, matmul.cu):
+//   INGOT_PDL_WAIT_AFTER(cond, prefetch)  the first statement instead: `if (cond) prefetch;` then the wait, where
+//                                         prefetch only issues prefetch_l2 of weights. Weights are written once at
+//                                         load time, never by a kernel of a step, so nothing races, and a
+//                                         prefetch neither returns data nor can fault the block out early.
+//   INGOT_PDL_WAIT() ... INGOT_PDL_TRIGGER()  the wait first, the trigger later (after the main loop). A trigger
+//                                         at entry lets the next grid launch as soon as this one's blocks have
+//                                         all started; its blocks then take the SM slots that free up first, and
+//                                         may sit several to an SM while others stay empty: a grid that fills
+//                                         one partial wave (an 8B down matvec: 512 blocks for 1,056 slots) would
+//                                         run on part of the GPU (cuda/PERF.md v10: why PDL measured slower on
+//                                         the 8B). Triggered after the main loop, the next grid launches while
+//                                         this one writes its results, when most slots are free.
+//                                         A block that exits without triggering counts as triggered.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define INGOT_PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#define INGOT_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define INGOT_PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #else
-#define INGOT_PDL_ENTRY() ((void)0)
+#define INGOT_PDL_WAIT() ((void)0)
+#define INGOT_PDL_TRIGGER() ((void)0)
 #endif
+#define INGOT_PDL_ENTRY() \
+    do {                  \
+        INGOT_PDL_WAIT(); \
+        INGOT_PDL_TRIGGER(); \
+    } while (0)
+#define INGOT_PDL_WAIT_AFTER(cond, prefetch) \
+    do {                                     \
+        if (cond) prefetch;                  \
+        INGOT_PDL_WAIT();                    \
+    } while (0)
 
 // Bring the line holding p into L2 without waiting for it (prefetch.global.L2: no register, no fault).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }

@@ -8,6 +8,8 @@
 #define MODE_ADD       1     // matvec/matmul epilogue: y += W x (+ bias), the residual
 #define MODE_SWIGLU    2     // matvec epilogue: y = silu(W_gate x) * (W_up x), W = [gate; up] stacked
 #define MODE_GEGLU     3     // matvec epilogue: y = gelu_tanh(W_gate x) * (W_up x), W = [gate; up] stacked
+#define PDL_PREFETCH   1     // matvec `pdl` flag: prefetch the first weights into L2 before the PDL wait
+#define PDL_LATE       2     // matvec `pdl` flag: let the next kernel launch only after this one's main loop
 #define MV_WARPS       4     // warps per matvec block (2 rows each; 1 row pair each in the gated modes)
 #define MV_COLS        4     // batch columns (sequences) per matvec block
 #define MATMUL_BM      64    // matmul tile rows (tokens)

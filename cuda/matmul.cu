@@ -159,6 +159,7 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
         }
         __syncthreads();
     }
+    INGOT_PDL_TRIGGER();   // the next kernel may launch while this one writes C (common.cuh: after the main loop)
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -246,28 +247,28 @@ __device__ void matmul(const Tile& tile, const __half* __restrict__ A, const flo
 extern "C" __global__ void MATMUL_BOUNDS
 matmul_q4_0(const uint8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
             int ldc, int mode, float* ws, int* counters) {
-    INGOT_PDL_ENTRY();
+    INGOT_PDL_WAIT();
     matmul(TileQ4_0{qs, d}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
 extern "C" __global__ void MATMUL_BOUNDS
 matmul_q4_1(const uint8_t* qs, const __half* d, const __half* m, const __half* A, const float* bias, float* C,
             int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
-    INGOT_PDL_ENTRY();
+    INGOT_PDL_WAIT();
     matmul(TileQ4_1{qs, d, m}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
 extern "C" __global__ void MATMUL_BOUNDS
 matmul_q8_0(const int8_t* qs, const __half* d, const __half* A, const float* bias, float* C, int M, int N, int K,
             int ldc, int mode, float* ws, int* counters) {
-    INGOT_PDL_ENTRY();
+    INGOT_PDL_WAIT();
     matmul(TileQ8_0{qs, d}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
 extern "C" __global__ void MATMUL_BOUNDS
 matmul_f16(const __half* w, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode,
            float* ws, int* counters) {
-    INGOT_PDL_ENTRY();
+    INGOT_PDL_WAIT();
     matmul(TileF16{w, K}, A, bias, C, M, N, K, ldc, mode, ws, counters);
 }
 
@@ -275,7 +276,7 @@ matmul_f16(const __half* w, const __half* A, const float* bias, float* C, int M,
     extern "C" __global__ void MATMUL_BOUNDS                                                            \
     matmul_##NAME(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, int mode, \
                   float* ws, int* counters) {                                                                    \
-        INGOT_PDL_ENTRY();                                                                                       \
+        INGOT_PDL_WAIT();                                                                                        \
         matmul(TileW<WT>{WT{ARGS, K / QK}}, A, bias, C, M, N, K, ldc, mode, ws, counters);                    \
     }
 FOR_EACH_GENERIC_TYPE(MATMUL_KERNEL)

@@ -100,8 +100,10 @@ __device__ __forceinline__ void warp_rows(int mode, int rows, long long r[2], bo
 // completes. Before waiting, each warp asks for the weights of its first MV_PREFETCH_STEPS steps (its two rows,
 // 32 blocks a step: a 4096-wide Q4 row whole) to be brought into L2, so their DRAM round trip overlaps the
 // predecessor's tail instead of following it. Weights only: no kernel of a step writes them (common.cuh).
-// `prefetch` is block-uniform: kernels.py passes 1 when the kernel is launched with PDL, unless
-// INGOT_WEIGHT_PREFETCH=0; the column groups past the first (blockIdx.y > 0) read the same rows and skip it.
+// The kernels' `pdl` flags (block-uniform, kernels.py; zero unless the kernel is launched with PDL):
+//   PDL_PREFETCH  this prefetch (INGOT_WEIGHT_PREFETCH=0: off); column groups past the first (blockIdx.y > 0)
+//                 read the same rows and skip it
+//   PDL_LATE      trigger the next kernel's launch after the main loop instead of at entry (common.cuh)
 #define MV_PREFETCH_STEPS 4
 template <typename W>
 __device__ __forceinline__ void prefetch_rows(const W& w, int rows, int mode) {
@@ -143,7 +145,7 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
 template <typename W, int NC>
 __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
                                          const float* __restrict__ bias, float* __restrict__ y,
-                                         int rows, int cols, int ldy, int mode) {
+                                         int rows, int cols, int ldy, int mode, int pdl) {
     const int nb = cols / QK, lane = threadIdx.x % WARP, c0 = blockIdx.y * MV_COLS;
     long long r[2], out_row; bool ok[2];
     warp_rows(mode, rows, r, ok, &out_row);
@@ -182,6 +184,7 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
             }
         }
     }
+    if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
     write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy);
 }
 
@@ -214,21 +217,24 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
 #define MATVEC_KERNELS(NAME, WT, PARAMS, ...)                                                                   \
     extern "C" __global__ void MV_BOUNDS(WT::BLOCKS)                                                             \
     matvec_##NAME(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows, int cols,  \
-                  int ncols, int ldy, int mode, int prefetch) {                                                  \
-        INGOT_PDL_ENTRY_AFTER(prefetch && blockIdx.y == 0, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, mode)); \
+                  int ncols, int ldy, int mode, int pdl) {                                                       \
+        INGOT_PDL_WAIT_AFTER((pdl & PDL_PREFETCH) && blockIdx.y == 0,                                            \
+                             prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, mode));                             \
+        if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
         const WT w{__VA_ARGS__, cols / QK};                                                                      \
         switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {                                               \
-            case 1: matvec_q<WT, 1>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
-            case 2: matvec_q<WT, 2>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
-            case 3: matvec_q<WT, 3>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                           \
-            default: matvec_q<WT, 4>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                          \
+            case 1: matvec_q<WT, 1>(w, xq, xd, bias, y, rows, cols, ldy, mode, pdl); break;                      \
+            case 2: matvec_q<WT, 2>(w, xq, xd, bias, y, rows, cols, ldy, mode, pdl); break;                      \
+            case 3: matvec_q<WT, 3>(w, xq, xd, bias, y, rows, cols, ldy, mode, pdl); break;                      \
+            default: matvec_q<WT, 4>(w, xq, xd, bias, y, rows, cols, ldy, mode, pdl); break;                     \
         }                                                                                                        \
     }                                                                                                            \
     extern "C" __global__ void MV_BOUNDS(WT::B1_BLOCKS)                                                          \
     matvec_##NAME##_b1(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,       \
-                       int cols, int ncols, int ldy, int mode, int prefetch) {                                   \
-        INGOT_PDL_ENTRY_AFTER(prefetch, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, mode));                  \
-        matvec_q<WT, 1>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, y, rows, cols, ldy, mode);                     \
+                       int cols, int ncols, int ldy, int mode, int pdl) {                                        \
+        INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, mode));         \
+        if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
+        matvec_q<WT, 1>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, y, rows, cols, ldy, mode, pdl);                \
     }
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 #undef MATVEC_KERNELS
@@ -237,7 +243,7 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 template <int NC>
 __device__ __forceinline__ void matvec_h(const __half* __restrict__ w, const float* __restrict__ x,
                                          const float* __restrict__ bias, float* __restrict__ y,
-                                         int rows, int cols, int ldy, int mode) {
+                                         int rows, int cols, int ldy, int mode, int pdl) {
     const int lane = threadIdx.x % WARP, c0 = blockIdx.y * MV_COLS;
     long long r[2], out_row; bool ok[2];
     warp_rows(mode, rows, r, ok, &out_row);
@@ -264,6 +270,7 @@ __device__ __forceinline__ void matvec_h(const __half* __restrict__ w, const flo
             }
         }
     }
+    if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
     write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy);
 }
 
@@ -281,21 +288,23 @@ __device__ __forceinline__ void prefetch_rows_h(const __half* w, int rows, int c
 
 extern "C" __global__ void __launch_bounds__(MV_WARPS * WARP)
 matvec_f16(const __half* w, const float* x, const float* bias, float* y, int rows, int cols, int ncols, int ldy,
-           int mode, int prefetch) {
-    INGOT_PDL_ENTRY_AFTER(prefetch && blockIdx.y == 0, prefetch_rows_h(w, rows, cols, mode));
+           int mode, int pdl) {
+    INGOT_PDL_WAIT_AFTER((pdl & PDL_PREFETCH) && blockIdx.y == 0, prefetch_rows_h(w, rows, cols, mode));
+    if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();
     switch (min(MV_COLS, ncols - (int)blockIdx.y * MV_COLS)) {
-        case 1: matvec_h<1>(w, x, bias, y, rows, cols, ldy, mode); break;
-        case 2: matvec_h<2>(w, x, bias, y, rows, cols, ldy, mode); break;
-        case 3: matvec_h<3>(w, x, bias, y, rows, cols, ldy, mode); break;
-        default: matvec_h<4>(w, x, bias, y, rows, cols, ldy, mode); break;
+        case 1: matvec_h<1>(w, x, bias, y, rows, cols, ldy, mode, pdl); break;
+        case 2: matvec_h<2>(w, x, bias, y, rows, cols, ldy, mode, pdl); break;
+        case 3: matvec_h<3>(w, x, bias, y, rows, cols, ldy, mode, pdl); break;
+        default: matvec_h<4>(w, x, bias, y, rows, cols, ldy, mode, pdl); break;
     }
 }
 
 extern "C" __global__ void MV_BOUNDS(9)
 matvec_f16_b1(const __half* w, const float* x, const float* bias, float* y, int rows, int cols, int ncols, int ldy,
-              int mode, int prefetch) {
-    INGOT_PDL_ENTRY_AFTER(prefetch, prefetch_rows_h(w, rows, cols, mode));
-    matvec_h<1>(w, x, bias, y, rows, cols, ldy, mode);
+              int mode, int pdl) {
+    INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows_h(w, rows, cols, mode));
+    if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();
+    matvec_h<1>(w, x, bias, y, rows, cols, ldy, mode, pdl);
 }
 
 // x fp32 [n/32 blocks of 32] -> q8x2 (xq [2n], xd [n/32]). One warp per block of 32 values.

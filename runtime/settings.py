@@ -61,6 +61,12 @@ def _flag(text: str) -> bool:
     return text.lower() not in ("0", "false", "no", "off")
 
 
+def _pdl_trigger(text: str) -> str:
+    if text.lower() not in ("auto", "early", "late"):
+        raise ValueError(text)
+    return text.lower()
+
+
 def _decode_attn(text: str) -> str:
     if text.lower() not in ("v7", "v8"):
         raise ValueError(text)
@@ -165,6 +171,14 @@ WEIGHT_PREFETCH = Setting(
     "Matrix-vector kernels launched with PDL request their first weights into L2 while the previous kernel finishes;"
     " 0 turns it off.",
 )
+PDL_TRIGGER = Setting(
+    "INGOT_PDL_TRIGGER",
+    "auto",
+    _pdl_trigger,
+    "auto, early or late",
+    "When a matrix-vector kernel lets the next kernel launch under PDL: at its start (early), after its main loop"
+    " (late), or late for those reading at least 4 MiB of weights (auto).",
+)
 API_KEY = Setting(
     "INGOT_API_KEY",
     None,
@@ -250,6 +264,7 @@ ALL: tuple[Setting, ...] = (
     ATTN_PREFILL,
     PDL,
     WEIGHT_PREFETCH,
+    PDL_TRIGGER,
     API_KEY,
     PREFILL_CHUNK,
     KEEP_ALIVE,

@@ -158,17 +158,23 @@ def test_matvec_on_one_matrix_is_one_launch_and_gated_modes_halve_the_rows():
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("setting", ["1", "0"])
-def test_matvec_prefetches_its_weights_only_when_launched_with_pdl(pdl, setting, monkeypatch):
-    """The L2 prefetch before the PDL wait (cuda/matvec.cu) only helps a kernel scheduled early: the last
-    argument is 1 for a PDL kernel unless INGOT_WEIGHT_PREFETCH=0, else 0."""
-    monkeypatch.setenv("INGOT_WEIGHT_PREFETCH", setting)
+@pytest.mark.parametrize("prefetch", ["1", "0"])
+@pytest.mark.parametrize("trigger", ["auto", "early", "late"])
+def test_matvec_pdl_flags_follow_pdl_and_the_settings(pdl, prefetch, trigger, monkeypatch):
+    """The matvec's last argument (cuda/matvec.cu): zero unless the kernel is launched with PDL; then the L2
+    prefetch unless INGOT_WEIGHT_PREFETCH=0, and the late trigger as INGOT_PDL_TRIGGER says (auto: matrices of
+    at least PDL_LATE_MIN_BYTES: an 8B-shaped 4096x4096 Q4_0 is 9 MiB, SmolLM2's 1536x576 Q4_1 0.5 MiB)."""
+    monkeypatch.setenv("INGOT_WEIGHT_PREFETCH", prefetch)
+    monkeypatch.setenv("INGOT_PDL_TRIGGER", trigger)
     k = _kernels()
     for kernel in k.k.values():
         kernel.pdl = pdl
-    for ncols in (1, 3):
-        (launch,) = k.matvec(_matrix("Q4_0", 64, 256), (1, 2), 100, ncols, ldy=64)
-        assert _ptr_args(launch)[-1] == int(pdl and setting == "1")
+    for W, big in ((_matrix("Q4_0", 4096, 4096), True), (_matrix("Q4_1", 1536, 576), False)):
+        for ncols in (1, 3):
+            (launch,) = k.matvec(W, (1, 2), 100, ncols, ldy=W.rows)
+            flags = _ptr_args(launch)[-1]
+            late = trigger == "late" or (trigger == "auto" and big)
+            assert flags == (pdl and prefetch == "1") * constants.PDL_PREFETCH + (pdl and late) * constants.PDL_LATE
 
 
 @pytest.mark.parametrize("ncols", [1, 2, 4, 5])

@@ -26,12 +26,14 @@ from ingot.runtime.gpu.kernels import MODULES, PDL_KERNELS, kernel_images, mark_
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = ROOT / "cuda"
 MACRO = "INGOT_PDL_ENTRY();"
-# the one allowed prologue (cuda/common.cuh): L2 prefetches of weights, by the matvec kernels' helpers
-_AFTER_PREFETCH = re.compile(r"INGOT_PDL_ENTRY_AFTER\([^,]+, prefetch_rows(?:_h)?\(.*\)\);$")
+# cuda/common.cuh's other first statements: the wait alone (the kernel triggers later: the PTX check below
+# finds the trigger after the wait), or after L2 prefetches of weights by the matvec kernels' helpers
+_WAIT = "INGOT_PDL_WAIT();"
+_AFTER_PREFETCH = re.compile(r"INGOT_PDL_WAIT_AFTER\([^,]+, prefetch_rows(?:_h)?\(.*\)\);$")
 
 
 def _waits_first(first: str) -> bool:
-    return first == MACRO or _AFTER_PREFETCH.match(first) is not None
+    return first in (MACRO, _WAIT) or _AFTER_PREFETCH.match(first) is not None
 
 
 # `extern "C" __global__ void [__launch_bounds__(..)] name(` or, inside a #define, `prefix_##NAME(`
@@ -65,7 +67,7 @@ def _first_statement(text: str, open_paren: int) -> str:
         i += 1
     body = text[text.index("{", i) + 1 :]
     body = re.sub(r"//[^\n]*", "", body).replace("\\\n", "\n")
-    return body.lstrip().split("\n")[0].strip()
+    return " ".join(body[: body.index(";") + 1].split())  # up to its ';', whitespace folded (it may span lines)
 
 
 def kernel_definitions() -> dict[str, str]:

@@ -18,6 +18,8 @@ SHARED: dict[str, tuple[int, str]] = {
     "MODE_ADD": (1, "matvec/matmul epilogue: y += W x (+ bias), the residual"),
     "MODE_SWIGLU": (2, "matvec epilogue: y = silu(W_gate x) * (W_up x), W = [gate; up] stacked"),
     "MODE_GEGLU": (3, "matvec epilogue: y = gelu_tanh(W_gate x) * (W_up x), W = [gate; up] stacked"),
+    "PDL_PREFETCH": (1, "matvec `pdl` flag: prefetch the first weights into L2 before the PDL wait"),
+    "PDL_LATE": (2, "matvec `pdl` flag: let the next kernel launch only after this one's main loop"),
     "MV_WARPS": (4, "warps per matvec block (2 rows each; 1 row pair each in the gated modes)"),
     "MV_COLS": (4, "batch columns (sequences) per matvec block"),
     "MATMUL_BM": (64, "matmul tile rows (tokens)"),
@@ -37,6 +39,7 @@ MODE_STORE, MODE_ADD, MODE_SWIGLU, MODE_GEGLU = (
     SHARED[k][0] for k in ("MODE_STORE", "MODE_ADD", "MODE_SWIGLU", "MODE_GEGLU")
 )
 GATED_MODES = (MODE_SWIGLU, MODE_GEGLU)
+PDL_PREFETCH, PDL_LATE = SHARED["PDL_PREFETCH"][0], SHARED["PDL_LATE"][0]
 MATVEC_COLS = SHARED["MV_COLS"][0]
 MATVEC_ROWS_PER_BLOCK = 2 * SHARED["MV_WARPS"][0]
 MATMUL_TILE = SHARED["MATMUL_BM"][0]

@@ -26,6 +26,8 @@ from ingot.runtime.gpu.constants import (
     MAX_SPLITS,
     MODE_STORE,
     PAGE,
+    PDL_LATE,
+    PDL_PREFETCH,
     PREFILL_MMA_ROWS,
     PREFILL_QUERIES,
     PREP_THREADS,
@@ -224,6 +226,22 @@ def matvec_kernel(qtype: str, ncols: int) -> str:
     return f"matvec_{qtype.lower()}{'_b1' if one else ''}"
 
 
+PDL_LATE_MIN_BYTES = 4 << 20  # INGOT_PDL_TRIGGER=auto: matvecs reading this much trigger after their main loop
+
+
+def matvec_pdl_flags(pdl: bool, W: GpuMatrix) -> int:
+    """The `pdl` argument of a matvec kernel (cuda/matvec.cu): nothing without PDL; else PDL_PREFETCH (the first
+    weights into L2 before the wait) unless INGOT_WEIGHT_PREFETCH=0, and PDL_LATE (the next kernel launches after
+    the main loop, not at entry) as INGOT_PDL_TRIGGER says: for auto, when W is big enough (PDL_LATE_MIN_BYTES)
+    for its blocks' placement to matter more than the overlap of the next launch (cuda/common.cuh)."""
+    if not pdl:
+        return 0
+    trigger = settings.PDL_TRIGGER.get()
+    big = sum(layout_bytes(W.qtype, W.rows, W.cols).values()) >= PDL_LATE_MIN_BYTES
+    late = trigger == "late" or (trigger == "auto" and big)
+    return (PDL_PREFETCH if settings.WEIGHT_PREFETCH.get() else 0) | (PDL_LATE if late else 0)
+
+
 def kernel_images(kernel_dir: Path | None = None) -> dict[str, bytes]:
     """Fatbins for running a bare GGUF without a bundle: kernel_dir, else $INGOT_KERNELS (a folder of
     fatbins, e.g. `ingot build --out DIR`), else the ones `pip install` built (ingot/runtime/fatbins)."""
@@ -393,9 +411,6 @@ class Kernels:
             xs = list(x) if part.quantized else [x]
             part_bias = None if bias is None else bias.at(4 * offset)
             kernel = self.k[matvec_kernel(part.qtype, ncols)]
-            # its weights into L2 before the PDL wait (cuda/matvec.cu prefetch_rows): only useful when the kernel
-            # can be scheduled early, i.e. launched with PDL
-            prefetch = kernel.pdl and settings.WEIGHT_PREFETCH.get()
             launches.append(
                 Launch(
                     kernel,
@@ -411,7 +426,7 @@ class Kernels:
                         i32(ncols),
                         i32(ldy),
                         i32(mode),
-                        i32(prefetch),
+                        i32(matvec_pdl_flags(kernel.pdl, part)),
                     ],
                 )
             )
