@@ -177,6 +177,11 @@ s2)
     echo "INGOT_PDL=0, Q4_0:"
     INGOT_PDL=0 timeout 100 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 0 -r 3 --batch 1,16,64 --no-cold-start 2>&1 |
         grep -E "tg"
+    for t in early late; do
+        echo "INGOT_PDL_TRIGGER=$t: 8B Q4_0, SmolLM2"
+        INGOT_PDL_TRIGGER=$t timeout 60 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 0 -r 3 --no-cold-start 2>&1 | grep -E "tg"
+        INGOT_PDL_TRIGGER=$t timeout 60 python3 -m ingot bench /tmp/smol.ingot -p 0 -r 5 --no-cold-start 2>&1 | grep -E "tg"
+    done
     echo "INGOT_MATMUL=wmma (the previous GEMM), Q4_0:"
     INGOT_MATMUL=wmma timeout 100 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 512 -r 2 --batch 16,64 --no-cold-start \
         2>&1 | grep -E "pp|tg"
