@@ -15,6 +15,7 @@
 // counters gridDim.x*gridDim.y ints (kernels.py sizes both for the worst case: SplitK).
 #include <mma.h>
 #include "weights.cuh"
+#include "matmul_tiles.cuh"
 
 using namespace nvcuda;
 
@@ -281,3 +282,420 @@ matmul_f16(const __half* w, const __half* A, const float* bias, float* C, int M,
     }
 FOR_EACH_GENERIC_TYPE(MATMUL_KERNEL)
 #undef MATMUL_KERNEL
+
+// =====================================================================================================================
+// matmul2_<type>_bm<TM>: the pipelined tensor-core GEMM, compute capability >= 8.0 (mma.sync m16n8k16, ldmatrix,
+// cp.async; sm_75 has none of them and keeps the WMMA kernels above: there these kernels are empty and never
+// launched). Same product, epilogues, split-K contract and arguments as matmul_<type>; INGOT_MATMUL=wmma picks the
+// old kernels anywhere (runtime/settings.py, the A/B switch). Kernels.matmul (runtime/gpu/kernels.py) owns the
+// geometry: grid (ceil(M/TM), ceil(N/MM2_BN), split-K slices), MM2_THREADS threads, Kernels.matmul2_smem bytes of
+// dynamic shared memory.
+//
+// Tile: a block computes TM tokens x MM2_BN = 128 output features of C. TM is 32, 64 or 128 (one kernel each, so
+// the skinny decode tiles get the registers and occupancy of their own size): the host takes the smallest that
+// covers M, and for prefill (no split-K) a smaller one when the larger leaves SMs without a tile.
+// 8 warps as 2 (M) x 4 (N); a warp owns TM/2 rows x 32 columns: MT = TM/32 m16 tiles x 4 n8 tiles of fp32
+// accumulators (64 registers a lane at TM 128).
+// K step: 32 = one quantization block, so a stage holds block kb of every row and K needs no tail (K % 32 == 0).
+//
+// Pipeline, MM2_STAGES = 4 stages in shared memory, each: the A tile [TM][32] fp16 and the weights' RAW bytes of
+// the step (Q4_0: 16 quant bytes + the 4-byte word holding d, per row; Q4_1: + m's word; Q8_0: 32 + 4; F16 the
+// fp16 row itself), copied by cp.async, one commit group per stage. The weights are dequantized from shared memory
+// into an fp16 tile sB [2][128][32+8] one step AHEAD of the multiply, so one barrier per step separates everything:
+//   step i:  wait until stage i+1 has landed; __syncthreads
+//            issue the copies of stage i+3 (into the buffers step i-1 finished reading)
+//            dequantize stage i+1 -> sB[(i+1)%2]     (sB[(i+1)%2] was last read by step i-1's multiply)
+//            multiply sA[i%4] x sB[i%2]              (written before this step's barrier)
+// F16 has nothing to convert: its raw stage is laid out as the fp16 tile and multiplied in place (no sB).
+// The weights.cuh types (K-quants, Q5_x, IQ4) have byte-sized scales that cp.async (4, 8, 16 bytes) cannot copy
+// one per row; they keep loading from global memory with their struct's load(), into registers one step before
+// they are dequantized (the same pipeline, the same sB double buffer, no raw stage).
+// Rows past M (A) and past N (weights) are zero-filled by cp.async's src-size 0 (from a clamped, valid address);
+// the generic types load the clamped row and store zeros.
+//
+// Fragments (g = lane/4, c = lane%4; mma16816 in attention_prefill.cu's notation): A row-major from sA with
+// ldmatrix.x4 (lane l addresses row l%16, k +8 for l >= 16); B = W^T "col-major" = sB rows (one per output
+// feature, k contiguous) with non-transposed ldmatrix.x4: matrices (n+0, k+0), (n+0, k+8), (n+8, k+0), (n+8, k+8)
+// = b0, b1 of n8 tile 2p and of 2p+1. Rows are 32 + 8 halfs = 80 bytes apart: the 8 row addresses of one 8x8
+// matrix fall in 8 different 16-byte bank groups (80/16 = 5, odd), so ldmatrix is conflict-free.
+//
+// Epilogue straight from the accumulators: lane (g, c) of a warp holds rows g, g+8 and columns 2c, 2c+1 of each
+// 16x8 tile. Split-K (gridDim.z > 1): each slice stores its accumulators into ws[tile][z] in REGISTER order
+// (element e of thread t at e * MM2_THREADS + t: coalesced), the tile's last slice (counters, as matmul() above)
+// reads the S partials back in that same order and adds them in slice order z = 0..S-1 (its own too, from ws),
+// so the sum does not depend on which slice finished last. ws holds gridDim.x*gridDim.y*S*TM*MM2_BN floats
+// (Kernels.matmul fits the slices to SplitK's size), counters gridDim.x*gridDim.y ints.
+// =====================================================================================================================
+#define MM2_BN MATMUL2_BN
+#define MM2_THREADS MATMUL2_THREADS
+#define MM2_STAGES MATMUL2_STAGES
+#define MM2_LDS (QK + 8)   // halfs per shared row of sA, sB and F16's raw stage (80 bytes)
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+
+__device__ __forceinline__ unsigned mm2_smem(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+// 16 (.cg: L2 only, the streamed operands) or 4 (.ca: the only sizes below 16 are .ca) bytes global -> shared;
+// read false: zero-fill (src-size 0, the address is not read).
+__device__ __forceinline__ void mm2_cp16(void* dst, const void* src, bool read) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(mm2_smem(dst)), "l"(src), "r"(read ? 16 : 0));
+}
+__device__ __forceinline__ void mm2_cp4(void* dst, const void* src, bool read) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(mm2_smem(dst)), "l"(src), "r"(read ? 4 : 0));
+}
+__device__ __forceinline__ void mm2_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void mm2_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void mm2_ldsm_x4(unsigned (&r)[4], const __half* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(mm2_smem(p)));
+}
+__device__ __forceinline__ void mm2_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The weights' side of a step, one struct per kind (the kernel calls all four; the unused ones are empty):
+//   RAW_ROW            bytes of one weight row in a raw stage (0: no raw stage)
+//   DIRECT             the raw stage is the fp16 tile (F16)
+//   issue(raw, ...)    this thread's cp.async copies of block kb of rows n0..n0+127 into a raw stage
+//   fetch(reg, ...)    register-staged load of this thread's block (generic types)
+//   dequant(sB, raw, reg, ...) this thread's 16 weights of the step -> sB: row tid/2, weights 16*(tid%2).. (Q8_0,
+//                      generic) or 8*(tid%2).. and 16+8*(tid%2).. (Q4: the two nibbles of bytes 8*(tid%2)..)
+// Raw stage of the quantized kinds: regions [BN][QBYTES] quant bytes, [BN] words holding d, ([BN] words holding
+// m), each 16-byte aligned (RAW_ROW = their bytes per row); consecutive rows are contiguous, so the 16-byte
+// reads of a warp below are conflict-free.
+template <bool MIN>
+struct Mm2Q4 {   // Q4_0 (MIN false, m unused) and Q4_1: 16 quant bytes, d's word, [m's word] per row
+    static constexpr int RAW_ROW = MIN ? 24 : 20;
+    static constexpr bool DIRECT = false;
+    const uint8_t* qs; const __half* d; const __half* m; int nb;
+    struct Reg {};
+    __device__ __forceinline__ void issue(uint8_t* raw, long long n0, int N, int kb, int tid) const {
+        const int row = tid % MM2_BN;
+        const long long n = n0 + row, r = n < N ? n : N - 1, b = r * nb + kb;
+        if (tid < MM2_BN) {
+            mm2_cp16(raw + row * 16, qs + b * 16, n < N);
+            if (MIN) mm2_cp4(raw + MM2_BN * 20 + row * 4, m + (b & ~1LL), n < N);
+        } else {
+            mm2_cp4(raw + MM2_BN * 16 + row * 4, d + (b & ~1LL), n < N);   // the aligned word holding d[b]
+        }
+    }
+    __device__ __forceinline__ void fetch(Reg&, long long, int, int, int) const {}
+    __device__ __forceinline__ void dequant(__half* sB, const uint8_t* raw, const Reg&, long long n0, int, int kb,
+                                            int tid) const {
+        const int row = tid / 2, h = tid % 2;
+        const long long b = (n0 + row) * nb + kb;     // its parity picks the half (rows past N: zeros, either)
+        const uint2 q8 = *reinterpret_cast<const uint2*>(raw + row * 16 + 8 * h);
+        const __half dd = scale_of(reinterpret_cast<const uint32_t*>(raw + MM2_BN * 16)[row], b);
+        const __half mm = MIN ? scale_of(reinterpret_cast<const uint32_t*>(raw + MM2_BN * 20)[row], b) : dd;
+        uint32_t lo[4], hi[4];
+        deq_q4_half<MIN>(q8, dd, mm, lo, hi);
+        __half* out = sB + row * MM2_LDS;
+        *reinterpret_cast<uint4*>(out + 8 * h) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        *reinterpret_cast<uint4*>(out + 16 + 8 * h) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    }
+};
+using Mm2Q4_0 = Mm2Q4<false>;
+using Mm2Q4_1 = Mm2Q4<true>;
+
+struct Mm2Q8_0 {   // 32 quant bytes, d's word per row
+    static constexpr int RAW_ROW = 36;
+    static constexpr bool DIRECT = false;
+    const int8_t* qs; const __half* d; int nb;
+    struct Reg {};
+    __device__ __forceinline__ void issue(uint8_t* raw, long long n0, int N, int kb, int tid) const {
+        const int row = tid / 2, h = tid % 2;
+        const long long n = n0 + row, r = n < N ? n : N - 1, b = r * nb + kb;
+        mm2_cp16(raw + row * 32 + 16 * h, qs + b * 32 + 16 * h, n < N);
+        if (h == 0) mm2_cp4(raw + MM2_BN * 32 + row * 4, d + (b & ~1LL), n < N);
+    }
+    __device__ __forceinline__ void fetch(Reg&, long long, int, int, int) const {}
+    __device__ __forceinline__ void dequant(__half* sB, const uint8_t* raw, const Reg&, long long n0, int, int kb,
+                                            int tid) const {
+        const int row = tid / 2, h = tid % 2;
+        const long long b = (n0 + row) * nb + kb;
+        const uint4 q16 = *reinterpret_cast<const uint4*>(raw + row * 32 + 16 * h);
+        uint32_t w[8];
+        deq_q8_half(q16, scale_of(reinterpret_cast<const uint32_t*>(raw + MM2_BN * 32)[row], b), w);
+        __half* out = sB + row * MM2_LDS + 16 * h;
+        *reinterpret_cast<uint4*>(out) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint4*>(out + 8) = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+};
+
+struct Mm2F16 {   // the raw stage is the fp16 tile [128][MM2_LDS]
+    static constexpr int RAW_ROW = MM2_LDS * 2;
+    static constexpr bool DIRECT = true;
+    const __half* w; int nb;
+    struct Reg {};
+    __device__ __forceinline__ void issue(uint8_t* raw, long long n0, int N, int kb, int tid) const {
+#pragma unroll
+        for (int e = tid; e < MM2_BN * 4; e += MM2_THREADS) {   // 4 chunks of 8 halfs per row
+            const int row = e / 4, c = (e % 4) * 8;
+            const long long n = n0 + row, r = n < N ? n : N - 1;
+            mm2_cp16(reinterpret_cast<__half*>(raw) + row * MM2_LDS + c, w + r * nb * QK + kb * QK + c, n < N);
+        }
+    }
+    __device__ __forceinline__ void fetch(Reg&, long long, int, int, int) const {}
+    __device__ __forceinline__ void dequant(__half*, const uint8_t*, const Reg&, long long, int, int, int) const {}
+};
+
+template <typename W>
+struct Mm2Generic {   // the weights.cuh structs: W::load from global one step ahead, then words/deq
+    static constexpr int RAW_ROW = 0;
+    static constexpr bool DIRECT = false;
+    W w;
+    using Reg = typename W::Block;
+    __device__ __forceinline__ void issue(uint8_t*, long long, int, int, int) const {}
+    __device__ __forceinline__ void fetch(Reg& reg, long long n0, int N, int kb, int tid) const {
+        const long long n = n0 + tid / 2;
+        reg = w.load(n < N ? n : N - 1, kb);
+    }
+    __device__ __forceinline__ void dequant(__half* sB, const uint8_t*, const Reg& reg, long long n0, int N, int,
+                                            int tid) const {
+        const int row = tid / 2, h = tid % 2;
+        __half v[16];
+        int4 lo, hi;
+        W::words(reg, lo, hi);
+        if (h == 0) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) v[i] = __float2half(W::deq(reg, lo, hi, i));
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++) v[i] = __float2half(W::deq(reg, lo, hi, 16 + i));
+        }
+        uint4 a = *reinterpret_cast<uint4*>(v), c = *reinterpret_cast<uint4*>(v + 8);
+        if (n0 + row >= N) a = c = make_uint4(0, 0, 0, 0);
+        __half* out = sB + row * MM2_LDS + 16 * h;
+        *reinterpret_cast<uint4*>(out) = a;
+        *reinterpret_cast<uint4*>(out + 8) = c;
+    }
+};
+
+// Bytes of dynamic shared memory (Kernels.matmul2_smem computes the same from kernels.py MATMUL2_RAW_ROW; the
+// kernel traps if it was given less): sA [STAGES][TM][LDS] fp16, sB [2][BN][LDS] fp16 (not for DIRECT), raw
+// [STAGES][BN][RAW_ROW] bytes.
+template <int TM, typename T>
+__host__ __device__ constexpr int mm2_smem_bytes() {
+    return MM2_STAGES * TM * MM2_LDS * 2 + (T::DIRECT ? 0 : 2 * MM2_BN * MM2_LDS * 2) + MM2_STAGES * MM2_BN * T::RAW_ROW;
+}
+
+template <int TM, typename T>
+__device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__ A, const float* __restrict__ bias,
+                                        float* __restrict__ C, int M, int N, int K, int ldc, int mode,
+                                        float* __restrict__ ws, int* __restrict__ counters) {
+    // Warps as WM (along M) x WN (along N); a warp owns TM/WM rows x 128/WN columns = MT m16 x NT n8 tiles.
+    // TM 128: 4 x 2, warp 32 x 64 (MT 2, NT 8): A and B fragments of a k16 step are 8 + 4 registers (a 64 x 32
+    // warp tile would hold 16 + 4 and spill at the 128 registers 2 blocks per SM allow). TM 64, 32: 2 x 4.
+    constexpr int WM = TM == 128 ? 4 : 2, WN = 8 / WM;
+    constexpr int MT = TM / WM / 16, NT = MM2_BN / WN / 8;
+    constexpr int A_STAGE = TM * MM2_LDS;       // halfs
+    constexpr int B_TILE = MM2_BN * MM2_LDS;    // halfs
+    constexpr int RAW_STAGE = MM2_BN * T::RAW_ROW;
+    static_assert(MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the thread mappings below assume these");
+    static_assert(MT >= 1 && NT % 2 == 0, "ldmatrix.x4 loads B for two n8 tiles");
+    extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
+    {   // a launch with less dynamic shared memory than this layout needs would overrun it: fail loudly instead
+        unsigned have;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+        if (have < (unsigned)mm2_smem_bytes<TM, T>()) __trap();
+    }
+    __half* sA = reinterpret_cast<__half*>(mm2_raw_smem);                 // [STAGES][TM][LDS]
+    __half* sB = sA + MM2_STAGES * A_STAGE;                               // [2][BN][LDS] (unused when DIRECT)
+    uint8_t* raw = reinterpret_cast<uint8_t*>(sB + (T::DIRECT ? 0 : 2 * B_TILE));   // [STAGES][RAW_STAGE]
+
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, wm = warp / WN, wn = warp % WN;
+    const long long m0 = (long long)blockIdx.x * TM, n0 = (long long)blockIdx.y * MM2_BN;
+    const int nb = K / QK, per = (nb + gridDim.z - 1) / gridDim.z;
+    const int kb0 = blockIdx.z * per, steps = max(0, min(nb, kb0 + per) - kb0);
+
+    // This thread's A chunks (16 bytes: row e/4, halfs 8*(e%4).., e = tid + j*THREADS): source at step 0 and
+    // shared offset in stage 0, computed once; rows past M read nothing (zero-fill) from row M-1.
+    constexpr int AJ = (TM * 4 + MM2_THREADS - 1) / MM2_THREADS;
+    const __half* a_src[AJ];
+    int a_dst[AJ];
+    bool a_ok[AJ];
+#pragma unroll
+    for (int j = 0; j < AJ; j++) {
+        const int e = tid + j * MM2_THREADS, row = e / 4, c = (e % 4) * 8;
+        const long long mrow = m0 + row;
+        a_ok[j] = e < TM * 4 && mrow < M;
+        a_src[j] = A + (mrow < M ? mrow : M - 1) * K + (long long)kb0 * QK + c;
+        a_dst[j] = e < TM * 4 ? row * MM2_LDS + c : -1;
+    }
+    auto load_stage = [&](int s) {   // A tile and raw weights of step s into stage s % STAGES
+        __half* a = sA + (s % MM2_STAGES) * A_STAGE;
+#pragma unroll
+        for (int j = 0; j < AJ; j++)
+            if (a_dst[j] >= 0) mm2_cp16(a + a_dst[j], a_src[j] + s * QK, a_ok[j]);
+        src.issue(raw + (s % MM2_STAGES) * RAW_STAGE, n0, N, kb0 + s, tid);
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+
+    // Prologue: stages 0..STAGES-2 in flight (one group each, empty past the range), stage 0 dequantized.
+#pragma unroll
+    for (int s = 0; s < MM2_STAGES - 1; s++) {
+        if (s < steps) load_stage(s);
+        mm2_commit();
+    }
+    typename T::Reg reg;
+    if (steps > 0) src.fetch(reg, n0, N, kb0, tid);
+    mm2_wait<MM2_STAGES - 2>();   // stage 0 landed (this thread's copies)
+    __syncthreads();              // ... and everyone's
+    if (steps > 0) {
+        src.dequant(sB, raw, reg, n0, N, kb0, tid);
+        if (steps > 1) src.fetch(reg, n0, N, kb0 + 1, tid);
+    }
+
+    // ldmatrix lane addresses (halfs): A rows wm*(TM/WM) + mt*16 + l%16, k +8 for l >= 16; B rows (features)
+    // wn*(NT*8) + p*16 + l%8 + 8*(l/16), k +8 for (l/8) odd.
+    const int a_lane = (wm * (TM / WM) + lane % 16) * MM2_LDS + (lane / 16) * 8;
+    const int b_lane = (wn * (NT * 8) + lane % 8 + (lane / 16) * 8) * MM2_LDS + ((lane / 8) % 2) * 8;
+
+    for (int i = 0; i < steps; i++) {
+        mm2_wait<MM2_STAGES - 3>();   // stage i+1 landed (groups committed: stages ..i+STAGES-2)
+        __syncthreads();
+        if (i + MM2_STAGES - 1 < steps) load_stage(i + MM2_STAGES - 1);
+        mm2_commit();                 // (empty near the end: keeps one group per step for the wait count)
+        if (i + 1 < steps) {
+            src.dequant(sB + ((i + 1) % 2) * B_TILE, raw + ((i + 1) % MM2_STAGES) * RAW_STAGE, reg, n0, N, kb0 + i + 1,
+                        tid);
+            if (i + 2 < steps) src.fetch(reg, n0, N, kb0 + i + 2, tid);
+        }
+        const __half* a_st = sA + (i % MM2_STAGES) * A_STAGE + a_lane;
+        const __half* b_st = (T::DIRECT ? reinterpret_cast<const __half*>(raw + (i % MM2_STAGES) * RAW_STAGE)
+                                        : sB + (i % 2) * B_TILE) + b_lane;
+#pragma unroll
+        for (int ks = 0; ks < QK / 16; ks++) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) mm2_ldsm_x4(a[mt], a_st + mt * 16 * MM2_LDS + ks * 16);
+#pragma unroll
+            for (int p = 0; p < NT / 2; p++) {
+                unsigned b[4];
+                mm2_ldsm_x4(b, b_st + p * 16 * MM2_LDS + ks * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mm2_mma(acc[mt][2 * p], a[mt], b[0], b[1]);
+                    mm2_mma(acc[mt][2 * p + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+    mm2_wait<0>();   // no copy may still target shared memory when the block exits (only empty groups remain)
+
+    if (gridDim.z > 1) {
+        __shared__ bool is_last;
+        constexpr int TILE = TM * MM2_BN;
+        const int tile = blockIdx.y * gridDim.x + blockIdx.x, S = gridDim.z;
+        float* mine = ws + ((size_t)tile * S + blockIdx.z) * TILE + tid;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) mine[((mt * NT + nt) * 4 + e) * MM2_THREADS] = acc[mt][nt][e];
+        __threadfence();              // this slice visible device-wide before the count says so
+        __syncthreads();
+        if (tid == 0) is_last = atomicAdd(counters + tile, 1) == S - 1;
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        if (tid == 0) counters[tile] = 0;   // zero again for the next launch (stream-ordered)
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
+        for (int z = 0; z < S; z++) {   // slice order, element by element: 0 + s_0 + s_1 + ... as matmul() above
+            const float* part = ws + ((size_t)tile * S + z) * TILE + tid;
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        acc[mt][nt][e] += __ldcg(part + ((mt * NT + nt) * 4 + e) * MM2_THREADS);   // L2: other SMs
+        }
+    }
+    // Epilogue: element e of tile (mt, nt) is row g + 8*(e/2), column 2c + e%2 (scalar stores: C + offset of a
+    // stacked part need not be 8-byte aligned).
+    const long long r0 = m0 + wm * (TM / WM) + lane / 4, c0 = n0 + wn * (NT * 8) + 2 * (lane % 4);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; e2++) {
+            const long long gc = c0 + nt * 8 + e2;
+            if (gc >= N) continue;
+            const float b = bias ? bias[gc] : 0.0f;
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const long long gr = r0 + mt * 16 + 8 * h;
+                    if (gr >= M) continue;
+                    float* out = C + gr * ldc + gc;
+                    const float v = acc[mt][nt][2 * h + e2] + b;
+                    *out = mode == MODE_ADD ? *out + v : v;
+                }
+        }
+}
+
+template <typename W>
+__device__ __forceinline__ Mm2Generic<W> mm2_source(const W& w) { return {w}; }
+template <bool MIN>
+__device__ __forceinline__ Mm2Q4<MIN> mm2_source(const Mm2Q4<MIN>& w) { return w; }
+__device__ __forceinline__ Mm2Q8_0 mm2_source(const Mm2Q8_0& w) { return w; }
+__device__ __forceinline__ Mm2F16 mm2_source(const Mm2F16& w) { return w; }
+
+#define MM2_RUN(TM, WT, ...) \
+    matmul2<TM>(mm2_source(WT{__VA_ARGS__, K / QK}), A, bias, C, M, N, K, ldc, mode, ws, counters)
+#else
+#define MM2_RUN(TM, WT, ...) // sm_75: never launched (the host runs matmul_<type> there)
+#endif
+
+// Three tile heights per type, each its own kernel: registers and occupancy (__launch_bounds__ minimum blocks per
+// SM) of its own size. X(name, source struct, kernel parameters, struct initializers before nb).
+#define Q4_0_PARAMS const uint8_t* qs, const __half* d
+#define Q4_1_PARAMS const uint8_t* qs, const __half* d, const __half* m
+#define Q8_0_PARAMS const int8_t* qs, const __half* d
+#define F16_PARAMS const __half* w
+#define FOR_EACH_MATMUL2_TYPE(X)                         \
+    X(q4_0, Mm2Q4_0, Q4_0_PARAMS, qs, d, nullptr)        \
+    X(q4_1, Mm2Q4_1, Q4_1_PARAMS, qs, d, m)              \
+    X(q8_0, Mm2Q8_0, Q8_0_PARAMS, qs, d)                 \
+    X(f16, Mm2F16, F16_PARAMS, w)                        \
+    FOR_EACH_GENERIC_TYPE(X)
+
+// Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2_smem(type, TM) bytes
+// of dynamic shared memory; arguments as matmul_<type>.
+#define MATMUL2_KERNELS(NAME, WT, PARAMS, ...)                                                                    \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
+    matmul2_##NAME##_bm128(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,   \
+                           int mode, float* ws, int* counters) {                                                 \
+        INGOT_PDL_ENTRY();                                                                                       \
+        MM2_RUN(128, WT, __VA_ARGS__);                                                                           \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
+    matmul2_##NAME##_bm64(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,    \
+                          int mode, float* ws, int* counters) {                                                  \
+        INGOT_PDL_ENTRY();                                                                                       \
+        MM2_RUN(64, WT, __VA_ARGS__);                                                                            \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
+    matmul2_##NAME##_bm32(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,    \
+                          int mode, float* ws, int* counters) {                                                  \
+        INGOT_PDL_ENTRY();                                                                                       \
+        MM2_RUN(32, WT, __VA_ARGS__);                                                                            \
+    }
+FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
+#undef MATMUL2_KERNELS
+#undef MM2_RUN

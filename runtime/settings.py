@@ -156,6 +156,23 @@ ATTN_PREFILL = Setting(
     "mma or scalar",
     "The GPU engine's prefill attention: mma (tensor cores, compute capability >= 8.0) or scalar (any GPU).",
 )
+
+
+def _matmul(text: str) -> str:
+    if text not in ("mma", "wmma"):
+        raise ValueError(text)
+    return text
+
+
+# The GEMM kernels (prefill, wide-batch decode): cuda/matmul.cu's pipelined mma.sync ones (matmul2_*, default;
+# compute capability >= 8.0, WMMA below that) or the WMMA ones of v9 (matmul_*), the A/B switch.
+MATMUL = Setting(
+    "INGOT_MATMUL",
+    "mma",
+    _matmul,
+    "mma or wmma",
+    "The GPU engine's GEMMs: mma (pipelined tensor-core kernels, compute capability >= 8.0) or wmma (v9's, any GPU).",
+)
 PDL = Setting(
     "INGOT_PDL",
     True,
@@ -262,6 +279,7 @@ ALL: tuple[Setting, ...] = (
     KV_FRACTION,
     PREFIX_CACHE,
     ATTN_PREFILL,
+    MATMUL,
     PDL,
     WEIGHT_PREFETCH,
     PDL_TRIGGER,

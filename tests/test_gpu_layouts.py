@@ -18,12 +18,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from ingot.runtime.engines.cuda_weights import stack_plan, upload_weights
-from ingot.runtime.errors import IncompatibleError
+from ingot.runtime.errors import IncompatibleError, UsageError
 from ingot.runtime.gpu import constants
 from ingot.runtime.gpu.driver import DeviceBuffer
 from ingot.runtime.gpu.kernels import (
     GPU_QTYPES,
     LAYOUTS,
+    MATMUL2_LDS,
+    MATMUL2_RAW_ROW,
+    MATMUL2_THREADS,
+    MATMUL2_TILE_ROWS,
     MAX_K_SLICES,
     SPLIT_K_TILES_PER_SM,
     SUPERBLOCK_TYPES,
@@ -32,6 +36,10 @@ from ingot.runtime.gpu.kernels import (
     Kernels,
     SplitK,
     layout_bytes,
+    matmul2_smem,
+    matmul_geometry,
+    matmul_uses_mma,
+    split_k_floats,
 )
 from ingot.runtime.model.quants import QUANT_TYPES
 
@@ -123,11 +131,13 @@ class _FakeKernel:
         self.name, self.fn, self.pdl = name, None, pdl
 
 
-def _kernels(sm_count=132):
-    """Kernels without a device: the launch geometry only (kernel lookups give named stand-ins)."""
+def _kernels(sm_count=132, mma=False):
+    """Kernels without a device: the launch geometry only (kernel lookups give named stand-ins). mma: the GEMMs are
+    the pipelined matmul2_* (a GPU of compute capability >= 8.0 with INGOT_MATMUL=mma), else WMMA's."""
     k = Kernels.__new__(Kernels)
     k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count))
-    names = ("matvec_{}", "matvec_{}_b1", "matmul_{}")
+    k.matmul_mma = mma
+    names = ("matvec_{}", "matvec_{}_b1", "matmul_{}", *(f"matmul2_{{}}_bm{tm}" for tm in MATMUL2_TILE_ROWS))
     k.k = {n.format(q.lower()): _FakeKernel(n.format(q.lower())) for q in GPU_QTYPES for n in names}
     return k
 
@@ -213,13 +223,15 @@ def test_gated_matvec_refuses_a_stack(mode):
     assert e.value.hint
 
 
-def test_split_k_matmul_on_a_stack_is_one_launch_per_part_sharing_the_scratch():
+@pytest.mark.parametrize("mma", [False, True])
+def test_split_k_matmul_on_a_stack_is_one_launch_per_part_sharing_the_scratch(mma):
     """No memset before the slices (their sums are ordered in the kernel), one launch per part at its column
     offset, every part with the same partial-tile and counter buffers, and grids within what SplitK holds."""
     parts = [_matrix("Q4_K", 64, 256), _matrix("Q6_K", 32, 256)]
     C, ws, counters = 1 << 30, DeviceBuffer(1 << 32, 4, "ws"), DeviceBuffer(1 << 33, 4, "counters")
-    launches = _kernels().matmul(GpuStack(parts), 7, C, 2, ldc=96, split_k=SplitK(ws, counters))
-    assert [launch.kernel.name for launch in launches] == ["matmul_q4_k", "matmul_q6_k"]
+    launches = _kernels(mma=mma).matmul(GpuStack(parts), 7, C, 2, ldc=96, split_k=SplitK(ws, counters))
+    names = ["matmul2_q4_k_bm32", "matmul2_q6_k_bm32"] if mma else ["matmul_q4_k", "matmul_q6_k"]
+    assert [launch.kernel.name for launch in launches] == names
     for launch, part, off in zip(launches, parts, [0, 64], strict=True):
         args = _ptr_args(launch)
         n = len(part.args())
@@ -227,21 +239,92 @@ def test_split_k_matmul_on_a_stack_is_one_launch_per_part_sharing_the_scratch():
         assert args[n + 3 : n + 7] == [2, part.rows, 256, 96]
         assert args[n + 8 :] == [ws.ptr, counters.ptr]
         assert launch.grid[2] > 1
-    plain = _kernels().matmul(GpuStack(parts), 7, C, 2, ldc=96)
+        assert launch.block == (MATMUL2_THREADS if mma else 128)
+        assert launch.smem == (matmul2_smem(part.qtype, 32) if mma else 0)
+    plain = _kernels(mma=mma).matmul(GpuStack(parts), 7, C, 2, ldc=96)
     assert all(launch.grid[2] == 1 and _ptr_args(launch)[-2:] == [0, 0] for launch in plain)
 
 
+@pytest.mark.parametrize("mma", [False, True])
 @pytest.mark.parametrize("sm_count", [1, 8, 132])
-@pytest.mark.parametrize("rows,cols,M", [(64, 256, 1), (4096, 4096, 16), (576, 1536, 37), (28672, 4096, 64)])
-def test_split_k_grids_fit_the_scratch(sm_count, rows, cols, M):
-    """SplitK is sized once per GPU (Kernels.split_k): any shape's grid must fit its tiles and counters."""
+@pytest.mark.parametrize(
+    "rows,cols,M", [(64, 256, 1), (4096, 4096, 16), (576, 1536, 37), (28672, 4096, 64), (6144, 4096, 200)]
+)
+def test_split_k_grids_fit_the_scratch(sm_count, rows, cols, M, mma):
+    """SplitK is sized once per GPU (Kernels.split_k): any shape's grid must fit its tiles and counters, and the
+    grid must cover C with tiles of the kernel's size."""
     ws, counters = DeviceBuffer(1 << 32, 4, "ws"), DeviceBuffer(1 << 33, 4, "counters")
-    (launch,) = _kernels(sm_count).matmul(
+    (launch,) = _kernels(sm_count, mma).matmul(
         _matrix("Q4_0", rows, cols), 7, 1 << 30, M, ldc=rows, split_k=SplitK(ws, counters)
     )
+    t = matmul_geometry(M, rows, cols, sm_count, mma=mma, split=True)
     gx, gy, gz = launch.grid
-    assert gz == 1 or (gx * gy < 2 * sm_count and gx * gy * gz < SPLIT_K_TILES_PER_SM * sm_count)
+    tm_tiles, tn_tiles = (gx, gy) if mma else (gy, gx)
+    assert tm_tiles == -(-M // t.tm) and tn_tiles == -(-rows // t.tn)
+    assert gz == 1 or (gx * gy < 2 * sm_count and gx * gy * gz * t.tm * t.tn <= split_k_floats(sm_count))
     assert gz <= min(MAX_K_SLICES, cols // 32)
+    if not mma:  # v9's bound, in 64x64 tiles
+        assert gz == 1 or gx * gy * gz < SPLIT_K_TILES_PER_SM * sm_count
+
+
+@pytest.mark.parametrize(
+    "M,N,split,tm",
+    [
+        (1, 4096, True, 32),  # decode batches: the smallest tile that covers M
+        (16, 28672, True, 32),
+        (33, 28672, True, 64),
+        (64, 4096, True, 64),
+        (65, 4096, True, 128),
+        (512, 28672, False, 128),  # prefill: 4 x 224 tiles
+        (512, 4096, False, 64),  # 4 x 32 = 128 tiles < 132 SMs: 8 x 32
+        (512, 576, False, 32),  # SmolLM2: as many tiles as the smallest height gives
+        (7, 49152, False, 32),
+    ],
+)
+def test_matmul2_tile_height(M, N, split, tm):
+    t = matmul_geometry(M, N, 4096, 132, mma=True, split=split)
+    assert (t.tm, t.tn) == (tm, constants.MATMUL2_BN)
+    assert t.kernel("Q4_K") == f"matmul2_q4_k_bm{tm}"
+
+
+@pytest.mark.parametrize("qtype", GPU_QTYPES)
+@pytest.mark.parametrize("tm", MATMUL2_TILE_ROWS)
+def test_matmul2_shared_memory_fits_every_arch_with_mma(qtype, tm):
+    """The opt-in limit of sm_86/89/120 is 99 KiB (sm_80/90/100: more), less the kernel's 16 static bytes; and the
+    numbers are those of cuda/matmul.cu's layout (mm2_smem_bytes), worked out by hand for two types."""
+    assert matmul2_smem(qtype, tm) + 16 <= 99 * 1024
+    assert matmul2_smem("Q4_0", 128) == 4 * 128 * 80 + 2 * 128 * 80 + 4 * 128 * (16 + 4)
+    assert matmul2_smem("F16", 32) == 4 * 32 * 80 + 4 * 128 * 80
+
+
+def test_matmul2_raw_rows_match_the_kernel_source():
+    """kernels.py MATMUL2_RAW_ROW is the RAW_ROW of each raw-stage struct in cuda/matmul.cu (the host sizes the
+    shared memory from it; the kernel checks %dynamic_smem_size and traps if short)."""
+    src = (Path(__file__).parents[1] / "cuda" / "matmul.cu").read_text()
+    assert "static constexpr int RAW_ROW = MIN ? 24 : 20;" in src  # Mm2Q4<MIN>: Q4_1, Q4_0
+    assert MATMUL2_RAW_ROW["Q4_1"] == 24 and MATMUL2_RAW_ROW["Q4_0"] == 20
+    q8 = src[src.index("struct Mm2Q8_0 {") :]
+    assert q8[: q8.index("};")].count(f"RAW_ROW = {MATMUL2_RAW_ROW['Q8_0']};") == 1
+    f16 = src[src.index("struct Mm2F16 {") :]
+    assert "RAW_ROW = MM2_LDS * 2;" in f16[: f16.index("};")] and MATMUL2_RAW_ROW["F16"] == 2 * MATMUL2_LDS
+    assert "#define MM2_LDS (QK + 8)" in src and MATMUL2_LDS == constants.QK + 8
+
+
+@pytest.mark.parametrize("cc,setting,mma", [(75, "mma", False), (80, "mma", True), (90, None, True), (90, "wmma", False)])
+def test_matmul_kernel_choice(monkeypatch, cc, setting, mma):
+    """sm_75 has no mma.sync m16n8k16 / cp.async: always WMMA; from 8.0 the pipelined kernels unless
+    INGOT_MATMUL=wmma."""
+    if setting is None:
+        monkeypatch.delenv("INGOT_MATMUL", raising=False)
+    else:
+        monkeypatch.setenv("INGOT_MATMUL", setting)
+    assert matmul_uses_mma(cc) is mma
+
+
+def test_matmul_setting_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("INGOT_MATMUL", "cutlass")
+    with pytest.raises(UsageError):
+        matmul_uses_mma(90)
 
 
 def test_weight_layout_and_abi_name_the_new_layout():

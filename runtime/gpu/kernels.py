@@ -20,6 +20,9 @@ from ingot.runtime.gpu.constants import (
     CAND_SLOTS,
     DRAW_MAX,
     GATED_MODES,
+    MATMUL2_BN,
+    MATMUL2_STAGES,
+    MATMUL2_THREADS,
     MATMUL_TILE,
     MATVEC_COLS,
     MATVEC_ROWS_PER_BLOCK,
@@ -88,6 +91,7 @@ ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
 PDL_KERNELS = frozenset(
     {
         *(f"{op}_{q.lower()}" for op in ("embed", "matvec", "matmul") for q in GPU_QTYPES),
+        *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in (32, 64, 128)),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
@@ -126,7 +130,87 @@ def mark_pdl(kernels: dict[str, Kernel], cc: int) -> None:
 
 
 MAX_K_SLICES = 16  # split-K slices of one GEMM at most
-SPLIT_K_TILES_PER_SM = 4  # partial 64x64 tiles SplitK holds per SM (the bound in Kernels.split_k)
+SPLIT_K_TILES_PER_SM = 4  # partial tiles of SPLIT_K_TILE_FLOATS that SplitK holds per SM (Kernels.split_k)
+# The unit: a 64x128 fp32 tile, matmul2's at decode batches up to 64 (a 128x128 tile counts twice, WMMA's 64x64
+# half). matmul_geometry caps the slices so that a grid's partial tiles fit.
+SPLIT_K_TILE_FLOATS = 64 * 128
+
+# The pipelined tensor-core GEMM (cuda/matmul.cu, matmul2_<type>_bm<TM>, compute capability >= 8.0): its tile
+# heights (tokens), the bytes of one weight row in a raw cp.async stage (its Mm2* structs' RAW_ROW; the weights.cuh
+# types load from global memory and have none), and its shared-memory rows of 32 + 8 halfs.
+MATMUL2_TILE_ROWS = (32, 64, 128)
+MATMUL2_RAW_ROW = {"Q4_0": 20, "Q4_1": 24, "Q8_0": 36, "F16": 2 * (QK + 8)}
+MATMUL2_LDS = QK + 8
+
+
+def split_k_floats(sm_count: int) -> int:
+    """fp32 elements of SplitK's partial-tile scratch on a GPU of sm_count SMs."""
+    return SPLIT_K_TILES_PER_SM * sm_count * SPLIT_K_TILE_FLOATS
+
+
+def matmul_uses_mma(cc: int) -> bool:
+    """Whether GEMMs run the pipelined mma.sync kernels (matmul2_*: mma.sync m16n8k16, ldmatrix and cp.async need
+    compute capability 8.0) on a GPU of compute capability cc, unless INGOT_MATMUL=wmma; else matmul_<type>."""
+    return cc >= 80 and settings.MATMUL.get() == "mma"
+
+
+def matmul2_smem(qtype: str, tm: int) -> int:
+    """Dynamic shared memory of matmul2_<qtype>_bm<tm> (cuda/matmul.cu mm2_smem_bytes; the kernel traps if given
+    less): A stages [STAGES][tm][40] fp16, the dequantized tile [2][128][40] fp16 (F16 multiplies its raw stage in
+    place: none), raw weight stages [STAGES][128][RAW_ROW] bytes."""
+    direct = qtype == "F16"
+    return (
+        MATMUL2_STAGES * tm * MATMUL2_LDS * 2
+        + (0 if direct else 2 * MATMUL2_BN * MATMUL2_LDS * 2)
+        + MATMUL2_STAGES * MATMUL2_BN * MATMUL2_RAW_ROW.get(qtype, 0)
+    )
+
+
+@dataclass(frozen=True)
+class GemmTiling:
+    """How one GEMM C[M, N] = A[M, K] W[N, K]^T is cut: tm tokens x tn features per block, `slices` along K."""
+
+    mma: bool  # matmul2_<type>_bm<tm> (else the WMMA matmul_<type>, 64x64)
+    tm: int
+    tn: int
+    slices: int
+
+    def kernel(self, qtype: str) -> str:
+        return f"matmul2_{qtype.lower()}_bm{self.tm}" if self.mma else f"matmul_{qtype.lower()}"
+
+    @property
+    def threads(self) -> int:
+        return MATMUL2_THREADS if self.mma else 128
+
+    def smem(self, qtype: str) -> int:
+        return matmul2_smem(qtype, self.tm) if self.mma else 0
+
+    def grid(self, M: int, N: int) -> tuple[int, int, int]:
+        """matmul2: tokens along x, so the few token tiles sharing a weight tile run side by side (the weights are
+        read from DRAM once); WMMA: features along x (cuda/matmul.cu)."""
+        tm_tiles, tn_tiles = -(-M // self.tm), -(-N // self.tn)
+        return (tm_tiles, tn_tiles, self.slices) if self.mma else (tn_tiles, tm_tiles, self.slices)
+
+
+def matmul_geometry(M: int, N: int, K: int, sm_count: int, *, mma: bool, split: bool) -> GemmTiling:
+    """The tiling of a GEMM (the whole matrix's N; a stack's parts take the same tiling). matmul2's tile height is
+    the smallest of MATMUL2_TILE_ROWS covering M (decode batches: no multiplies wasted on padding rows); without
+    split-K (prefill) a smaller one while the larger would leave SMs without a tile. split: K is cut into slices
+    while the tiles alone would not fill the GPU twice, as many as bring tiles x slices to about 2 x SMs, at most
+    MAX_K_SLICES and K/32, and no more than SplitK's scratch holds (split_k_floats)."""
+    if mma:
+        tn = MATMUL2_BN
+        tm = next((t for t in MATMUL2_TILE_ROWS if t >= M), MATMUL2_TILE_ROWS[-1])
+        while not split and tm > MATMUL2_TILE_ROWS[0] and -(-M // tm) * -(-N // tn) < sm_count:
+            tm //= 2
+    else:
+        tm = tn = MATMUL_TILE
+    tiles = -(-M // tm) * -(-N // tn)
+    slices = 1
+    if split and tiles < 2 * sm_count:
+        fit = split_k_floats(sm_count) // (tiles * tm * tn)
+        slices = max(1, min(K // QK, MAX_K_SLICES, -(-2 * sm_count // tiles), fit))
+    return GemmTiling(mma, tm, tn, slices)
 
 
 @dataclass(frozen=True)
@@ -321,6 +405,14 @@ class Kernels:
         # Prefill attention: the tensor-core kernel (cuda/attention_prefill.cu) from compute capability 8.0 (its
         # mma.sync m16n8k16 / cp.async), unless INGOT_ATTN_PREFILL=scalar; else attention.cu's scalar one.
         self.prefill_mma = prefill_uses_mma(device.info.cc)
+        # GEMMs: the pipelined tensor-core kernels (matmul2_*) from compute capability 8.0 unless INGOT_MATMUL=wmma
+        # (tests flip this attribute to run both). Their shared memory passes the 48 KiB default: opted into once
+        # per kernel (at most 84 KiB, under the 99 KiB of sm_86/89/120).
+        self.matmul_mma = matmul_uses_mma(device.info.cc)
+        if device.info.cc >= 80:
+            for q in GPU_QTYPES:
+                for tm in MATMUL2_TILE_ROWS:
+                    self.k[f"matmul2_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2_smem(q, tm))
         # Its shared memory grows with the head size (scalar: 80 KiB at hd 256, more than sm_75's 64 KiB opt-in;
         # mma: 99 KiB); one opt-in per head size this GPU can hold.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
@@ -443,7 +535,7 @@ class Kernels:
         here once; every launch leaves them zero). Sized for the worst grid matmul() makes: slices are only added
         while tiles < 2 x SMs, as many as bring tiles x slices to about 2 x SMs, so under 4 x SMs partial tiles."""
         sm = self.device.info.sm_count
-        ws = pool.alloc(4 * SPLIT_K_TILES_PER_SM * sm * MATMUL_TILE * MATMUL_TILE, "split-K partial tiles")
+        ws = pool.alloc(4 * split_k_floats(sm), "split-K partial tiles")
         counters = pool.alloc(4 * 2 * sm, "split-K tile counters")
         stream.memset(counters.ptr, 0, counters.nbytes)
         return SplitK(ws, counters)
@@ -463,25 +555,25 @@ class Kernels:
         """C[M, N] (op)= A[M, K] fp16 · W[N, K]^T, C fp32 with row stride ldc. Returns the steps to run.
         split_k: when the tiles alone would not fill the GPU twice over, slice K too (decode batches), with this
         scratch; the partial sums are added in a fixed order (cuda/matmul.cu), so results do not vary between runs.
-        A GpuStack gets one launch per part, writing its columns of C at the part's offset."""
+        A GpuStack gets one launch per part, writing its columns of C at the part's offset. The kernels and their
+        tiling: matmul_geometry (self.matmul_mma: the pipelined mma.sync ones, else WMMA)."""
         if mode in GATED_MODES:
             raise ValueError("matmul has no gated epilogue: run the activation kernel on its output")
         sm = self.device.info.sm_count
-        tiles = -(-W.rows // MATMUL_TILE) * -(-M // MATMUL_TILE)
-        nb = W.cols // QK
-        splits = max(1, min(nb, MAX_K_SLICES, -(-2 * sm // tiles))) if split_k is not None else 1
+        tiling = matmul_geometry(M, W.rows, W.cols, sm, mma=self.matmul_mma, split=split_k is not None)
         steps: list = []
         offset = 0
         for part in W.parts:
-            grid = (-(-part.rows // MATMUL_TILE), -(-M // MATMUL_TILE), splits)
-            if splits > 1:  # what SplitK holds (a part has at most the whole matrix's tiles)
-                assert grid[0] * grid[1] < 2 * sm and grid[0] * grid[1] * splits < SPLIT_K_TILES_PER_SM * sm
+            grid = tiling.grid(M, part.rows)
+            if tiling.slices > 1:  # what SplitK holds (a part has at most the whole matrix's tiles)
+                tiles = grid[0] * grid[1]
+                assert tiles < 2 * sm and tiles * tiling.slices * tiling.tm * tiling.tn <= split_k_floats(sm)
             part_bias = None if bias is None else bias.at(4 * offset)
             steps.append(
                 Launch(
-                    self.k[f"matmul_{part.qtype.lower()}"],
+                    self.k[tiling.kernel(part.qtype)],
                     grid,
-                    128,
+                    tiling.threads,
                     [
                         *part.args(),
                         A,
@@ -495,6 +587,7 @@ class Kernels:
                         None if split_k is None else split_k.ws,
                         None if split_k is None else split_k.counters,
                     ],
+                    smem=tiling.smem(part.qtype),
                 )
             )
             offset += part.rows

@@ -1,0 +1,67 @@
+// Dequantization of one row's half block (16 weights) of Q4_0, Q4_1 and Q8_0 to fp16, from the raw soa-v2 bytes
+// that cuda/matmul.cu's pipelined GEMM (matmul2_*) copies into shared memory with cp.async. Plain per-thread
+// code (no shared-memory or warp built-ins), so tests/test_kernel_host.py also runs it on the CPU against gguf.
+//
+// The arithmetic is fp16 on pairs (half2): a code q (0..255) placed in the low mantissa bits of 1024.0
+// (0x6400 | q) is the fp16 value 1024 + q exactly; subtracting 1024 + offset gives q - offset exactly (integers
+// below 2048 are exact in fp16), and one multiply (Q4_0, Q8_0) or one fma (Q4_1) by the fp16 scale rounds once.
+// That is the value the WMMA kernel (matmul.cu, TileQ4_0/TileQ8_0) writes, __float2half(d * (q - offset)), whose
+// fp32 product is exact (an 11-bit scale times a code of at most 8 bits): both are the exact product rounded to
+// fp16 once. Q4_1's d*q + m rounds once here and twice there (fp32, then fp16): at most one fp16 ulp apart.
+// No int->float conversions (I2F runs at a quarter of the FMA rate on sm_80..sm_90), 2 weights per instruction.
+#pragma once
+#include "common.cuh"
+
+// half2 from its raw 32 bits (low half = the first weight)
+__device__ __forceinline__ __half2 u32_as_half2(uint32_t u) {
+    __half2 h;
+    memcpy(&h, &u, 4);
+    return h;
+}
+__device__ __forceinline__ uint32_t half2_as_u32(__half2 h) {
+    uint32_t u;
+    memcpy(&u, &h, 4);
+    return u;
+}
+
+// The scale of block b from the 4-byte word holding fp16 elements b & ~1 and b | 1 (the GEMM copies that aligned
+// word, cp.async has no 2-byte size): element b is its low half when b is even.
+__device__ __forceinline__ __half scale_of(uint32_t word, long long b) {
+    const unsigned short s = (unsigned short)((b & 1) ? word >> 16 : word & 0xFFFF);
+    return __ushort_as_half(s);
+}
+
+// Q4_0 / Q4_1, nibble order (byte j = w[j] | w[j+16] << 4): the 8 bytes q8 = bytes 8h..8h+7 of the block give
+// weights 8h..8h+7 (low nibbles) -> lo[0..7] and 16+8h..16+8h+7 (high nibbles) -> hi[0..7]. q8 as two words
+// (little-endian: byte 0 = bits 0..7 of x).
+// Q4_1: w = d*q + m (min != nullptr path), Q4_0: w = d*(q - 8).
+template <bool MIN>
+__device__ __forceinline__ void deq_q4_half(uint2 q8, __half d, __half m, uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+    const __half2 d2 = __half2half2(d), m2 = __half2half2(m);
+    const __half2 bias = __half2half2(__ushort_as_half(MIN ? 0x6400 : 0x6408));   // 1024 (+ 8 for Q4_0)
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const uint32_t u = ((j < 2 ? q8.x : q8.y) >> (16 * (j & 1))) & 0xFFFF;   // bytes 2j, 2j+1
+        // low nibbles of the two bytes at bits 0..3 and 16..19; high nibbles likewise
+        const uint32_t l = (u & 0x000F) | ((u & 0x0F00) << 8) | 0x64006400;
+        const uint32_t h = ((u >> 4) & 0x000F) | ((u & 0xF000) << 4) | 0x64006400;
+        const __half2 ql = __hsub2(u32_as_half2(l), bias), qh = __hsub2(u32_as_half2(h), bias);
+        lo[j] = half2_as_u32(MIN ? __hfma2(ql, d2, m2) : __hmul2(ql, d2));
+        hi[j] = half2_as_u32(MIN ? __hfma2(qh, d2, m2) : __hmul2(qh, d2));
+    }
+}
+
+// Q8_0: 16 signed bytes q16 (weights 16h..16h+15 of the block) -> w[0..7] as 8 half2 words, w = d*q.
+__device__ __forceinline__ void deq_q8_half(uint4 q16, __half d, uint32_t (&w)[8]) {
+    const __half2 d2 = __half2half2(d);
+    const __half2 bias = __half2half2(__ushort_as_half(0x6480));   // 1024 + 128: q ^ 0x80 = q + 128 as unsigned
+    const uint32_t words[4] = {q16.x, q16.y, q16.z, q16.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const uint32_t v = words[k] ^ 0x80808080;
+        // bytes (v0, 0x64, v1, 0x64) and (v2, 0x64, v3, 0x64): halfs 1024 + v
+        const uint32_t p0 = __byte_perm(v, 0x64646464, 0x4140), p1 = __byte_perm(v, 0x64646464, 0x4342);
+        w[2 * k] = half2_as_u32(__hmul2(__hsub2(u32_as_half2(p0), bias), d2));
+        w[2 * k + 1] = half2_as_u32(__hmul2(__hsub2(u32_as_half2(p1), bias), d2));
+    }
+}
