@@ -374,9 +374,10 @@ struct Mm2Q4 {   // Q4_0 (MIN false, m unused) and Q4_1: 16 quant bytes, d's wor
     static constexpr bool DIRECT = false;
     const uint8_t* qs; const __half* d; const __half* m; int nb;
     struct Reg {};
-    __device__ __forceinline__ void issue(uint8_t* raw, long long n0, int N, int kb, int tid) const {
+    __device__ __forceinline__ void issue(uint8_t* raw, int n0, int N, int kb, int tid) const {
         const int row = tid % MM2_BN;
-        const long long n = n0 + row, r = n < N ? n : N - 1, b = r * nb + kb;
+        const int n = n0 + row;
+        const long long b = (long long)(n < N ? n : N - 1) * nb + kb;
         if (tid < MM2_BN) {
             mm2_cp16(raw + row * 16, qs + b * 16, n < N);
             if (MIN) mm2_cp4(raw + MM2_BN * 20 + row * 4, m + (b & ~1LL), n < N);
@@ -384,11 +385,11 @@ struct Mm2Q4 {   // Q4_0 (MIN false, m unused) and Q4_1: 16 quant bytes, d's wor
             mm2_cp4(raw + MM2_BN * 16 + row * 4, d + (b & ~1LL), n < N);   // the aligned word holding d[b]
         }
     }
-    __device__ __forceinline__ void fetch(Reg&, long long, int, int, int) const {}
-    __device__ __forceinline__ void dequant(__half* sB, const uint8_t* raw, const Reg&, long long n0, int, int kb,
+    __device__ __forceinline__ void fetch(Reg&, int, int, int, int) const {}
+    __device__ __forceinline__ void dequant(__half* sB, const uint8_t* raw, const Reg&, int n0, int, int kb,
                                             int tid) const {
         const int row = tid / 2, h = tid % 2;
-        const long long b = (n0 + row) * nb + kb;     // its parity picks the half (rows past N: zeros, either)
+        const unsigned b = (unsigned)(n0 + row) * nb + kb;   // parity picks d's half (rows past N: zeros, either)
         const uint2 q8 = *reinterpret_cast<const uint2*>(raw + row * 16 + 8 * h);
         const __half dd = scale_of(reinterpret_cast<const uint32_t*>(raw + MM2_BN * 16)[row], b);
         const __half mm = MIN ? scale_of(reinterpret_cast<const uint32_t*>(raw + MM2_BN * 20)[row], b) : dd;
@@ -407,17 +408,18 @@ struct Mm2Q8_0 {   // 32 quant bytes, d's word per row
     static constexpr bool DIRECT = false;
     const int8_t* qs; const __half* d; int nb;
     struct Reg {};
-    __device__ __forceinline__ void issue(uint8_t* raw, long long n0, int N, int kb, int tid) const {
+    __device__ __forceinline__ void issue(uint8_t* raw, int n0, int N, int kb, int tid) const {
         const int row = tid / 2, h = tid % 2;
-        const long long n = n0 + row, r = n < N ? n : N - 1, b = r * nb + kb;
+        const int n = n0 + row;
+        const long long b = (long long)(n < N ? n : N - 1) * nb + kb;
         mm2_cp16(raw + row * 32 + 16 * h, qs + b * 32 + 16 * h, n < N);
         if (h == 0) mm2_cp4(raw + MM2_BN * 32 + row * 4, d + (b & ~1LL), n < N);
     }
-    __device__ __forceinline__ void fetch(Reg&, long long, int, int, int) const {}
-    __device__ __forceinline__ void dequant(__half* sB, const uint8_t* raw, const Reg&, long long n0, int, int kb,
+    __device__ __forceinline__ void fetch(Reg&, int, int, int, int) const {}
+    __device__ __forceinline__ void dequant(__half* sB, const uint8_t* raw, const Reg&, int n0, int, int kb,
                                             int tid) const {
         const int row = tid / 2, h = tid % 2;
-        const long long b = (n0 + row) * nb + kb;
+        const unsigned b = (unsigned)(n0 + row) * nb + kb;   // parity only (a wrap keeps it)
         const uint4 q16 = *reinterpret_cast<const uint4*>(raw + row * 32 + 16 * h);
         uint32_t w[8];
         deq_q8_half(q16, scale_of(reinterpret_cast<const uint32_t*>(raw + MM2_BN * 32)[row], b), w);
@@ -432,16 +434,15 @@ struct Mm2F16 {   // the raw stage is the fp16 tile [128][MM2_LDS]
     static constexpr bool DIRECT = true;
     const __half* w; int nb;
     struct Reg {};
-    __device__ __forceinline__ void issue(uint8_t* raw, long long n0, int N, int kb, int tid) const {
-#pragma unroll
-        for (int e = tid; e < MM2_BN * 4; e += MM2_THREADS) {   // 4 chunks of 8 halfs per row
-            const int row = e / 4, c = (e % 4) * 8;
-            const long long n = n0 + row, r = n < N ? n : N - 1;
-            mm2_cp16(reinterpret_cast<__half*>(raw) + row * MM2_LDS + c, w + r * nb * QK + kb * QK + c, n < N);
-        }
+    __device__ __forceinline__ void issue(uint8_t* raw, int n0, int N, int kb, int tid) const {
+        const int row = tid / 2, c = (tid % 2) * 16, n = n0 + row;   // 2 of the row's 4 chunks of 8 halfs
+        const __half* from = w + (long long)(n < N ? n : N - 1) * nb * QK + kb * QK + c;
+        __half* to = reinterpret_cast<__half*>(raw) + row * MM2_LDS + c;
+        mm2_cp16(to, from, n < N);
+        mm2_cp16(to + 8, from + 8, n < N);
     }
-    __device__ __forceinline__ void fetch(Reg&, long long, int, int, int) const {}
-    __device__ __forceinline__ void dequant(__half*, const uint8_t*, const Reg&, long long, int, int, int) const {}
+    __device__ __forceinline__ void fetch(Reg&, int, int, int, int) const {}
+    __device__ __forceinline__ void dequant(__half*, const uint8_t*, const Reg&, int, int, int, int) const {}
 };
 
 template <typename W>
@@ -450,12 +451,12 @@ struct Mm2Generic {   // the weights.cuh structs: W::load from global one step a
     static constexpr bool DIRECT = false;
     W w;
     using Reg = typename W::Block;
-    __device__ __forceinline__ void issue(uint8_t*, long long, int, int, int) const {}
-    __device__ __forceinline__ void fetch(Reg& reg, long long n0, int N, int kb, int tid) const {
-        const long long n = n0 + tid / 2;
+    __device__ __forceinline__ void issue(uint8_t*, int, int, int, int) const {}
+    __device__ __forceinline__ void fetch(Reg& reg, int n0, int N, int kb, int tid) const {
+        const int n = n0 + tid / 2;
         reg = w.load(n < N ? n : N - 1, kb);
     }
-    __device__ __forceinline__ void dequant(__half* sB, const uint8_t*, const Reg& reg, long long n0, int N, int,
+    __device__ __forceinline__ void dequant(__half* sB, const uint8_t*, const Reg& reg, int n0, int N, int,
                                             int tid) const {
         const int row = tid / 2, h = tid % 2;
         __half v[16];
@@ -509,7 +510,7 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
     uint8_t* raw = reinterpret_cast<uint8_t*>(sB + (T::DIRECT ? 0 : 2 * B_TILE));   // [STAGES][RAW_STAGE]
 
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, wm = warp / WN, wn = warp % WN;
-    const long long m0 = (long long)blockIdx.x * TM, n0 = (long long)blockIdx.y * MM2_BN;
+    const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
     const int nb = K / QK, per = (nb + gridDim.z - 1) / gridDim.z;
     const int kb0 = blockIdx.z * per, steps = max(0, min(nb, kb0 + per) - kb0);
 
@@ -522,9 +523,9 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
 #pragma unroll
     for (int j = 0; j < AJ; j++) {
         const int e = tid + j * MM2_THREADS, row = e / 4, c = (e % 4) * 8;
-        const long long mrow = m0 + row;
+        const int mrow = m0 + row;
         a_ok[j] = e < TM * 4 && mrow < M;
-        a_src[j] = A + (mrow < M ? mrow : M - 1) * K + (long long)kb0 * QK + c;
+        a_src[j] = A + (long long)(mrow < M ? mrow : M - 1) * K + kb0 * QK + c;
         a_dst[j] = e < TM * 4 ? row * MM2_LDS + c : -1;
     }
     auto load_stage = [&](int s) {   // A tile and raw weights of step s into stage s % STAGES
@@ -628,21 +629,21 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
     }
     // Epilogue: element e of tile (mt, nt) is row g + 8*(e/2), column 2c + e%2 (scalar stores: C + offset of a
     // stacked part need not be 8-byte aligned).
-    const long long r0 = m0 + wm * (TM / WM) + lane / 4, c0 = n0 + wn * (NT * 8) + 2 * (lane % 4);
+    const int r0 = m0 + wm * (TM / WM) + lane / 4, c0 = n0 + wn * (NT * 8) + 2 * (lane % 4);
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e2 = 0; e2 < 2; e2++) {
-            const long long gc = c0 + nt * 8 + e2;
+            const int gc = c0 + nt * 8 + e2;
             if (gc >= N) continue;
             const float b = bias ? bias[gc] : 0.0f;
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const long long gr = r0 + mt * 16 + 8 * h;
+                    const int gr = r0 + mt * 16 + 8 * h;
                     if (gr >= M) continue;
-                    float* out = C + gr * ldc + gc;
+                    float* out = C + (long long)gr * ldc + gc;
                     const float v = acc[mt][nt][2 * h + e2] + b;
                     *out = mode == MODE_ADD ? *out + v : v;
                 }

@@ -86,3 +86,43 @@ def test_kernel_code_repacks_embeds_tiles_and_dots_exactly(harness, qtype, odd):
     yref = xref @ ref.astype(np.float64).T
     # 1e-6: fp32 accumulation over cols/32 blocks of exact integer dot products (measured ~1e-7)
     assert np.linalg.norm(y - yref) / np.linalg.norm(yref) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("odd", [False, True])
+def test_pipelined_gemm_dequantizes_its_raw_stage_like_gguf(harness, qtype, odd):
+    """cuda/matmul_tiles.cuh (the fp16 pair arithmetic of matmul2_*'s raw cp.async stages) against gguf: Q4_0 and
+    Q8_0 bit for bit with gguf's fp32 value rounded to fp16 (the WMMA kernel's tile, exact products); Q4_1's d*q + m
+    is rounded once (an fp16 fma), gguf's twice (fp32, then fp16): equal to the once-rounded float64 value, and
+    within one fp16 ulp of gguf's. odd: zero, subnormal and large scales (inf and NaN where gguf has them)."""
+    rng = np.random.default_rng(["Q4_0", "Q4_1", "Q8_0"].index(qtype) * 2 + odd)
+    rows, cols = 7, 96  # 21 blocks: an odd count, so the last d sits at an even index with its word past the end
+    raw = soa.random_blocks(rng, qtype, rows, cols, odd=odd)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
+    arrays = soa.pack(qtype, raw, rows, cols)
+    qs = np.ascontiguousarray(arrays["qs"]).view(np.uint8)
+    d = np.concatenate([arrays["d"].view(np.float16), np.zeros(1, np.float16)])  # the spare element
+    m = np.concatenate([arrays["m"].view(np.float16), np.zeros(1, np.float16)]) if "m" in arrays else d
+    out = np.full((rows, cols), np.nan, np.float16)
+    rc = harness.host_mm2_deq(qtype.lower().encode(), _ptr(qs), _ptr(d), _ptr(m), rows, cols, _ptr(out))
+    assert rc == 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = ref.astype(np.float16)
+    if qtype != "Q4_1":
+        same = (out.view(np.uint16) == want.view(np.uint16)) | (np.isnan(out) & np.isnan(want))
+        assert same.all(), f"{(~same).sum()} weights differ, first at {np.argwhere(~same)[0]}"
+        return
+    nb = cols // 32
+    dd = d[:-1].astype(np.float64).reshape(rows, nb, 1)
+    mm = m[:-1].astype(np.float64).reshape(rows, nb, 1)
+    nibbles = qs.reshape(rows, nb, 16)  # byte j: w[j] low, w[j + 16] high
+    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=2).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        once = (dd * codes + mm).reshape(rows, cols).astype(np.float16)
+    same = (out.view(np.uint16) == once.view(np.uint16)) | (np.isnan(out) & np.isnan(once))
+    assert same.all(), f"{(~same).sum()} weights differ, first at {np.argwhere(~same)[0]}"
+    finite = np.isfinite(want) & np.isfinite(out)
+    assert (np.isfinite(want) == np.isfinite(out)).all()
+    o, w = out[finite].astype(np.float64), want[finite].astype(np.float64)
+    assert (np.abs(o - w) <= np.spacing(np.abs(want[finite])).astype(np.float64)).all()  # within one fp16 ulp

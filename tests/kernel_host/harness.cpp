@@ -4,6 +4,7 @@
 #include "weights.cuh"
 #include "repack.cu"
 #include "embed.cu"
+#include "matmul_tiles.cuh"
 
 static void one_thread(long long b) { blockDim.x = 1; threadIdx.x = 0; blockIdx.x = (unsigned)b; }
 
@@ -59,4 +60,44 @@ extern "C" int host_run(const char* q, const uint8_t* src, void** p, int rows, i
     RUN(iq4_xs, IQ4_XSW, repack_iq4_xs(src, (uint4*)p[0], (int8_t*)p[1], (__half*)p[2], nblocks),
         (const uint4*)p[0], (const int8_t*)p[1], (const __half*)p[2])
     return 1;
+}
+
+// The pipelined GEMM's dequantization of its raw shared-memory stage (cuda/matmul.cu Mm2Q4/Mm2Q8_0::dequant),
+// per (row, block, half) as its threads do: the quant bytes of the half, the 4-byte word holding d[b] (and m[b]) at
+// element b & ~1 (d, m need one spare element past the end), scale_of's half by b's parity. q: q4_0, q4_1 or q8_0;
+// out [rows, cols] fp16 in weight order.
+extern "C" int host_mm2_deq(const char* q, const uint8_t* qs, const __half* d, const __half* m, int rows, int cols,
+                            __half* out) {
+    const std::string t(q);
+    const int nb = cols / QK;
+    for (int r = 0; r < rows; r++)
+        for (int kb = 0; kb < nb; kb++)
+            for (int h = 0; h < 2; h++) {
+                const long long b = (long long)r * nb + kb;
+                uint32_t dw, mw;
+                memcpy(&dw, d + (b & ~1LL), 4);
+                __half* o = out + (size_t)r * cols + kb * QK;
+                if (t == "q8_0") {
+                    uint4 q16;
+                    memcpy(&q16, qs + b * 32 + 16 * h, 16);
+                    uint32_t w[8];
+                    deq_q8_half(q16, scale_of(dw, b), w);
+                    memcpy(o + 16 * h, w, 32);
+                    continue;
+                }
+                uint2 q8;
+                memcpy(&q8, qs + b * 16 + 8 * h, 8);
+                uint32_t lo[4], hi[4];
+                if (t == "q4_1") {
+                    memcpy(&mw, m + (b & ~1LL), 4);
+                    deq_q4_half<true>(q8, scale_of(dw, b), scale_of(mw, b), lo, hi);
+                } else if (t == "q4_0") {
+                    deq_q4_half<false>(q8, scale_of(dw, b), scale_of(dw, b), lo, hi);
+                } else {
+                    return 1;
+                }
+                memcpy(o + 8 * h, lo, 16);
+                memcpy(o + 16 + 8 * h, hi, 16);
+            }
+    return 0;
 }
