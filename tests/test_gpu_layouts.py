@@ -310,7 +310,9 @@ def test_matmul2_raw_rows_match_the_kernel_source():
     assert "#define MM2_LDS (QK + 8)" in src and MATMUL2_LDS == constants.QK + 8
 
 
-@pytest.mark.parametrize("cc,setting,mma", [(75, "mma", False), (80, "mma", True), (90, None, True), (90, "wmma", False)])
+@pytest.mark.parametrize(
+    "cc,setting,mma", [(75, "mma", False), (80, "mma", True), (90, None, True), (90, "wmma", False)]
+)
 def test_matmul_kernel_choice(monkeypatch, cc, setting, mma):
     """sm_75 has no mma.sync m16n8k16 / cp.async: always WMMA; from 8.0 the pipelined kernels unless
     INGOT_MATMUL=wmma."""

@@ -3,6 +3,7 @@
     python3 tests/gpu/kernel_bench.py            # needs a GPU; INGOT_KERNELS may point at a build of cuda/
     python3 tests/gpu/kernel_bench.py --pdl [M.gguf]   # decode step with INGOT_PDL=0 vs 1 (default: a random
                                                        # SmolLM2-135M-shaped Q4_1 model)
+    python3 tests/gpu/kernel_bench.py --gemm     # only the GEMM rows (both kernel families, 8B shapes)
 
 Each kernel is captured in a CUDA graph of `reps` back-to-back launches and timed with events (median of 5
 graph replays), so launch gaps of the real decode graph are included but Python overhead is not. Inputs are
@@ -86,15 +87,25 @@ def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=C.MODE_STORE, b1=Tru
     return us
 
 
-def matmul_row(gpu, rng, name, qtype, rows, cols, M):
+def matmul_row(gpu, rng, name, qtype, rows, cols, M, kind="mma"):
+    """kind: "mma" (the pipelined matmul2_*, compute capability >= 8.0) or "wmma" (v9's matmul_*), as
+    INGOT_MATMUL picks them; split-K at M <= 64 as the engine's wide decode (prefill runs without)."""
+    saved = gpu.k.matmul_mma
+    gpu.k.matmul_mma = kind == "mma" and gpu.dev.info.cc >= 80
     W = random_matrix(gpu, rng, qtype, rows, cols)
     A = gpu.put((rng.standard_normal(M * cols) * 0.1).astype(np.float16))
     C = gpu.empty(4 * M * rows, 0)
     steps = gpu.k.matmul(W, A.ptr, C.ptr, M, ldc=rows, split_k=gpu.split_k if M <= 64 else None)
+    gpu.k.matmul_mma = saved
     us = timed(gpu, lambda stream: [step(stream) for step in steps], reps=5)
     tflops = 2 * M * rows * cols / (us * 1e-6) / 1e12
     gb = rows * cols * BYTES_PER_WEIGHT[qtype] / 1e9
-    print(f"{name:<34} {qtype:<5} M={M:<3} {us:9.1f} us  {gb / (us * 1e-6):7.0f} GB/s {tflops:6.1f} TFLOP/s")
+    grid = "x".join(str(g) for g in steps[0].grid)
+    print(
+        f"{name:<34} {qtype:<5} M={M:<3} {us:9.1f} us  {gb / (us * 1e-6):7.0f} GB/s {tflops:6.1f} TFLOP/s  "
+        f"{steps[0].kernel.name} grid {grid}"
+    )
+    return us
 
 
 def small_kernels(gpu, rng, name, D, H, Hkv, hd, V, ctx):
@@ -209,15 +220,37 @@ def pdl_ab(path: str | None) -> None:
     print(f"PDL: {off:.1f} -> {on:.1f} us per step ({off - on:+.1f}), {(off - on) / max(n - 1, 1):.2f} us per boundary")
 
 
+def gemm_rows(gpu, rng):
+    print("GEMMs (prefill and wide decode), both kernels (INGOT_MATMUL=mma, v10's matmul2_*; wmma, v9's):")
+    for M in (16, 64, 512):
+        for kind in ("mma", "wmma"):
+            matmul_row(gpu, rng, "8B qkv 6144x4096", "Q4_0", 6144, 4096, M, kind)
+            matmul_row(gpu, rng, "8B o 4096x4096", "Q4_0", 4096, 4096, M, kind)
+            matmul_row(gpu, rng, "8B gate+up 28672x4096", "Q4_0", 28672, 4096, M, kind)
+            matmul_row(gpu, rng, "8B down 4096x14336", "Q4_0", 4096, 14336, M, kind)
+            matmul_row(gpu, rng, "8B gate+up 28672x4096", "Q4_K", 28672, 4096, M, kind)
+            matmul_row(gpu, rng, "8B down 4096x14336", "Q6_K", 4096, 14336, M, kind)
+            matmul_row(gpu, rng, "8B gate+up 28672x4096", "Q8_0", 28672, 4096, M, kind)
+            matmul_row(gpu, rng, "8B gate+up 28672x4096", "F16", 28672, 4096, M, kind)
+    for M in (16, 64):
+        for kind in ("mma", "wmma"):
+            matmul_row(gpu, rng, "smol gate+up 3072x576", "Q4_1", 3072, 576, M, kind)
+
+
 def main():
     if sys.argv[1:2] == ["--pdl"]:
         pdl_ab(sys.argv[2] if len(sys.argv) > 2 else None)
         return
-    if len(sys.argv) > 1:
+    gemm_only = sys.argv[1:2] == ["--gemm"]
+    if len(sys.argv) > 1 and not gemm_only:
         for path in sys.argv[1:]:
             engine_step(path)
     gpu = Gpu()
     rng = np.random.default_rng(0)
+    if gemm_only:
+        gemm_rows(gpu, rng)
+        gpu.close()
+        return
     small_kernels(gpu, rng, "8B", 4096, 32, 8, 128, 128256, 128)
     small_kernels(gpu, rng, "SmolLM2", 576, 9, 3, 64, 49152, 128)
     print("8B-shaped decode (Q4_0), per layer x32:")
@@ -252,14 +285,7 @@ def main():
     matvec_row(gpu, rng, "gate+up 3072x576 (swiglu)", "Q4_1", 3072, 576, mode=C.MODE_SWIGLU)
     matvec_row(gpu, rng, "down 576x1536", "Q4_1", 576, 1536)
     matvec_row(gpu, rng, "head 49152x576 (Q8_0 tied)", "Q8_0", 49152, 576)
-    print("GEMMs (prefill and wide decode):")
-    for M in (16, 64, 512):
-        matmul_row(gpu, rng, "8B gate+up 28672x4096", "Q4_0", 28672, 4096, M)
-        matmul_row(gpu, rng, "8B down 4096x14336", "Q4_0", 4096, 14336, M)
-        matmul_row(gpu, rng, "8B gate+up 28672x4096", "Q4_K", 28672, 4096, M)
-        matmul_row(gpu, rng, "8B down 4096x14336", "Q6_K", 4096, 14336, M)
-    for M in (16, 64):
-        matmul_row(gpu, rng, "smol gate+up 3072x576", "Q4_1", 3072, 576, M)
+    gemm_rows(gpu, rng)
     gpu.close()
 
 

@@ -31,6 +31,24 @@ def width(qtype: str, cols: int) -> int:
     return -(-cols // block) * block
 
 
+@pytest.fixture(params=["mma", "wmma"])
+def gemm(request, gpu):
+    """Both GEMM kernel families (cuda/matmul.cu): the pipelined mma.sync matmul2_* (compute capability >= 8.0) and
+    v9's WMMA matmul_*; Kernels.matmul reads gpu.k.matmul_mma at each call (INGOT_MATMUL at load)."""
+    if request.param == "mma" and gpu.dev.info.cc < 80:
+        pytest.skip("matmul2_* needs compute capability 8.0 (mma.sync m16n8k16, cp.async)")
+    saved = gpu.k.matmul_mma
+    gpu.k.matmul_mma = request.param == "mma"
+    yield request.param
+    gpu.k.matmul_mma = saved
+
+
+def _gemm_kernels(steps, kind: str) -> None:
+    """The launches are the family under test."""
+    prefix = "matmul2_" if kind == "mma" else "matmul_"
+    assert all(step.kernel.name.startswith(prefix) for step in steps), [step.kernel.name for step in steps]
+
+
 def _run_steps(gpu, steps):
     """Run a list of launches (matvec, matmul: one per part of a stack) and wait."""
     for step in steps:
@@ -241,7 +259,7 @@ def _stack(gpu, rng, qtypes, rows, cols):
         (["Q8_0", "Q4_0", "Q2_K", "Q3_K"], [8, 9, 10, 11]),
     ],
 )
-def test_matvec_and_matmul_on_mixed_type_stacks(gpu, rng, qtypes, rows):
+def test_matvec_and_matmul_on_mixed_type_stacks(gpu, rng, gemm, qtypes, rows):
     cols, ncols, M = 512, 3, 21
     S, Sref = _stack(gpu, rng, qtypes, rows, cols)
     N = S.rows
@@ -257,21 +275,28 @@ def test_matvec_and_matmul_on_mixed_type_stacks(gpu, rng, qtypes, rows):
     for split_k in (False, True):
         C = gpu.empty(4 * M * N)
         scratch = gpu.split_k if split_k else None
-        _run_steps(gpu, gpu.k.matmul(S, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias), split_k=scratch))
+        steps = gpu.k.matmul(S, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias), split_k=scratch)
+        _gemm_kernels(steps, gemm)
+        _run_steps(gpu, steps)
         assert rel_err(gpu.get(C, np.float32, (M, N)), A.astype(np.float64) @ Wh.T + bias) < 1e-3, split_k
 
 
+# Sizes: M = 1 (one token), 37 and 200 (neither a multiple of any tile height: 32, 64, 128 or WMMA's 64), N not a
+# multiple of 64 or 128, K not a multiple of 64 or 128 (K steps of 32: 2, 18 and 48 of them; 256-multiples for the
+# super-block types: 256, 768, 1536); 200 x 1001 (row tiles of matmul2's 128 and 64 heights, 8 feature tiles).
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("M,N,K_", [(1, 70, 64), (37, 130, 576), (200, 64, 1536)])
+@pytest.mark.parametrize("M,N,K_", [(1, 70, 64), (37, 130, 576), (200, 64, 1536), (200, 1001, 96)])
 @pytest.mark.parametrize("split_k", [False, True])
-def test_matmul(gpu, rng, qtype, M, N, K_, split_k):
+def test_matmul(gpu, rng, gemm, qtype, M, N, K_, split_k):
     K_ = width(qtype, K_)
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = rng.standard_normal((M, K_)).astype(np.float16)
     bias = rng.standard_normal(N).astype(np.float32)
     C = gpu.empty(4 * M * N)
     split_k = gpu.split_k if split_k else None
-    _run_steps(gpu, gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias), split_k=split_k))
+    steps = gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, bias=gpu.put(bias), split_k=split_k)
+    _gemm_kernels(steps, gemm)
+    _run_steps(gpu, steps)
     Wh = Wref.astype(np.float16).astype(np.float64)  # the kernel multiplies fp16-rounded weights
     ref = A.astype(np.float64) @ Wh.T + bias
     assert rel_err(gpu.get(C, np.float32, (M, N)), ref) < 1e-3
@@ -283,8 +308,43 @@ def test_matmul(gpu, rng, qtype, M, N, K_, split_k):
     assert rel_err(gpu.get(Cb, np.float32, (M, N)), resid + A.astype(np.float64) @ Wh.T + bias) < 1e-3
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("tm", [32, 64, 128])
+def test_matmul2_every_tile_height_matches_wmma(gpu, rng, qtype, tm):
+    """Each matmul2_<type>_bm<tm> kernel, launched directly on a strided output (ldc > N) with no bias, M one past
+    a tile (rows of the second tile all padding but one), against the same product by v9's WMMA kernel and numpy.
+    Kernels.matmul picks the height from M, so this reaches the heights the other tests' sizes do not."""
+    if gpu.dev.info.cc < 80:
+        pytest.skip("matmul2_* needs compute capability 8.0")
+    from ingot.runtime.gpu.driver import Launch
+    from ingot.runtime.gpu.kernels import GemmTiling, i32
+
+    M, N, K_ = tm + 1, 203, width(qtype, 320)
+    ldc = N + 5
+    W, Wref = make_weight(gpu, rng, qtype, N, K_)
+    A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
+    t = GemmTiling(True, tm, K.MATMUL2_BN, 1)
+    C = gpu.empty(4 * M * ldc)
+    args = [*W.args(), A, None, C.ptr, i32(M), i32(N), i32(K_), i32(ldc), i32(K.MODE_STORE), None, None]
+    gpu.run(Launch(gpu.k.k[t.kernel(qtype)], t.grid(M, N), t.threads, args, smem=t.smem(qtype)))
+    got = gpu.get(C, np.float32, (M, ldc))
+    assert np.isnan(got[:, N:]).all(), "columns past N (the stride's padding) were written"
+    Wh = Wref.astype(np.float16).astype(np.float64)
+    assert rel_err(got[:, :N], gpu.get(A, np.float16, (M, K_)).astype(np.float64) @ Wh.T) < 1e-3
+    saved = gpu.k.matmul_mma
+    try:
+        gpu.k.matmul_mma = False
+        Cw = gpu.empty(4 * M * ldc)
+        gpu.run(gpu.k.matmul(W, A.ptr, Cw.ptr, M, ldc=ldc))
+    finally:
+        gpu.k.matmul_mma = saved
+    # the same fp16 weights (Q4_1: rounded once here, twice there, rarely one ulp apart) and products, summed in
+    # other orders in fp32: ~1e-6, far below the 1e-3 both keep against numpy
+    assert rel_err(got[:, :N], gpu.get(Cw, np.float32, (M, ldc))[:, :N].astype(np.float64)) < 1e-4
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
-def test_split_k_matmul_is_deterministic_and_leaves_its_counters_zero(gpu, rng, qtype):
+def test_split_k_matmul_is_deterministic_and_leaves_its_counters_zero(gpu, rng, gemm, qtype):
     """The slices' partial tiles are summed in slice order by each tile's last block: five runs of a split decode
     GEMM (odd M, N not a tile multiple, a strided output, MODE_ADD) give the same bits, and the per-tile counters
     are back at zero after each launch (the next GEMM relies on it). With atomics (v9) runs differed in the last
@@ -295,6 +355,7 @@ def test_split_k_matmul_is_deterministic_and_leaves_its_counters_zero(gpu, rng, 
     resid = rng.standard_normal((M, ldc)).astype(np.float32)
     steps = gpu.k.matmul(W, A.ptr, 0, M, ldc=ldc, mode=K.MODE_ADD, split_k=gpu.split_k)
     assert all(step.grid[2] > 1 for step in steps)
+    _gemm_kernels(steps, gemm)
     runs = []
     for _ in range(5):
         C = gpu.put(resid)
