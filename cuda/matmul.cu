@@ -663,8 +663,10 @@ __device__ __forceinline__ Mm2F16 mm2_source(const Mm2F16& w) { return w; }
 #define MM2_RUN(TM, WT, ...) // sm_75: never launched (the host runs matmul_<type> there)
 #endif
 
-// Three tile heights per type, each its own kernel: registers and occupancy (__launch_bounds__ minimum blocks per
-// SM) of its own size. X(name, source struct, kernel parameters, struct initializers before nb).
+// Three tile heights per type, each its own kernel: registers and occupancy of its own size. __launch_bounds__'
+// minimum blocks per SM, from ptxas -v on sm_80..sm_120 (cuda/PERF.md, v10): 128 rows 2 (128 registers: 64 are the
+// accumulators), 64 rows 3 (80), 32 rows 3 (ptxas takes 60-71 unasked: 4 blocks on sm_90 when the shared memory
+// allows). X(name, source struct, kernel parameters, struct initializers before nb).
 #define Q4_0_PARAMS const uint8_t* qs, const __half* d
 #define Q4_1_PARAMS const uint8_t* qs, const __half* d, const __half* m
 #define Q8_0_PARAMS const int8_t* qs, const __half* d
@@ -685,7 +687,7 @@ __device__ __forceinline__ Mm2F16 mm2_source(const Mm2F16& w) { return w; }
         INGOT_PDL_ENTRY();                                                                                       \
         MM2_RUN(128, WT, __VA_ARGS__);                                                                           \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
     matmul2_##NAME##_bm64(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,    \
                           int mode, float* ws, int* counters) {                                                  \
         INGOT_PDL_ENTRY();                                                                                       \
