@@ -2,6 +2,9 @@
 // soa-v2 layout of common.cuh, C fp32. Prefill multiplies many tokens by each weight, so it is arithmetic-bound:
 // weights are dequantized to fp16 in shared memory and multiplied on the tensor cores (WMMA 16x16x16, fp32
 // accumulation; available on every arch we build, sm_75+).
+// Two kernel families: matmul_<type> (this header: v9's, every arch) and below, from compute capability 8.0, the
+// pipelined matmul2_<type>_bm<TM> (mma.sync, ldmatrix, cp.async; its own header comment). Kernels.matmul picks
+// (runtime/gpu/kernels.py matmul_geometry; INGOT_MATMUL=wmma keeps this one everywhere).
 //
 // Tiles: a block of 4 warps computes a 64x64 tile of C, each warp a 32x32 quarter (2x2 fragments); K advances
 // by one quantization block (32) per step. Epilogue modes as in matvec.cu: MODE_STORE (C = AW^T + bias) and
@@ -663,7 +666,7 @@ __device__ __forceinline__ Mm2F16 mm2_source(const Mm2F16& w) { return w; }
 #define MM2_RUN(TM, WT, ...) // sm_75: never launched (the host runs matmul_<type> there)
 #endif
 
-// Three tile heights per type, each its own kernel: registers and occupancy of its own size. __launch_bounds__'
+// Three tile heights per type, each its own kernel: registers and occupancy of its own size. __launch_bounds__
 // minimum blocks per SM, from ptxas -v on sm_80..sm_120 (cuda/PERF.md, v10): 128 rows 2 (128 registers: 64 are the
 // accumulators), 64 rows 3 (80), 32 rows 3 (ptxas takes 60-71 unasked: 4 blocks on sm_90 when the shared memory
 // allows). X(name, source struct, kernel parameters, struct initializers before nb).
