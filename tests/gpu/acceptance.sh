@@ -28,6 +28,9 @@
 #                              verify --device + run; the 8B benches (stage 2's, the GEMM kernels A/B, PDL off,
 #                              the wide-batch step profile)
 #   s3  []                     stage 3 (the serving load test)
+# The GEMM kernels (v10's pipelined matmul2_* against v9's WMMA; carry .whl/ only, any order after prepare):
+#   gemm        build; the GEMM kernel tests (both families, tests/test_pdl.py's PTX check); kernel_bench --gemm
+#   gemm-bench  synthetic llama3-8b Q4_0: ingot bench pp512 and batch 1,16,64 with INGOT_MATMUL=mma, then =wmma
 set -o pipefail
 cd "$(dirname "$0")/../.."
 GEMMA_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
@@ -194,6 +197,24 @@ s3)
     ;;
 *)
     echo "usage: bash tests/gpu/acceptance.sh prepare|1..7|s1..s3 (see the header)" >&2
+gemm)
+    env_up
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -n 6 -k "matmul" tests/gpu/test_gpu_kernels.py 2>&1 |
+        tee "$OUT/gemm_tests.log" | tail -30
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_pdl.py 2>&1 | tail -5
+    timeout 150 python3 tests/gpu/kernel_bench.py --gemm 2>&1 | tee "$OUT/gemm_bench.log"
+    ;;
+gemm-bench)
+    env_up
+    [ -f /tmp/l8_Q4_0.gguf ] || python3 -m ingot model synth --shape llama3-8b --quant Q4_0 --out /tmp/l8_Q4_0.gguf >/dev/null
+    for m in mma wmma; do
+        echo "INGOT_MATMUL=$m:"
+        INGOT_MATMUL=$m timeout 240 python3 -m ingot bench /tmp/l8_Q4_0.gguf -r 3 --batch 1,16,64 --no-cold-start 2>&1 |
+            tee "$OUT/gemm_bench_$m.log" | tail -8
+    done
+    ;;
+*)
+    echo "usage: bash tests/gpu/acceptance.sh prepare|1..7|gemm|gemm-bench (see the header)" >&2
     exit 2
     ;;
 esac
