@@ -294,11 +294,11 @@ FOR_EACH_GENERIC_TYPE(MATMUL_KERNEL)
 // geometry: grid (ceil(M/TM), ceil(N/MM2_BN), split-K slices), MM2_THREADS threads, Kernels.matmul2_smem bytes of
 // dynamic shared memory.
 //
-// Tile: a block computes TM tokens x MM2_BN = 128 output features of C. TM is 32, 64 or 128 (one kernel each, so
-// the skinny decode tiles get the registers and occupancy of their own size): the host takes the smallest that
-// covers M, and for prefill (no split-K) a smaller one when the larger leaves SMs without a tile.
-// 8 warps as 2 (M) x 4 (N); a warp owns TM/2 rows x 32 columns: MT = TM/32 m16 tiles x 4 n8 tiles of fp32
-// accumulators (64 registers a lane at TM 128).
+// Tile: a block computes TM tokens x MM2_BN = 128 output features of C. TM is 16, 32, 64 or 128 (one kernel each,
+// so the skinny decode tiles get the registers and occupancy of their own size): the host takes the smallest that
+// covers M, and for prefill (no split-K) a smaller one, down to 32, when the larger leaves SMs without a tile.
+// 8 warps as WM (M) x WN (N) = 4 x 2 (TM 128), 2 x 4 (TM 64, 32) or 1 x 8 (TM 16); a warp owns TM/WM rows x 128/WN
+// columns: MT m16 tiles x NT n8 tiles of fp32 accumulators (MT x NT x 4 registers a lane: 64 at TM 128).
 // K step: 32 = one quantization block, so a stage holds block kb of every row and K needs no tail (K % 32 == 0).
 //
 // Pipeline, MM2_STAGES = 4 stages in shared memory, each: the A tile [TM][32] fp16 and the weights' RAW bytes of
@@ -494,8 +494,9 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
                                         float* __restrict__ ws, int* __restrict__ counters) {
     // Warps as WM (along M) x WN (along N); a warp owns TM/WM rows x 128/WN columns = MT m16 x NT n8 tiles.
     // TM 128: 4 x 2, warp 32 x 64 (MT 2, NT 8): A and B fragments of a k16 step are 8 + 4 registers (a 64 x 32
-    // warp tile would hold 16 + 4 and spill at the 128 registers 2 blocks per SM allow). TM 64, 32: 2 x 4.
-    constexpr int WM = TM == 128 ? 4 : 2, WN = 8 / WM;
+    // warp tile would hold 16 + 4 and spill at the 128 registers 2 blocks per SM allow). TM 64, 32: 2 x 4 (32 x 32,
+    // 16 x 32); TM 16: 1 x 8 (16 x 16: every weight row's fragments loaded by one warp, A by all eight).
+    constexpr int WM = TM == 128 ? 4 : TM == 16 ? 1 : 2, WN = 8 / WM;
     constexpr int MT = TM / WM / 16, NT = MM2_BN / WN / 8;
     constexpr int A_STAGE = TM * MM2_LDS;       // halfs
     constexpr int B_TILE = MM2_BN * MM2_LDS;    // halfs
@@ -669,7 +670,7 @@ __device__ __forceinline__ Mm2F16 mm2_source(const Mm2F16& w) { return w; }
 // Three tile heights per type, each its own kernel: registers and occupancy of its own size. __launch_bounds__
 // minimum blocks per SM, from ptxas -v on sm_80..sm_120 (cuda/PERF.md, v10): 128 rows 2 (128 registers: 64 are the
 // accumulators), 64 rows 3 (80), 32 rows 3 (ptxas takes 60-71 unasked: 4 blocks on sm_90 when the shared memory
-// allows). X(name, source struct, kernel parameters, struct initializers before nb).
+// allows), 16 rows 4 (64). X(name, source struct, kernel parameters, struct initializers before nb).
 #define Q4_0_PARAMS const uint8_t* qs, const __half* d
 #define Q4_1_PARAMS const uint8_t* qs, const __half* d, const __half* m
 #define Q8_0_PARAMS const int8_t* qs, const __half* d
@@ -701,6 +702,12 @@ __device__ __forceinline__ Mm2F16 mm2_source(const Mm2F16& w) { return w; }
                           int mode, float* ws, int* counters) {                                                  \
         INGOT_PDL_ENTRY();                                                                                       \
         MM2_RUN(32, WT, __VA_ARGS__);                                                                            \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 4)                                                 \
+    matmul2_##NAME##_bm16(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,    \
+                          int mode, float* ws, int* counters) {                                                  \
+        INGOT_PDL_ENTRY();                                                                                       \
+        MM2_RUN(16, WT, __VA_ARGS__);                                                                            \
     }
 FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 #undef MATMUL2_KERNELS

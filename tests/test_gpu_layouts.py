@@ -230,7 +230,7 @@ def test_split_k_matmul_on_a_stack_is_one_launch_per_part_sharing_the_scratch(mm
     parts = [_matrix("Q4_K", 64, 256), _matrix("Q6_K", 32, 256)]
     C, ws, counters = 1 << 30, DeviceBuffer(1 << 32, 4, "ws"), DeviceBuffer(1 << 33, 4, "counters")
     launches = _kernels(mma=mma).matmul(GpuStack(parts), 7, C, 2, ldc=96, split_k=SplitK(ws, counters))
-    names = ["matmul2_q4_k_bm32", "matmul2_q6_k_bm32"] if mma else ["matmul_q4_k", "matmul_q6_k"]
+    names = ["matmul2_q4_k_bm16", "matmul2_q6_k_bm16"] if mma else ["matmul_q4_k", "matmul_q6_k"]
     assert [launch.kernel.name for launch in launches] == names
     for launch, part, off in zip(launches, parts, [0, 64], strict=True):
         args = _ptr_args(launch)
@@ -240,7 +240,7 @@ def test_split_k_matmul_on_a_stack_is_one_launch_per_part_sharing_the_scratch(mm
         assert args[n + 8 :] == [ws.ptr, counters.ptr]
         assert launch.grid[2] > 1
         assert launch.block == (MATMUL2_THREADS if mma else 128)
-        assert launch.smem == (matmul2_smem(part.qtype, 32) if mma else 0)
+        assert launch.smem == (matmul2_smem(part.qtype, 16) if mma else 0)
     plain = _kernels(mma=mma).matmul(GpuStack(parts), 7, C, 2, ldc=96)
     assert all(launch.grid[2] == 1 and _ptr_args(launch)[-2:] == [0, 0] for launch in plain)
 
@@ -270,15 +270,16 @@ def test_split_k_grids_fit_the_scratch(sm_count, rows, cols, M, mma):
 @pytest.mark.parametrize(
     "M,N,split,tm",
     [
-        (1, 4096, True, 32),  # decode batches: the smallest tile that covers M
-        (16, 28672, True, 32),
+        (1, 4096, True, 16),  # decode batches: the smallest tile that covers M
+        (16, 28672, True, 16),
+        (17, 28672, True, 32),
         (33, 28672, True, 64),
         (64, 4096, True, 64),
         (65, 4096, True, 128),
         (512, 28672, False, 128),  # prefill: 4 x 224 tiles
         (512, 4096, False, 64),  # 4 x 32 = 128 tiles < 132 SMs: 8 x 32
-        (512, 576, False, 32),  # SmolLM2: as many tiles as the smallest height gives
-        (7, 49152, False, 32),
+        (512, 576, False, 32),  # SmolLM2: as many tiles as 32 rows give (prefill stops there)
+        (7, 49152, False, 16),  # a short prompt: covered by 16
     ],
 )
 def test_matmul2_tile_height(M, N, split, tm):

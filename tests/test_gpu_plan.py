@@ -196,8 +196,8 @@ def test_llama_launch_counts_are_unchanged():
     assert len(wide) == 1 + 8 * c.n_layers + 3 and wide.count("swiglu_f16") == c.n_layers
     prefill = kernel_names(e._prefill_launches(7, all_logits=False))
     assert len(prefill) == 1 + 9 * c.n_layers + 3
-    # the head over 7 rows without split-K: the 32-row tile (the smallest; its tiles still leave SMs idle)
-    assert kernel_names(e._prefill_launches(7, all_logits=True))[-2:] == ["rmsnorm_f32", "matmul2_q8_0_bm32"]
+    # the head over 7 rows without split-K: the 16-row tile covers them
+    assert kernel_names(e._prefill_launches(7, all_logits=True))[-2:] == ["rmsnorm_f32", "matmul2_q8_0_bm16"]
 
 
 @pytest.mark.parametrize("arch", sorted(SHAPE_OF))

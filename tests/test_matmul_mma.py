@@ -22,7 +22,7 @@ from ingot.runtime.gpu.constants import MATMUL2_STAGES as STAGES
 from ingot.runtime.gpu.constants import MATMUL2_THREADS as THREADS
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_STORE, QK
 from ingot.runtime.gpu.kernels import MATMUL2_LDS as LDS
-from ingot.runtime.gpu.kernels import matmul_geometry
+from ingot.runtime.gpu.kernels import MATMUL2_TILE_ROWS, matmul_geometry
 
 
 class Smem:
@@ -68,7 +68,7 @@ class Smem:
 def emulate(A, Wh, bias, C, M, N, K, ldc, mode, tm, slices, direct, q4, rng):
     """matmul2<TM> on A [M, K] fp16 and the dequantized weights Wh [N, K] fp16 (what the raw stage becomes), into the
     flat fp32 C (row stride ldc). direct: F16 (the raw stage is the tile); q4: the Q4 thread mapping of dequant."""
-    WM = 4 if tm == 128 else 2
+    WM = 4 if tm == 128 else 1 if tm == 16 else 2
     WN = 8 // WM
     MT, NT = tm // WM // 16, BN // WN // 8
     nb = K // QK
@@ -210,7 +210,8 @@ def emulate(A, Wh, bias, C, M, N, K, ldc, mode, tm, slices, direct, q4, rng):
 @pytest.mark.parametrize(
     "M,N,K,split,kind",
     [
-        (1, 70, 64, True, "q4"),  # one token; 2 K steps in 2 slices (one step each: the prologue alone)
+        (1, 70, 64, True, "q4"),  # one token, height 16 (1 x 8 warps); 2 K steps in 2 slices (one step each)
+        (16, 200, 288, True, "q8"),  # height 16, 9 steps in slices
         (37, 130, 576, True, "q8"),  # tile height 64, 2 feature tiles, 18 steps in slices
         (37, 130, 576, False, "direct"),  # F16: the raw stage multiplied in place
         (200, 150, 96, False, "q4"),  # height 32 (prefill on few tiles): 7 row tiles, 3 steps
@@ -246,9 +247,9 @@ def test_matmul2_emulation_matches_numpy(M, N, K, split, kind):
 
 
 def test_the_emulation_covers_every_tile_height_and_split_k():
-    """The cases above reach the three kernels' heights, with and without slices (small SM counts force them)."""
+    """The cases above reach every kernel's height, with and without slices (small SM counts force them)."""
     cases = test_matmul2_emulation_matches_numpy.pytestmark[0].args[1]
     seen = {(matmul_geometry(M, N, K, 4 if s else 132, mma=True, split=s).tm, s) for M, N, K, s, _ in cases}
-    assert {32, 64, 128} <= {tm for tm, _ in seen}
+    assert set(MATMUL2_TILE_ROWS) <= {tm for tm, _ in seen}
     slices = [matmul_geometry(M, N, K, 4, mma=True, split=True).slices for M, N, K, s, _ in cases if s]
     assert all(s > 1 for s in slices)

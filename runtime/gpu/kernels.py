@@ -81,6 +81,11 @@ SUPERBLOCK_TYPES = (*K_QUANTS, "IQ4_XS")  # 256-weight super-blocks: cols % 256 
 
 i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
 
+# Tile heights (tokens) of the pipelined GEMM's kernels, matmul2_<type>_bm<TM> (cuda/matmul.cu); prefill (no split-K)
+# shrinks its tile only down to MATMUL2_PREFILL_MIN_ROWS (a 16-row tile dequantizes each weight for 16 tokens).
+MATMUL2_TILE_ROWS = (16, 32, 64, 128)
+MATMUL2_PREFILL_MIN_ROWS = 32
+
 # The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).
 ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
 
@@ -91,7 +96,7 @@ ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
 PDL_KERNELS = frozenset(
     {
         *(f"{op}_{q.lower()}" for op in ("embed", "matvec", "matmul") for q in GPU_QTYPES),
-        *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in (32, 64, 128)),
+        *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in MATMUL2_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
@@ -135,10 +140,9 @@ SPLIT_K_TILES_PER_SM = 4  # partial tiles of SPLIT_K_TILE_FLOATS that SplitK hol
 # half). matmul_geometry caps the slices so that a grid's partial tiles fit.
 SPLIT_K_TILE_FLOATS = 64 * 128
 
-# The pipelined tensor-core GEMM (cuda/matmul.cu, matmul2_<type>_bm<TM>, compute capability >= 8.0): its tile
-# heights (tokens), the bytes of one weight row in a raw cp.async stage (its Mm2* structs' RAW_ROW; the weights.cuh
-# types load from global memory and have none), and its shared-memory rows of 32 + 8 halfs.
-MATMUL2_TILE_ROWS = (32, 64, 128)
+# The pipelined tensor-core GEMM (cuda/matmul.cu, matmul2_<type>_bm<TM>, compute capability >= 8.0): the bytes of
+# one weight row in a raw cp.async stage (its Mm2* structs' RAW_ROW; the weights.cuh types load from global memory
+# and have none), and its shared-memory rows of 32 + 8 halfs. Its tile heights: MATMUL2_TILE_ROWS (above).
 MATMUL2_RAW_ROW = {"Q4_0": 20, "Q4_1": 24, "Q8_0": 36, "F16": 2 * (QK + 8)}
 MATMUL2_LDS = QK + 8
 
@@ -195,13 +199,13 @@ class GemmTiling:
 def matmul_geometry(M: int, N: int, K: int, sm_count: int, *, mma: bool, split: bool) -> GemmTiling:
     """The tiling of a GEMM (the whole matrix's N; a stack's parts take the same tiling). matmul2's tile height is
     the smallest of MATMUL2_TILE_ROWS covering M (decode batches: no multiplies wasted on padding rows); without
-    split-K (prefill) a smaller one while the larger would leave SMs without a tile. split: K is cut into slices
-    while the tiles alone would not fill the GPU twice, as many as bring tiles x slices to about 2 x SMs, at most
-    MAX_K_SLICES and K/32, and no more than SplitK's scratch holds (split_k_floats)."""
+    split-K (prefill) a smaller one, down to MATMUL2_PREFILL_MIN_ROWS, while the larger would leave SMs idle.
+    split: K is cut into slices while the tiles alone would not fill the GPU twice, as many as bring tiles x slices
+    to about 2 x SMs, at most MAX_K_SLICES and K/32, and no more than SplitK's scratch holds (split_k_floats)."""
     if mma:
         tn = MATMUL2_BN
         tm = next((t for t in MATMUL2_TILE_ROWS if t >= M), MATMUL2_TILE_ROWS[-1])
-        while not split and tm > MATMUL2_TILE_ROWS[0] and -(-M // tm) * -(-N // tn) < sm_count:
+        while not split and tm > MATMUL2_PREFILL_MIN_ROWS and -(-M // tm) * -(-N // tn) < sm_count:
             tm //= 2
     else:
         tm = tn = MATMUL_TILE

@@ -19,7 +19,14 @@ from soa_reference import bits_equal, dequant_q8x2, q8x2
 
 from ingot.runtime.engines.cuda_weights import _alloc_matrix
 from ingot.runtime.gpu import constants as K
-from ingot.runtime.gpu.kernels import SAMPLE_CHUNK, SUPERBLOCK_TYPES, GpuMatrix, GpuStack, sample_chunk_bytes
+from ingot.runtime.gpu.kernels import (
+    MATMUL2_TILE_ROWS,
+    SAMPLE_CHUNK,
+    SUPERBLOCK_TYPES,
+    GpuMatrix,
+    GpuStack,
+    sample_chunk_bytes,
+)
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F16", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
 QUANTIZED = [q for q in QTYPES if q != "F16"]
@@ -309,7 +316,7 @@ def test_matmul(gpu, rng, gemm, qtype, M, N, K_, split_k):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("tm", [32, 64, 128])
+@pytest.mark.parametrize("tm", MATMUL2_TILE_ROWS)
 def test_matmul2_every_tile_height_matches_wmma(gpu, rng, qtype, tm):
     """Each matmul2_<type>_bm<tm> kernel, launched directly on a strided output (ldc > N) with no bias, M one past
     a tile (rows of the second tile all padding but one), against the same product by v9's WMMA kernel and numpy.
