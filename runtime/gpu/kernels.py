@@ -411,7 +411,7 @@ class Kernels:
         self.prefill_mma = prefill_uses_mma(device.info.cc)
         # GEMMs: the pipelined tensor-core kernels (matmul2_*) from compute capability 8.0 unless INGOT_MATMUL=wmma
         # (tests flip this attribute to run both). Their shared memory passes the 48 KiB default: opted into once
-        # per kernel (at most 84 KiB, under the 99 KiB of sm_86/89/120).
+        # per kernel (at most 80 KiB, under the 99 KiB of sm_86/89/120).
         self.matmul_mma = matmul_uses_mma(device.info.cc)
         if device.info.cc >= 80:
             for q in GPU_QTYPES:
@@ -536,8 +536,8 @@ class Kernels:
 
     def split_k(self, pool, stream) -> SplitK:
         """The split-K GEMM's scratch for this GPU, from `pool`: slices' partial tiles and per-tile counters (zeroed
-        here once; every launch leaves them zero). Sized for the worst grid matmul() makes: slices are only added
-        while tiles < 2 x SMs, as many as bring tiles x slices to about 2 x SMs, so under 4 x SMs partial tiles."""
+        here once; every launch leaves them zero). Slices are only added while tiles < 2 x SMs (the counters), and
+        matmul_geometry caps them so that tiles x slices x the tile's floats fit split_k_floats (the partials)."""
         sm = self.device.info.sm_count
         ws = pool.alloc(4 * split_k_floats(sm), "split-K partial tiles")
         counters = pool.alloc(4 * 2 * sm, "split-K tile counters")
