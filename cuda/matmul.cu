@@ -597,6 +597,7 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
         }
     }
     mm2_wait<0>();   // no copy may still target shared memory when the block exits (only empty groups remain)
+    INGOT_PDL_TRIGGER();   // the next kernel may launch while this one writes C (common.cuh: after the main loop)
 
     if (gridDim.z > 1) {
         __shared__ bool is_last;
@@ -688,25 +689,25 @@ __device__ __forceinline__ Mm2F16 mm2_source(const Mm2F16& w) { return w; }
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
     matmul2_##NAME##_bm128(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,   \
                            int mode, float* ws, int* counters) {                                                 \
-        INGOT_PDL_ENTRY();                                                                                       \
+        INGOT_PDL_WAIT();                                                                                        \
         MM2_RUN(128, WT, __VA_ARGS__);                                                                           \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
     matmul2_##NAME##_bm64(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,    \
                           int mode, float* ws, int* counters) {                                                  \
-        INGOT_PDL_ENTRY();                                                                                       \
+        INGOT_PDL_WAIT();                                                                                        \
         MM2_RUN(64, WT, __VA_ARGS__);                                                                            \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
     matmul2_##NAME##_bm32(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,    \
                           int mode, float* ws, int* counters) {                                                  \
-        INGOT_PDL_ENTRY();                                                                                       \
+        INGOT_PDL_WAIT();                                                                                        \
         MM2_RUN(32, WT, __VA_ARGS__);                                                                            \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 4)                                                 \
     matmul2_##NAME##_bm16(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,    \
                           int mode, float* ws, int* counters) {                                                  \
-        INGOT_PDL_ENTRY();                                                                                       \
+        INGOT_PDL_WAIT();                                                                                        \
         MM2_RUN(16, WT, __VA_ARGS__);                                                                            \
     }
 FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)

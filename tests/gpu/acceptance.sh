@@ -195,8 +195,6 @@ s3)
     INGOT_TEST_MODEL=$SMOL timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/gpu/test_gpu_serve_load.py \
         2>&1 | tee "$OUT/s3_serve.log" | tail -60
     ;;
-*)
-    echo "usage: bash tests/gpu/acceptance.sh prepare|1..7|s1..s3 (see the header)" >&2
 gemm)
     env_up
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -n 6 -k "matmul" tests/gpu/test_gpu_kernels.py 2>&1 |
@@ -214,7 +212,7 @@ gemm-bench)
     done
     ;;
 *)
-    echo "usage: bash tests/gpu/acceptance.sh prepare|1..7|gemm|gemm-bench (see the header)" >&2
+    echo "usage: bash tests/gpu/acceptance.sh prepare|1..7|s1..s3|gemm|gemm-bench (see the header)" >&2
     exit 2
     ;;
 esac
