@@ -58,6 +58,7 @@ class _Seq:
     eog: frozenset[int] = frozenset()
     constraint: bytes | None = None  # Add.constraint: a Constraint's JSON (see the docstring)
     matcher: Matcher | None = None  # built when its prompt's last chunk is prefilled
+    ctx_room: int = 0  # context minus the prompt: fewer generated tokens than this cannot fill the context
 
     @property
     def live_seq(self) -> int:
@@ -76,6 +77,15 @@ class _Outputs:
     """What one step produced, by request id (a sequence gets at most one entry per step)."""
 
     by_id: dict[int, Output] = field(default_factory=dict)
+
+    def token(self, rid: int, token: int) -> None:
+        """add(rid, token), without add's defaults: once per generated token, so it builds no Output it
+        drops (setdefault would)."""
+        out = self.by_id.get(rid)
+        if out is None:
+            self.by_id[rid] = Output(rid, [token])
+        else:
+            out.tokens.append(token)
 
     def add(self, rid: int, token: int | None = None, finish: str | None = None, status: int = 0, msg: str = ""):
         out = self.by_id.setdefault(rid, Output(rid, []))
@@ -100,7 +110,8 @@ class Scheduler:
     # --- messages ----------------------------------------------------------------------------------
 
     def add(self, req: Add) -> None:
-        s = _Seq(req, eog=frozenset(req.eog_ids), constraint=req.constraint)
+        room = self.engine.max_ctx - len(req.prompt)
+        s = _Seq(req, eog=frozenset(req.eog_ids), constraint=req.constraint, ctx_room=room)
         self._by_id[req.id] = s
         self._waiting.append(s)
 
@@ -236,13 +247,16 @@ class Scheduler:
             except Exception as e:
                 self._fail(s, e, outputs)
                 return
+        outputs.token(s.req.id, token)
         if token in s.eog:
-            outputs.add(s.req.id, token)
             self._end(s, outputs, "eos")
             return
         s.n_generated += 1
-        outputs.add(s.req.id, token)
-        if s.n_generated >= s.req.max_tokens or self.engine.seq_len(s.live_seq) >= self.engine.max_ctx:
+        # The engine holds at most prompt + generated tokens, so below that the context cannot be full: the
+        # engine is asked only near its end (this runs once per token).
+        if s.n_generated >= s.req.max_tokens or (
+            s.n_generated >= s.ctx_room and self.engine.seq_len(s.live_seq) >= self.engine.max_ctx
+        ):
             self._end(s, outputs, "length")
 
     # Constrained decoding: masks before a step, matchers advanced in _accept. Sequences without a constraint
