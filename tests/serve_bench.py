@@ -67,6 +67,11 @@ class StandIn:
         self.kv_pages_total = max_seqs * pages_for(max_ctx, PAGE)
         self._len: dict[int, int] = {}
         self._next = 0
+        # decode's own wall time, and the time from the end of one decode to the start of the next: what the
+        # core spends between GPU steps (its serialized work; a prefill in between counts here too)
+        self.busy: list[float] = []
+        self.gaps: list[float] = []
+        self._last_end: float | None = None
 
     def new_sequence(self, params: SamplingParams) -> int:
         if len(self._len) >= self.max_seqs:
@@ -79,14 +84,21 @@ class StandIn:
         return 100 + (seq * 7 + self._len[seq]) % 400  # ordinary tokens, as the load generator's prompts
 
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
-        time.sleep(self.prefill_s * len(tokens))
+        if self.prefill_s:
+            time.sleep(self.prefill_s * len(tokens))
         self._len[seq] += len(tokens)
         return self._token(seq)
 
     def decode(
         self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None
     ) -> list[int]:
-        time.sleep(self.step_s)
+        t0 = time.perf_counter()
+        if self._last_end is not None:
+            self.gaps.append(t0 - self._last_end)
+        if self.step_s:
+            time.sleep(self.step_s)
+        self._last_end = time.perf_counter()
+        self.busy.append(self._last_end - t0)
         out = []
         for q in seqs:
             self._len[q] += 1
@@ -112,7 +124,12 @@ class StandIn:
         return {}
 
     def close(self) -> None:
-        pass
+        report = os.environ.get("SERVE_BENCH_REPORT")
+        if report and self.gaps:
+            gaps, busy = np.array(self.gaps[len(self.gaps) // 10 :]), np.array(self.busy)
+            figures = {"decode_ms_mean": 1e3 * busy.mean(), "gap_ms_mean": 1e3 * gaps.mean()}
+            figures |= {"gap_ms_p50": 1e3 * np.median(gaps), "gap_ms_p99": 1e3 * np.percentile(gaps, 99)}
+            Path(report).write_text(json.dumps({k: round(v, 4) for k, v in figures.items()}))
 
 
 def _standin_factory(step_s: float, prefill_s: float):
@@ -154,6 +171,7 @@ def bench_core(args: argparse.Namespace, folder: Path) -> dict:
     model = _model(folder)
     os.environ["SERVE_BENCH_STEP_MS"] = str(args.step_ms)
     os.environ["SERVE_BENCH_PREFILL_US"] = str(args.prefill_us)
+    os.environ["SERVE_BENCH_REPORT"] = str(folder / "core.json")
     ctx = zmq.Context()
     to_core, from_core = f"ipc://{folder}/in", f"ipc://{folder}/out"
     outbox, inbox = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -183,6 +201,9 @@ def bench_core(args: argparse.Namespace, folder: Path) -> dict:
     t0 = time.perf_counter()
     steps = batch_sum = 0
     while True:
+        while not inbox.poll(1000):
+            if not proc.is_alive():
+                raise SystemExit(f"the engine core exited with code {proc.exitcode}")
         step = protocol.decode_from_core(inbox.recv())
         assert isinstance(step, Step)
         for out in step.outputs:
@@ -209,7 +230,7 @@ def bench_core(args: argparse.Namespace, folder: Path) -> dict:
     proc.join(10)
     ideal = engine_alone(args.streams, args.step_ms / 1e3)
     tok_s = tokens / wall
-    return {
+    return json.loads((folder / "core.json").read_text()) | {
         "streams": args.streams,
         "step_ms": args.step_ms,
         "tok_s": round(tok_s),
