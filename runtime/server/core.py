@@ -8,6 +8,9 @@ Failed, with the pickled error, which keeps its exit code) on its output socket.
     take every message waiting (Add, Abort, Shutdown); block for the next one only when there is no work
     one Scheduler.step() -> one protocol.Step message (token ids, finishes, errors, stats)
 
+The sockets are served by two threads (_Wire), so that encoding and sending a step's message and receiving
+the front end's run while the next step waits for the GPU, instead of between steps.
+
 Shutdown ends every request left with a 503, closes the engine (the GPU engine frees its memory) and answers
 Closed. If the front end dies, the core notices within a second (its parent changed) and exits.
 """
@@ -17,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +38,8 @@ from ingot.runtime.server import protocol
 from ingot.runtime.server.protocol import Abort, Add, Closed, Failed, Ready, Shutdown
 from ingot.runtime.server.scheduler import Scheduler
 
-IDLE_POLL_MS = 1000  # how often an idle core checks that its front end is still alive
+IDLE_POLL_S = 1.0  # how often an idle core checks that its front end is still alive
+RECEIVE_POLL_MS = 100  # how often the receiver thread checks that the core is ending
 
 
 @dataclass(frozen=True)
@@ -122,9 +128,11 @@ def main(spec: str, options: Options, to_core: str, from_core: str) -> None:
                 )
             )
         )
+        wire = _Wire(inbox, outbox)
         try:
-            _loop(Scheduler(engine, chunk, Tokenizer.from_model(opened.model)), inbox, outbox, parent)
+            _loop(Scheduler(engine, chunk, Tokenizer.from_model(opened.model)), wire, parent)
         finally:
+            wire.close()  # the last steps go out before the engine closes (a GPU engine takes a while)
             engine.close()
         outbox.send(protocol.encode(Closed()))
     finally:
@@ -133,26 +141,88 @@ def main(spec: str, options: Options, to_core: str, from_core: str) -> None:
         ctx.term()
 
 
-def _loop(scheduler: Scheduler, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None:
+def _loop(scheduler: Scheduler, wire: _Wire, parent: int) -> None:
     while True:
-        timeout = 0 if scheduler.has_work() else IDLE_POLL_MS
         received = False
-        while inbox.poll(timeout):
-            received = True
-            message = protocol.decode_to_core(inbox.recv())
-            if isinstance(message, Add):
-                scheduler.add(message)
-            elif isinstance(message, Abort):
-                scheduler.abort(message.ids)
-            elif isinstance(message, Shutdown):
-                outbox.send(protocol.encode(scheduler.end_all()))
-                return
-            timeout = 0
+        try:
+            # Block for the next message only when there is no work; else take what is waiting, without a
+            # system call (the receiver thread has already read it off the socket).
+            message = wire.incoming.get(timeout=IDLE_POLL_S) if not scheduler.has_work() else None
+            while True:
+                if message is None:
+                    message = wire.incoming.get_nowait()
+                received = True
+                if isinstance(message, Add):
+                    scheduler.add(message)
+                elif isinstance(message, Abort):
+                    scheduler.abort(message.ids)
+                elif isinstance(message, Shutdown):
+                    wire.send(scheduler.end_all())
+                    return
+                else:  # the receiver's error (a message that does not decode): the core fails as it used to
+                    raise message
+                message = None
+        except queue.Empty:
+            pass
         if not scheduler.has_work():
             if received:  # e.g. the last sequence was aborted: the gauges should say so
-                outbox.send(protocol.encode(scheduler.report()))
+                wire.send(scheduler.report())
             if os.getppid() != parent:  # the front end died without a Shutdown
                 scheduler.end_all()
                 return
             continue
-        outbox.send(protocol.encode(scheduler.step()))
+        wire.send(scheduler.step())
+
+
+class _Wire:
+    """The core's two sockets, each served by a thread of its own, so that the step loop never waits on them.
+
+    A decode step spends most of its time waiting for the GPU (cuStreamSynchronize releases the GIL, as do the
+    CPU engine's numpy kernels in part); meanwhile the sender thread encodes and sends the previous step's
+    message and the receiver thread reads and decodes what the front end sent. The step loop only puts Steps
+    on one queue and takes messages off another. Each socket is used by one thread only (zmq sockets are not
+    thread-safe); messages keep their order (one FIFO each way)."""
+
+    def __init__(self, inbox: zmq.Socket, outbox: zmq.Socket):
+        self.incoming: queue.SimpleQueue[protocol.ToCore | Exception] = queue.SimpleQueue()
+        self._outgoing: queue.SimpleQueue[protocol.FromCore | None] = queue.SimpleQueue()
+        self._inbox, self._outbox = inbox, outbox
+        self._stop = threading.Event()
+        self._error: Exception | None = None  # the sender's, raised by the next send()
+        # daemons: a core whose step loop raised must still exit (its front end then restarts it)
+        self._receiver = threading.Thread(target=self._receive, name="ingot-core-receive", daemon=True)
+        self._sender = threading.Thread(target=self._send, name="ingot-core-send", daemon=True)
+        self._receiver.start()
+        self._sender.start()
+
+    def send(self, message: protocol.FromCore) -> None:
+        if self._error is not None:  # the core cannot reach its front end: end it, as a failed send used to
+            raise self._error
+        self._outgoing.put(message)
+
+    def close(self) -> None:
+        """Send what is queued, then stop both threads; the sockets are the caller's again."""
+        self._stop.set()
+        self._outgoing.put(None)
+        self._sender.join()
+        self._receiver.join()
+
+    def _receive(self) -> None:
+        while not self._stop.is_set():
+            if not self._inbox.poll(RECEIVE_POLL_MS):
+                continue
+            try:
+                message: protocol.ToCore | Exception = protocol.decode_to_core(self._inbox.recv())
+            except Exception as e:
+                message = e
+            self.incoming.put(message)
+            if isinstance(message, Shutdown | Exception):
+                return
+
+    def _send(self) -> None:
+        while (message := self._outgoing.get()) is not None:
+            try:
+                self._outbox.send(protocol.encode(message))
+            except Exception as e:
+                self._error = e
+                return
