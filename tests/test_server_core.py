@@ -16,7 +16,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 from server_fixtures import ServerProcess, sse_events
+
+from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.sampling import SamplingParams
+from ingot.runtime.server import core, protocol
+from ingot.runtime.server.protocol import Add, Shutdown, Step
+from ingot.runtime.server.scheduler import Scheduler
 
 QUESTION = [{"role": "user", "content": "what is the capital of France"}]
 VERSION = "x-ingot-model-version"
@@ -215,3 +222,66 @@ def test_several_models_load_on_demand_and_unload_after_keep_alive(synth_model, 
         assert nameless.status_code == 400
     finally:
         server.stop()
+
+
+def test_the_core_loop_keeps_message_order_through_its_threads(tiny_model, tmp_path):
+    """core._loop with its _Wire (a receiving and a sending thread) on real sockets: every Add is served, each
+    request's tokens arrive in order and end once, Shutdown answers with the end of what was left, and a
+    message that does not decode ends the loop with an error (the front end then restarts the core)."""
+    ctx = zmq.Context()
+    to_core, from_core = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+    front_out, front_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    core_in, core_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    core_in.bind(to_core)
+    front_out.connect(to_core)
+    front_in.bind(from_core)
+    core_out.connect(from_core)
+    try:
+        for case in ("served", "garbage"):
+            wire = core._Wire(core_in, core_out)
+            scheduler = Scheduler(CpuEngine(tiny_model, max_seqs=4, max_ctx=128), 16)
+            errors: list[BaseException] = []
+
+            def run(scheduler=scheduler, wire=wire, errors=errors) -> None:
+                try:
+                    core._loop(scheduler, wire, os.getppid())
+                except BaseException as e:
+                    errors.append(e)
+                finally:
+                    wire.close()
+
+            loop = threading.Thread(target=run)
+            loop.start()
+            if case == "garbage":
+                front_out.send(b"\xc1 not msgpack")
+                loop.join(30)
+                assert not loop.is_alive() and errors
+                continue
+            for rid in range(1, 7):  # more than max_seqs: some wait for a slot
+                front_out.send(protocol.encode(Add(rid, [100 + rid] * 20, SamplingParams(seed=rid), 5, [])))
+            tokens: dict[int, list[int]] = {}
+            ended: list[int] = []
+            while len(ended) < 6:
+                assert front_in.poll(30_000)
+                step = protocol.decode_from_core(front_in.recv())
+                assert isinstance(step, Step)
+                for out in step.outputs:
+                    assert out.id not in ended
+                    tokens.setdefault(out.id, []).extend(out.tokens)
+                    if out.finish:
+                        assert out.finish == "length"
+                        ended.append(out.id)
+            assert sorted(ended) == list(range(1, 7)) and all(len(t) == 5 for t in tokens.values())
+            front_out.send(protocol.encode(Add(7, [100] * 20, SamplingParams(), 1000, [])))
+            front_out.send(protocol.encode(Shutdown()))
+            loop.join(30)
+            assert not loop.is_alive() and not errors
+            last = None
+            while front_in.poll(1000):
+                last = protocol.decode_from_core(front_in.recv())
+            assert isinstance(last, Step)  # end_all's: request 7 ended with a 503, nothing after it
+            assert [(o.id, o.finish, o.status) for o in last.outputs] == [(7, "error", 503)]
+    finally:
+        for sock in (front_out, front_in, core_in, core_out):
+            sock.close(0)
+        ctx.term()

@@ -332,3 +332,25 @@ def test_a_silent_stream_gets_keep_alives(tiny_tokenizer):
         return [c async for c in job.chunks()]
 
     assert asyncio.run(chunks(both)) == [Chunk("a", (5,), "eos")]  # merged with real output, the PING is dropped
+
+
+def test_a_full_context_ends_the_sequence_with_length(tiny_model, tiny_tokenizer):
+    """max_tokens beyond the context: the sequence ends ("length") when the engine holds max_ctx tokens, at the
+    same token whether or not other sequences run beside it (the scheduler asks the engine only near the end)."""
+    engine = CpuEngine(tiny_model, max_seqs=2, max_ctx=64)
+    long = _request(tiny_tokenizer, "the capital of France", max_tokens=1000)
+    short = _request(tiny_tokenizer, "hello world", max_tokens=3)
+    for requests in ([long], [long, short]):
+        scheduler = Scheduler(engine, 512)
+        for i, r in enumerate(requests):
+            scheduler.add(_add(i, tiny_tokenizer, r))
+        tokens, finish = [], None
+        while scheduler.has_work():
+            for out in scheduler.step().outputs:
+                if out.id == 0:
+                    tokens += out.tokens
+                    finish = out.finish or finish
+        assert finish == "length"
+        # prefill samples the first token; each decode feeds one and samples the next, until 64 are held
+        assert len(tokens) == 64 - len(long.prompt_tokens) + 1
+        assert engine.kv_pages_used() == 0
