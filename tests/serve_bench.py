@@ -27,6 +27,7 @@ steps measures the processes' cost per token, not the GPU server's tok/s (see th
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import multiprocessing
 import os
@@ -247,13 +248,23 @@ def _serve(argv: list[str]) -> None:
     """`ingot serve` with core.main swapped for _core_main (run as this file's `_serve` subcommand)."""
     core.main = _core_main  # client.py starts core.main: the spawned process then imports it from here
     sys.argv = ["ingot", "serve", *argv]
-    ingot_main()
+    profile = os.environ.get("SERVE_BENCH_PROFILE")
+    if not profile:
+        ingot_main()
+        return
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(ingot_main)
+    finally:
+        profiler.dump_stats(profile)
 
 
 def bench_http(args: argparse.Namespace, folder: Path) -> dict:
     model = _model(folder)
     port = _free_port()
     env = os.environ | {"SERVE_BENCH_STEP_MS": str(args.step_ms), "SERVE_BENCH_PREFILL_US": str(args.prefill_us)}
+    if args.profile:  # the front end's profile (cProfile), written when it exits
+        env["SERVE_BENCH_PROFILE"] = str(Path(args.profile).resolve())
     log = open(folder / "serve.log", "w+")
     server = subprocess.Popen(
         [sys.executable, __file__, "_serve", str(model), "--port", str(port), "--device", "cpu"]
@@ -320,6 +331,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0, help="core: how long to measure")
     p.add_argument("--requests", type=int, default=4, help="http: requests per client")
     p.add_argument("--procs", type=int, default=1, help="http: load generator processes")
+    p.add_argument("--profile", help="http: write the front end's cProfile stats to this file")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as d:
         result = (bench_core if args.mode == "core" else bench_http)(args, Path(d))
