@@ -25,8 +25,8 @@
 # The short chain (three calls, SmolLM2 instead of Gemma 3, for a session whose device time is spent in part):
 #   s1  [".whl", ".m/smol.a"]  wheels + build; every tests/gpu test on the synthetic models (8 workers)
 #   s2  [".m/smol.b"]          SmolLM2 complete, sha256 checked: the engine and precision tests on it, pack +
-#                              verify --device + run; the 8B benches (stage 2's, the GEMM kernels A/B, PDL off,
-#                              the wide-batch step profile)
+#                              verify --device + run; the 8B benches (stage 2's, pp2048, PDL off, the PDL
+#                              trigger A/B, the GEMM kernels A/B)
 #   s3  []                     stage 3 (the serving load test)
 # The GEMM kernels (v10's pipelined matmul2_* against v9's WMMA; carry .whl/ only, any order after prepare):
 #   gemm        build; the GEMM kernel tests (both families, tests/test_pdl.py's PTX check); kernel_bench --gemm
@@ -155,8 +155,8 @@ s1)
     echo "wheels + kernels: $(($(date +%s) - t0)) s"
     nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader
     python3 -m ingot model synth --shape llama3-8b --quant Q4_0 --out /tmp/l8_Q4_0.gguf >/dev/null &
-    timeout 480 python3 -m pytest -q -p no:cacheprovider -rfE -n 8 tests/gpu --ignore tests/gpu/test_gpu_serve_load.py \
-        2>&1 | tee "$OUT/s1_tests.log" | tail -30
+    OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 timeout 500 python3 -m pytest -q -p no:cacheprovider -rfE -n 12 tests/gpu \
+        --ignore tests/gpu/test_gpu_serve_load.py --durations=8 2>&1 | tee "$OUT/s1_tests.log" | tail -40
     wait
     ;;
 s2)
@@ -165,7 +165,7 @@ s2)
     mv $M/smol.part $SMOL
     [ "$(sha256sum $SMOL | cut -d' ' -f1)" = "$SMOL_SHA" ] || { echo "error: SmolLM2 sha256 differs"; exit 1; }
     python3 -m ingot model synth --shape llama3-8b --quant Q4_K_M --out /tmp/l8_Q4_K_M.gguf >/dev/null &
-    INGOT_TEST_MODELS=$SMOL timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -s -n 8 -k SmolLM2 \
+    INGOT_TEST_MODELS=$SMOL OPENBLAS_NUM_THREADS=2 timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -s -n 8 -k SmolLM2 \
         tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_precision.py 2>&1 | tee "$OUT/s2_smol.log" |
         grep -E "rel err|decode:|wide|prefill [0-9]|passed|failed|Error|assert" | tail -30
     python3 -m ingot pack --model $SMOL --kernels /tmp/kernels --out /tmp/smol.ingot >/dev/null &&
@@ -175,10 +175,11 @@ s2)
     wait
     timeout 200 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 512 -r 3 --batch 1,4,16,64 --no-cold-start 2>&1 |
         tee "$OUT/s2_q4_0.log" | grep -E "pp|tg"
-    timeout 100 python3 -m ingot bench /tmp/l8_Q4_K_M.gguf -p 512 -r 3 --no-cold-start 2>&1 | tee "$OUT/s2_q4_k_m.log" |
-        grep -E "pp|tg"
+    timeout 60 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 2048 -n 0 -r 2 --no-cold-start 2>&1 | grep -E "pp"
+    timeout 100 python3 -m ingot bench /tmp/l8_Q4_K_M.gguf -p 0 -r 3 --no-cold-start 2>&1 | tee "$OUT/s2_q4_k_m.log" |
+        grep -E "tg"
     echo "INGOT_PDL=0, Q4_0:"
-    INGOT_PDL=0 timeout 100 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 0 -r 3 --batch 1,16,64 --no-cold-start 2>&1 |
+    INGOT_PDL=0 timeout 100 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 0 -r 3 --batch 1,64 --no-cold-start 2>&1 |
         grep -E "tg"
     for t in early late; do
         echo "INGOT_PDL_TRIGGER=$t: 8B Q4_0, SmolLM2"
@@ -188,7 +189,6 @@ s2)
     echo "INGOT_MATMUL=wmma (the previous GEMM), Q4_0:"
     INGOT_MATMUL=wmma timeout 100 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 512 -r 2 --batch 16,64 --no-cold-start \
         2>&1 | grep -E "pp|tg"
-    timeout 100 python3 tests/gpu/step_profile.py /tmp/l8_Q4_0.gguf --batch 64 2>&1 | tee "$OUT/s2_profile_b64.log" | tail -25
     ;;
 s3)
     env_up
