@@ -17,20 +17,12 @@ import numpy as np
 import pytest
 from test_attention_prefill import LANE, _ldmatrix_x4, _mma
 
-from ingot.runtime.gpu import kernels
 from ingot.runtime.gpu.constants import MATMUL2_BN as BN
 from ingot.runtime.gpu.constants import MATMUL2_STAGES as STAGES
 from ingot.runtime.gpu.constants import MATMUL2_THREADS as THREADS
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_STORE, QK
 from ingot.runtime.gpu.kernels import MATMUL2_LDS as LDS
 from ingot.runtime.gpu.kernels import MATMUL2_TILE_ROWS, matmul_geometry
-
-
-@pytest.fixture(autouse=True)
-def any_slice_length(monkeypatch):
-    """The emulation's shapes are small (a few steps along K) and must still reach split-K: the kernel's indexing
-    is checked for any slicing, whatever the host's policy of slice length (kernels.MIN_SLICE_STEPS)."""
-    monkeypatch.setattr(kernels, "MIN_SLICE_STEPS", 1)
 
 
 class Smem:

@@ -135,11 +135,6 @@ def mark_pdl(kernels: dict[str, Kernel], cc: int) -> None:
 
 
 MAX_K_SLICES = 16  # split-K slices of one GEMM at most
-# Steps of 32 along K a split-K slice takes at least: the ordered sum costs the tile's last block a round trip per
-# slice, which a few steps of work do not pay for. The H200 (v10a): SmolLM2's K=576 cut into 11 slices of 1-2
-# steps (and 6 in the WMMA kernel) put its batch-16/64 decode at 7,735/17,059 (WMMA) and 12,051/21,178 (mma)
-# tok/s, where v8's unordered atomics reached 11,972/29,334.
-MIN_SLICE_STEPS = 8
 SPLIT_K_TILES_PER_SM = 4  # partial tiles of SPLIT_K_TILE_FLOATS that SplitK holds per SM (Kernels.split_k)
 # The unit: a 64x128 fp32 tile, matmul2's at decode batches up to 64 (a 128x128 tile counts twice, WMMA's 64x64
 # half). matmul_geometry caps the slices so that a grid's partial tiles fit.
@@ -206,8 +201,7 @@ def matmul_geometry(M: int, N: int, K: int, sm_count: int, *, mma: bool, split: 
     the smallest of MATMUL2_TILE_ROWS covering M (decode batches: no multiplies wasted on padding rows); without
     split-K (prefill) a smaller one, down to MATMUL2_PREFILL_MIN_ROWS, while the larger would leave SMs idle.
     split: K is cut into slices while the tiles alone would not fill the GPU twice, as many as bring tiles x slices
-    to about 2 x SMs, at most MAX_K_SLICES, each at least MIN_SLICE_STEPS steps of 32 along K, and no more than
-    SplitK's scratch holds (split_k_floats)."""
+    to about 2 x SMs, at most MAX_K_SLICES and K/32, and no more than SplitK's scratch holds (split_k_floats)."""
     if mma:
         tn = MATMUL2_BN
         tm = next((t for t in MATMUL2_TILE_ROWS if t >= M), MATMUL2_TILE_ROWS[-1])
@@ -219,8 +213,7 @@ def matmul_geometry(M: int, N: int, K: int, sm_count: int, *, mma: bool, split: 
     slices = 1
     if split and tiles < 2 * sm_count:
         fit = split_k_floats(sm_count) // (tiles * tm * tn)
-        steps = max(1, K // QK // MIN_SLICE_STEPS)
-        slices = max(1, min(steps, MAX_K_SLICES, -(-2 * sm_count // tiles), fit))
+        slices = max(1, min(K // QK, MAX_K_SLICES, -(-2 * sm_count // tiles), fit))
     return GemmTiling(mma, tm, tn, slices)
 
 
