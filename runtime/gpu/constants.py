@@ -74,7 +74,8 @@ KERNEL_ABI = 5  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
 # 5: matmul2_<type>_bm{16,32,64,128}, the pipelined mma.sync GEMM (dynamic shared memory, its own grid order and
-# split-K tile size; SplitK's scratch doubled); MATMUL2_* in SHARED
+# split-K tile size; SplitK's scratch doubled); MATMUL2_* in SHARED; matvec kernels' last argument, a word of
+# PDL_PREFETCH | PDL_LATE flags (no release carried 4, so 5 covers both)
 
 
 def header() -> str:
