@@ -29,7 +29,7 @@
 // is exactly the 99 KiB opt-in limit of sm_86/89/120).
 // hd 256 is its own kernel (attn_prefill_mma_f16_hd256): its O accumulator is 16x256 fp32 per warp = 128
 // registers a lane, and a kernel gets the registers of its hungriest path.
-#include "common.cuh"
+#include "mma.cuh"   // smem_addr, cp_async*, ldsm_x4*, mma16816
 
 #define BQ (ATT_WARPS * 16) // packed query rows per block, one m16 tile per warp (PREFILL_MMA_ROWS on the host)
 #define SPAD 8              // halfs of padding per shared-memory row (PREFILL_MMA_PAD on the host)
@@ -37,41 +37,6 @@
 #define LOG2E 1.4426950408889634f
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, asynchronously; src_bytes 0 writes zeros (src is not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool read) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(read ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-
-// Four 8x8 b16 matrices; lane l gives the row address of matrix l/8, register i receives matrix i.
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const __half* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const __half* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
-// d[16x8 fp32] += a[16x16 fp16, row] * b[16x8 fp16, col]. Fragments (g = lane/4, c = lane%4):
-//   a0 (row g, k 2c..2c+1), a1 (row g+8, k 2c..), a2 (row g, k 2c+8..), a3 (row g+8, k 2c+8..);
-//   b0 (k 2c..2c+1, col g), b1 (k 2c+8.., col g);  d0,d1 (row g, cols 2c, 2c+1), d2,d3 (row g+8, same cols).
-__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
@@ -165,7 +130,7 @@ __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ qkv, 
         const int buf = (tile - tile0) & 1;
         if (tile < tile1) load_tile(tile + 1, buf ^ 1);   // buf^1 was last read before the previous barrier
         cp_async_commit();                                 // (an empty group on the last tile keeps the count)
-        cp_async_wait1();                                  // this tile's group has landed (this thread's part)
+        cp_async_wait<1>();                                  // this tile's group has landed (this thread's part)
         __syncthreads();                                   // ... and every thread's
         const int k0 = tile * PAGE;
         if (warp_live && k0 <= warp_last && k0 + PAGE - 1 >= warp_first) {

@@ -19,6 +19,7 @@
 #include <mma.h>
 #include "weights.cuh"
 #include "matmul_tiles.cuh"
+#include "mma.cuh"          // smem_addr, cp_async*, ldsm_x4, mma16816 (sm_80+)
 
 using namespace nvcuda;
 
@@ -336,31 +337,6 @@ FOR_EACH_GENERIC_TYPE(MATMUL_KERNEL)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
-__device__ __forceinline__ unsigned mm2_smem(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-// 16 (.cg: L2 only, the streamed operands) or 4 (.ca: the only sizes below 16 are .ca) bytes global -> shared;
-// read false: zero-fill (src-size 0, the address is not read).
-__device__ __forceinline__ void mm2_cp16(void* dst, const void* src, bool read) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(mm2_smem(dst)), "l"(src), "r"(read ? 16 : 0));
-}
-__device__ __forceinline__ void mm2_cp4(void* dst, const void* src, bool read) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(mm2_smem(dst)), "l"(src), "r"(read ? 4 : 0));
-}
-__device__ __forceinline__ void mm2_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void mm2_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void mm2_ldsm_x4(unsigned (&r)[4], const __half* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(mm2_smem(p)));
-}
-__device__ __forceinline__ void mm2_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // The weights' side of a step, one struct per kind (the kernel calls all four; the unused ones are empty):
 //   RAW_ROW            bytes of one weight row in a raw stage (0: no raw stage)
 //   DIRECT             the raw stage is the fp16 tile (F16)
@@ -382,10 +358,10 @@ struct Mm2Q4 {   // Q4_0 (MIN false, m unused) and Q4_1: 16 quant bytes, d's wor
         const int n = n0 + row;
         const long long b = (long long)(n < N ? n : N - 1) * nb + kb;
         if (tid < MM2_BN) {
-            mm2_cp16(raw + row * 16, qs + b * 16, n < N);
-            if (MIN) mm2_cp4(raw + MM2_BN * 20 + row * 4, m + (b & ~1LL), n < N);
+            cp_async16(raw + row * 16, qs + b * 16, n < N);
+            if (MIN) cp_async4(raw + MM2_BN * 20 + row * 4, m + (b & ~1LL), n < N);
         } else {
-            mm2_cp4(raw + MM2_BN * 16 + row * 4, d + (b & ~1LL), n < N);   // the aligned word holding d[b]
+            cp_async4(raw + MM2_BN * 16 + row * 4, d + (b & ~1LL), n < N);   // the aligned word holding d[b]
         }
     }
     __device__ __forceinline__ void fetch(Reg&, int, int, int, int) const {}
@@ -415,8 +391,8 @@ struct Mm2Q8_0 {   // 32 quant bytes, d's word per row
         const int row = tid / 2, h = tid % 2;
         const int n = n0 + row;
         const long long b = (long long)(n < N ? n : N - 1) * nb + kb;
-        mm2_cp16(raw + row * 32 + 16 * h, qs + b * 32 + 16 * h, n < N);
-        if (h == 0) mm2_cp4(raw + MM2_BN * 32 + row * 4, d + (b & ~1LL), n < N);
+        cp_async16(raw + row * 32 + 16 * h, qs + b * 32 + 16 * h, n < N);
+        if (h == 0) cp_async4(raw + MM2_BN * 32 + row * 4, d + (b & ~1LL), n < N);
     }
     __device__ __forceinline__ void fetch(Reg&, int, int, int, int) const {}
     __device__ __forceinline__ void dequant(__half* sB, const uint8_t* raw, const Reg&, int n0, int, int kb,
@@ -441,8 +417,8 @@ struct Mm2F16 {   // the raw stage is the fp16 tile [128][MM2_LDS]
         const int row = tid / 2, c = (tid % 2) * 16, n = n0 + row;   // 2 of the row's 4 chunks of 8 halfs
         const __half* from = w + (long long)(n < N ? n : N - 1) * nb * QK + kb * QK + c;
         __half* to = reinterpret_cast<__half*>(raw) + row * MM2_LDS + c;
-        mm2_cp16(to, from, n < N);
-        mm2_cp16(to + 8, from + 8, n < N);
+        cp_async16(to, from, n < N);
+        cp_async16(to + 8, from + 8, n < N);
     }
     __device__ __forceinline__ void fetch(Reg&, int, int, int, int) const {}
     __device__ __forceinline__ void dequant(__half*, const uint8_t*, const Reg&, int, int, int, int) const {}
@@ -536,7 +512,7 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
         __half* a = sA + (s % MM2_STAGES) * A_STAGE;
 #pragma unroll
         for (int j = 0; j < AJ; j++)
-            if (a_dst[j] >= 0) mm2_cp16(a + a_dst[j], a_src[j] + s * QK, a_ok[j]);
+            if (a_dst[j] >= 0) cp_async16(a + a_dst[j], a_src[j] + s * QK, a_ok[j]);
         src.issue(raw + (s % MM2_STAGES) * RAW_STAGE, n0, N, kb0 + s, tid);
     };
 
@@ -550,11 +526,11 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
 #pragma unroll
     for (int s = 0; s < MM2_STAGES - 1; s++) {
         if (s < steps) load_stage(s);
-        mm2_commit();
+        cp_async_commit();
     }
     typename T::Reg reg;
     if (steps > 0) src.fetch(reg, n0, N, kb0, tid);
-    mm2_wait<MM2_STAGES - 2>();   // stage 0 landed (this thread's copies)
+    cp_async_wait<MM2_STAGES - 2>();   // stage 0 landed (this thread's copies)
     __syncthreads();              // ... and everyone's
     if (steps > 0) {
         src.dequant(sB, raw, reg, n0, N, kb0, tid);
@@ -567,10 +543,10 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
     const int b_lane = (wn * (NT * 8) + lane % 8 + (lane / 16) * 8) * MM2_LDS + ((lane / 8) % 2) * 8;
 
     for (int i = 0; i < steps; i++) {
-        mm2_wait<MM2_STAGES - 3>();   // stage i+1 landed (groups committed: stages ..i+STAGES-2)
+        cp_async_wait<MM2_STAGES - 3>();   // stage i+1 landed (groups committed: stages ..i+STAGES-2)
         __syncthreads();
         if (i + MM2_STAGES - 1 < steps) load_stage(i + MM2_STAGES - 1);
-        mm2_commit();                 // (empty near the end: keeps one group per step for the wait count)
+        cp_async_commit();                 // (empty near the end: keeps one group per step for the wait count)
         if (i + 1 < steps) {
             src.dequant(sB + ((i + 1) % 2) * B_TILE, raw + ((i + 1) % MM2_STAGES) * RAW_STAGE, reg, n0, N, kb0 + i + 1,
                         tid);
@@ -583,20 +559,20 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
         for (int ks = 0; ks < QK / 16; ks++) {
             unsigned a[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) mm2_ldsm_x4(a[mt], a_st + mt * 16 * MM2_LDS + ks * 16);
+            for (int mt = 0; mt < MT; mt++) ldsm_x4(a[mt], a_st + mt * 16 * MM2_LDS + ks * 16);
 #pragma unroll
             for (int p = 0; p < NT / 2; p++) {
                 unsigned b[4];
-                mm2_ldsm_x4(b, b_st + p * 16 * MM2_LDS + ks * 16);
+                ldsm_x4(b, b_st + p * 16 * MM2_LDS + ks * 16);
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
-                    mm2_mma(acc[mt][2 * p], a[mt], b[0], b[1]);
-                    mm2_mma(acc[mt][2 * p + 1], a[mt], b[2], b[3]);
+                    mma16816(acc[mt][2 * p], a[mt], b[0], b[1]);
+                    mma16816(acc[mt][2 * p + 1], a[mt], b[2], b[3]);
                 }
             }
         }
     }
-    mm2_wait<0>();   // no copy may still target shared memory when the block exits (only empty groups remain)
+    cp_async_wait<0>();   // no copy may still target shared memory when the block exits (only empty groups remain)
     INGOT_PDL_TRIGGER();   // the next kernel may launch while this one writes C (common.cuh: after the main loop)
 
     if (gridDim.z > 1) {
