@@ -61,16 +61,16 @@ def _flag(text: str) -> bool:
     return text.lower() not in ("0", "false", "no", "off")
 
 
-def _pdl_trigger(text: str) -> str:
-    if text.lower() not in ("auto", "early", "late"):
-        raise ValueError(text)
-    return text.lower()
+def _one_of(*choices: str, fold_case: bool = False) -> Callable[[str], str]:
+    """A parser that accepts exactly these values (any letter case with fold_case, returned in lower case)."""
 
+    def parse(text: str) -> str:
+        value = text.lower() if fold_case else text
+        if value not in choices:
+            raise ValueError(text)
+        return value
 
-def _decode_attn(text: str) -> str:
-    if text.lower() not in ("v7", "v8"):
-        raise ValueError(text)
-    return text.lower()
+    return parse
 
 
 CACHE_DIR = Setting(
@@ -111,7 +111,7 @@ DECODE_GEMM_MIN_BATCH = Setting(
 DECODE_ATTN = Setting(
     "INGOT_DECODE_ATTN",
     "v8",
-    _decode_attn,
+    _one_of("v7", "v8", fold_case=True),
     "v8 or v7",
     "The GPU decode attention kernel: v8 (per-page tiles, cost follows the context) or v7 (the previous one).",
 )
@@ -138,12 +138,6 @@ PREFIX_CACHE = Setting(
 )
 
 
-def _attn_prefill(text: str) -> str:
-    if text not in ("mma", "scalar"):
-        raise ValueError(text)
-    return text
-
-
 # The prefill attention kernel: cuda/attention_prefill.cu's tensor-core one (default; compute capability >= 8.0,
 # the scalar kernel below that) or attention.cu's scalar one. On the H200 (2026-12-01, cuda/PERF.md) it makes Gemma 3
 # 270M's pp512 90.1k tok/s instead of 48.0k, with the same accuracy budget: the transformers oracle passes with it
@@ -152,16 +146,10 @@ def _attn_prefill(text: str) -> str:
 ATTN_PREFILL = Setting(
     "INGOT_ATTN_PREFILL",
     "mma",
-    _attn_prefill,
+    _one_of("mma", "scalar"),
     "mma or scalar",
     "The GPU engine's prefill attention: mma (tensor cores, compute capability >= 8.0) or scalar (any GPU).",
 )
-
-
-def _matmul(text: str) -> str:
-    if text not in ("mma", "wmma"):
-        raise ValueError(text)
-    return text
 
 
 # The GEMM kernels (prefill, wide-batch decode): cuda/matmul.cu's pipelined mma.sync ones (matmul2_*, default;
@@ -169,7 +157,7 @@ def _matmul(text: str) -> str:
 MATMUL = Setting(
     "INGOT_MATMUL",
     "mma",
-    _matmul,
+    _one_of("mma", "wmma"),
     "mma or wmma",
     "The GPU engine's GEMMs: mma (pipelined tensor-core kernels, compute capability >= 8.0) or wmma (v9's, any GPU).",
 )
@@ -191,7 +179,7 @@ WEIGHT_PREFETCH = Setting(
 PDL_TRIGGER = Setting(
     "INGOT_PDL_TRIGGER",
     "auto",
-    _pdl_trigger,
+    _one_of("auto", "early", "late", fold_case=True),
     "auto, early or late",
     "When a matrix-vector kernel lets the next kernel launch under PDL: at its start (early), after its main loop"
     " (late), or late for those reading at least 4 MiB of weights (auto).",
