@@ -18,7 +18,7 @@ from ingot.runtime.engines.cuda import GPU_ARCHITECTURES, CudaEngine
 from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
-from ingot.runtime.gpu.driver import DeviceBuffer, Kernel, Launch
+from ingot.runtime.gpu.driver import Copy, DeviceBuffer, Kernel, Launch
 from ingot.runtime.gpu.kernels import GpuMatrix, Kernels, SplitK, mark_pdl
 from ingot.runtime.model.architectures import ARCHITECTURES, Architecture
 from ingot.runtime.model.synth import SHAPES, config_of
@@ -92,7 +92,6 @@ def _matrix(pool: _Pool, qtype: str, rows: int, cols: int, cls=GpuMatrix) -> Gpu
 
 BUFFERS = (
     "x xf xq xd qkv att h xh gu o logits_buf part_acc part_ml counters sample_chunks out_tokens px pxh pqkv pgu po"
-    " plogits"
 ).split()
 
 
@@ -194,10 +193,13 @@ def test_llama_launch_counts_are_unchanged():
     assert decode == ["embed_q8_0", *layer * c.n_layers, "rmsnorm_f32", "matvec_q8_0", "sample_f32"]
     wide = kernel_names(e._decode_launches(GEMM_MIN_BATCH))
     assert len(wide) == 1 + 8 * c.n_layers + 3 and wide.count("swiglu_f16") == c.n_layers
-    prefill = kernel_names(e._prefill_launches(7, all_logits=False))
+    prefill = kernel_names(e._prefill_launches(((7, True),), all_logits=False))
     assert len(prefill) == 1 + 9 * c.n_layers + 3
     # the head over 7 rows without split-K: the 16-row tile covers them
-    assert kernel_names(e._prefill_launches(7, all_logits=True))[-2:] == ["rmsnorm_f32", "matmul2_q8_0_bm16"]
+    assert kernel_names(e._prefill_launches(((7, False),), all_logits=True))[-2:] == [
+        "rmsnorm_f32",
+        "matmul2_q8_0_bm16",
+    ]
 
 
 @pytest.mark.parametrize("arch", sorted(SHAPE_OF))
@@ -210,7 +212,7 @@ def test_block_follows_the_architecture(arch, path):
     e = plan_engine(c)
     k = e.k
     if path == "prefill":
-        steps = e._prefill_launches(5, all_logits=False)
+        steps = e._prefill_launches(((5, True),), all_logits=False)
         attn = k.of("attn_prefill")
         for i, (args, kw) in enumerate(k.of("rope_kv")):
             assert args[1] is e.rope_tables[c.layer_rope(i)]
@@ -257,6 +259,36 @@ def test_block_follows_the_architecture(arch, path):
         assert [kw["w_next"] for _, kw in post] == [w for pair in following for w in pair]
 
 
+def test_a_prefill_pass_of_several_sequences():
+    """A pass of three sequences (5 rows that sample nothing, then 7 and 3 that sample): one GEMM per product over
+    all 15 rows, the cache write over all of them, flash attention per sequence on its own rows, positions,
+    block-table row and output rows; the two sampled rows (11 and 14) gathered into x for the head and the
+    sampler over 2 rows."""
+    c = config_of(SHAPES["tiny-k"])
+    e = plan_engine(c)
+    steps = e._prefill_launches(((5, False), (7, True), (3, True)), all_logits=False)
+    assert {args[3] for args, _ in e.k.of("matmul")} == {15}  # M: every row at once
+    assert [(args[2], args[8]) for args, _ in e.k.of("rope_kv")] == [(e.pre.ptr["slots"], 15)] * c.n_layers
+    attn = e.k.of("attn_prefill")
+    assert len(attn) == 3 * c.n_layers
+    pre, H = e.pre.ptr, c.n_heads * c.head_dim
+    for (args, _), (r, start, n) in zip(attn, [(0, 0, 5), (1, 5, 7), (2, 12, 3)] * c.n_layers, strict=True):
+        qkv, ld, _, _, block_row, pos, T, out, _ = args
+        assert qkv == e.pqkv.ptr + 4 * start * e.qkv_dim and ld == e.qkv_dim
+        assert block_row == pre["block_table"] + 4 * r * e.max_pages and pos == pre["pos"] + 4 * start
+        assert T == n and out == e.pxh.ptr + 2 * start * H
+    copies = [s for s in steps if isinstance(s, Copy)]
+    assert [(s.dst, s.src, s.nbytes) for s in copies] == [
+        (e.x.ptr + 4 * c.dim * j, e.px.ptr + 4 * c.dim * row, 4 * c.dim) for j, row in enumerate((11, 14))
+    ]
+    assert steps[-1].kernel.name == "sample_f32" and steps[-1].grid == (2, 1, 1)
+    # one sampling sequence whose last row ends the pass is read in place; none: no head at all
+    alone = plan_engine(c)._prefill_launches(((4, False), (6, True)), all_logits=False)
+    assert not any(isinstance(s, Copy) for s in alone) and alone[-1].grid == (1, 1, 1)
+    silent = kernel_names(plan_engine(c)._prefill_launches(((9, False),), all_logits=False))
+    assert "sample_f32" not in silent and silent.count("attn_prefill_mma_f16") == c.n_layers
+
+
 def test_gemma3_layers_get_their_window_and_rope_base():
     """gemma3-270m's pattern: five local layers (window 512, base 10k) then a global one (base 1M), repeated."""
     c = config_of(SHAPES["gemma3-270m"])
@@ -264,7 +296,10 @@ def test_gemma3_layers_get_their_window_and_rope_base():
     names = kernel_names(e._decode_launches(1))
     assert names.count("attn_decode_tile_f16_hd256") == c.n_layers  # head_dim 256: its own kernel
     assert names[-2:] == ["sample_prep_f32", "sample_f32"]  # 262,144 logits: the multi-block sampler pass
-    assert kernel_names(e._prefill_launches(3, all_logits=False)).count("attn_prefill_mma_f16_hd256") == c.n_layers
+    assert (
+        kernel_names(e._prefill_launches(((3, True),), all_logits=False)).count("attn_prefill_mma_f16_hd256")
+        == c.n_layers
+    )
     got = [(kw["window"], args[1]) for args, kw in e.k.of("attn_decode")]
     local, glob = e.rope_tables[(10000.0, 1.0)], e.rope_tables[(1000000.0, 1.0)]
     assert len(e.rope_tables) == 2
@@ -341,7 +376,7 @@ def test_the_sampler_splits_large_vocabularies_only():
     """sample_prep_f32 runs over the vocabulary's chunks before sample_f32 from 65,536 logits on (decode and
     prefill's last row), and sample_f32 gets the chunk buffer and count; a small vocabulary keeps one launch."""
     gemma = plan_engine(config_of(SHAPES["gemma3-270m"]))
-    for steps, B in ((gemma._decode_launches(3), 3), (gemma._prefill_launches(5, all_logits=False), 1)):
+    for steps, B in ((gemma._decode_launches(3), 3), (gemma._prefill_launches(((5, True),), all_logits=False), 1)):
         prep, final = steps[-2:]
         assert prep.kernel.name == "sample_prep_f32" and prep.grid == (128, B, 1) and final.grid == (B, 1, 1)
     small = plan_engine(config_of(SHAPES["tiny-k"]))
@@ -356,7 +391,9 @@ def test_every_decode_and_prefill_launch_may_use_pdl_on_sm90(arch, cc, monkeypat
     none is. Memsets (split-K) carry no flag; the launch after one is serialized by the stream (driver.Launch)."""
     monkeypatch.delenv("INGOT_PDL", raising=False)
     e = plan_engine(config_of(SHAPES[SHAPE_OF[arch]]))
-    steps = e._decode_launches(2) + e._decode_launches(GEMM_MIN_BATCH) + e._prefill_launches(5, all_logits=False)
+    steps = (
+        e._decode_launches(2) + e._decode_launches(GEMM_MIN_BATCH) + e._prefill_launches(((5, True),), all_logits=False)
+    )
     mark_pdl(e.k.k, cc)
     launches = [s for s in steps if isinstance(s, Launch)]
     assert len(launches) == len(steps), [type(s).__name__ for s in steps if not isinstance(s, Launch)]

@@ -197,6 +197,21 @@ def test_concurrent_requests_with_a_shared_system_prompt_leave_nothing_held(tiny
     assert spy.live == 0 and spy.engine.kv_pages_used() == 0
 
 
+def test_a_prompt_prefilled_in_chunks_adopts_every_cached_page(tiny_model, tiny_tokenizer):
+    """A prompt again, prefilled in chunks of two pages (the scheduler's budget): every full page is adopted,
+    those at the end of the chunks before the last included (a chunk that samples nothing need not compute its
+    last token): 6 pages of a 200-token prompt hit, only the 8 tokens past them computed, the same text."""
+    prompt = tuple(int(t) for t in np.random.default_rng(5).integers(2, tiny_model.config.n_vocab, size=200))
+    requests = [GenerationRequest(prompt, SamplingParams(), 4)]
+    spy = Spy(CpuEngine(tiny_model, max_seqs=1, prefix_cache=True))
+    first, _ = _run(spy, tiny_tokenizer, requests, prefill_chunk=2 * KV_PAGE)
+    assert spy.prefills == [64, 64, 64, 8]  # chunks end on page boundaries
+    assert spy.engine.prefix_stats()["hit_tokens"] == 0
+    again, _ = _run(spy, tiny_tokenizer, requests, prefill_chunk=2 * KV_PAGE)
+    assert again == first
+    assert spy.engine.prefix_stats()["hit_tokens"] == 6 * KV_PAGE  # 192: the old rule adopted 96 here
+
+
 def test_metrics_export_the_hit_rate_and_saved_tokens():
     text = generate_latest(Metrics(lambda: Stats(prefix_queried_tokens=400, prefix_hit_tokens=300)).registry).decode()
     assert "ingot_prefix_cache_queried_tokens 400.0" in text

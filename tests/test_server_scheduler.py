@@ -26,11 +26,13 @@ from ingot.runtime.structured import json_schema
 
 
 class Spy:
-    """A CpuEngine that records how many sequences are alive at each decode and each prefill's length,
-    optionally with a smaller KV capacity (a page pool's size and page size, as the GPU engine reports them)."""
+    """A CpuEngine that records how many sequences are alive at each decode, each prefill chunk's length and how
+    many chunks each prefill_many call took, optionally with a smaller KV capacity (a page pool's size and page
+    size, as the GPU engine reports them)."""
 
     def __init__(self, engine: CpuEngine, pages: PagePool | None = None, fail_decode: bool = False):
         self.engine, self.fail_decode, self.widest, self.prefills = engine, fail_decode, 0, []
+        self.prefill_calls: list[int] = []
         self.max_seqs, self.max_ctx = engine.max_seqs, engine.max_ctx
         if pages is not None:
             self.kv_page_size, self.kv_pages_total = pages.page_size, pages.n_pages
@@ -44,9 +46,10 @@ class Spy:
         self.widest = max(self.widest, len(seqs))
         return self.engine.decode(seqs, tokens)
 
-    def prefill(self, seq, tokens):
-        self.prefills.append(len(tokens))
-        return self.engine.prefill(seq, tokens)
+    def prefill_many(self, chunks):
+        self.prefills += [len(c.tokens) for c in chunks]
+        self.prefill_calls.append(len(chunks))
+        return self.engine.prefill_many(chunks)
 
     @property
     def live(self) -> int:
@@ -113,6 +116,7 @@ def test_batched_output_equals_one_at_a_time(tiny_model, tiny_tokenizer):
     texts, steps = _run(spy, tiny_tokenizer, requests)
     assert texts == _one_at_a_time(tiny_model, tiny_tokenizer, requests)
     assert spy.widest == 4  # steps were shared, never past max_seqs
+    assert spy.prefill_calls[0] == 4  # the first step's four new prompts went to the engine in one call
     assert spy.live == 0 and steps[-1].stats.running == 0 and steps[-1].stats.kv_pages_used == 0
     assert sorted(i for s in steps for i, _ in s.started) == list(range(len(PROMPTS)))
 
@@ -129,6 +133,18 @@ def test_seeded_sampling_is_the_same_chunked_batched_or_alone(tiny_model, tiny_t
     alone = _one_at_a_time(tiny_model, tiny_tokenizer, requests)
     assert whole == chunked == alone
     assert len(set(whole)) == 3  # different seeds, different samples: the draws are not all greedy
+
+
+def test_a_bad_prompt_prefilled_with_others_fails_alone(tiny_model, tiny_tokenizer):
+    """A prompt the engine refuses (a token id past the vocabulary) in the same prefill call as good ones: it
+    gets its 400, the others their one-at-a-time text."""
+    requests = [_request(tiny_tokenizer, p) for p in PROMPTS[:3]]
+    bad = GenerationRequest((5, tiny_model.config.n_vocab + 7, 9), SamplingParams(), 12)
+    spy = Spy(CpuEngine(tiny_model, max_seqs=4))
+    texts, _ = _run(spy, tiny_tokenizer, [requests[0], bad, *requests[1:]])
+    assert texts[1][0] == 400 and "out of range" in texts[1][1]
+    assert [texts[0], *texts[2:]] == _one_at_a_time(tiny_model, tiny_tokenizer, requests)
+    assert spy.prefill_calls[0] == 4 and spy.live == 0
 
 
 def test_admission_waits_for_free_kv_pages(tiny_model, tiny_tokenizer):
@@ -212,9 +228,9 @@ class MaskSpy(Spy):
         self.decode_masks.append(None if masks is None else sum(m is not None for m in masks))
         return self.engine.decode(seqs, tokens, masks)
 
-    def prefill(self, seq, tokens, mask=None):
-        self.prefill_masks.append(mask is not None)
-        return self.engine.prefill(seq, tokens, mask)
+    def prefill_many(self, chunks):
+        self.prefill_masks += [c.mask is not None for c in chunks]
+        return self.engine.prefill_many(chunks)
 
 
 def test_constrained_sequence_gets_masks_and_a_schema_instance(tiny_model, tiny_tokenizer):

@@ -9,6 +9,12 @@ the CPU engine keeps a whole-context cache per sequence and counts it in pages o
 server's admission control treats both alike. Both keep a prefix cache over those pages (kvcache.py): a
 prefill whose leading full pages were computed before adopts them instead of computing them again.
 
+Prefill of several sequences at once (`prefill_many`): the server's step prefills the chunks of every sequence
+it admits together, so that the weights are read once for all of them (the GPU engine runs them as one pass
+of up to PREFILL_CHUNK tokens, attention per sequence). A chunk that is not its prompt's last (`Chunk.last`
+False) samples nothing, and the prefix cache may adopt all of its full pages: only a prompt's last token must
+be computed (its logits sample the next token).
+
 Constrained decoding (runtime/structured.py) reaches an engine as token masks: a bitmask row, np.uint32
 [ceil(V/32)] with bit t % 32 of word t // 32 set when token t may be sampled, for the token prefill samples
 and for each sequence of a decode step (None: unconstrained). Masked tokens are out before every sampling
@@ -18,12 +24,23 @@ rule (the repetition penalty, top-k/top-p/min-p, the argmax), as llama.cpp appli
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from ingot.runtime.model.gguf import Config
 from ingot.runtime.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt tokens to append to one sequence in a prefill_many call."""
+
+    seq: int
+    tokens: Sequence[int]
+    last: bool = True  # the prompt's last chunk: its last token's logits sample the sequence's next token
+    mask: np.ndarray | None = None  # the allowed tokens of that sample (constrained decoding); last chunks only
 
 
 class Engine(Protocol):
@@ -39,6 +56,11 @@ class Engine(Protocol):
 
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
         """Append tokens; return the next sampled token (one `mask` allows, when given)."""
+
+    def prefill_many(self, chunks: Sequence[Chunk]) -> list[int | None]:
+        """Append each chunk to its sequence (distinct sequences); return, per chunk, the next sampled token of a
+        last chunk (None for the others). Every chunk is checked before any is computed: a bad one raises
+        UsageError and none of them is appended."""
 
     def decode(
         self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ingot.runtime import settings
-from ingot.runtime.engines.base import pages_for
+from ingot.runtime.engines.base import Chunk, pages_for
 from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IngotError, UsageError
 from ingot.runtime.model.gguf import Model, expected_shapes
@@ -113,11 +113,28 @@ class CpuEngine:
         return seq
 
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
-        s = self._admit(seq, tokens)  # refuses an empty prompt, so the loop runs at least once
-        rest = tokens[self._adopt(s, tokens) :]  # never empty: the last token is always computed
-        for i in range(0, len(rest), PREFILL_CHUNK):
-            hidden = self._forward(s, rest[i : i + PREFILL_CHUNK])
-        return self._sample(s, logits(self.config, self.weights, hidden[-1:])[0], mask)
+        token = self.prefill_many([Chunk(seq, tokens, True, mask)])[0]
+        assert token is not None  # a last chunk samples
+        return token
+
+    def prefill_many(self, chunks: Sequence[Chunk]) -> list[int | None]:
+        """One sequence after the other (the reference needs no batching): the same results as the GPU engine's
+        single pass."""
+        states = [self._admit(c.seq, c.tokens) for c in chunks]  # every chunk checked before any is computed
+        if len({c.seq for c in chunks}) != len(chunks):
+            raise UsageError("prefill_many got two chunks of one sequence")
+        out: list[int | None] = []
+        for c, s in zip(chunks, states, strict=True):
+            rest = c.tokens[self._adopt(s, c.tokens, sample=c.last) :]  # a last chunk computes its last token
+            hidden = None
+            for i in range(0, len(rest), PREFILL_CHUNK):
+                hidden = self._forward(s, rest[i : i + PREFILL_CHUNK])
+            if c.last:
+                assert hidden is not None
+                out.append(self._sample(s, logits(self.config, self.weights, hidden[-1:])[0], c.mask))
+            else:
+                out.append(None)
+        return out
 
     def decode(
         self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None
@@ -210,11 +227,11 @@ class CpuEngine:
 
     # --- the prefix cache (kvcache.py keeps the books; these move the rows) ---
 
-    def _adopt(self, s: _Sequence, tokens: Sequence[int]) -> int:
+    def _adopt(self, s: _Sequence, tokens: Sequence[int], *, sample: bool) -> int:
         """Copy the rows of the cached pages that match the prompt's leading full pages into the sequence's
-        cache; returns how many tokens that covers (the prefill computes the rest)."""
+        cache; returns how many tokens that covers (the prefill computes the rest; see PagePool.adopt)."""
         first = len(s.pages)
-        n = self.pages.adopt(s.pages, s.chain, tokens)
+        n = self.pages.adopt(s.pages, s.chain, tokens, sample=sample)
         for j in range(first, len(s.pages)):
             k, v = self._page_rows[s.pages[j]]
             s.cache.k[:, j * KV_PAGE : (j + 1) * KV_PAGE] = k

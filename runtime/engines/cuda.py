@@ -21,26 +21,40 @@ Decode (one token for each of B sequences) is the hot path: its launches (8 per 
 once per batch size B into a CUDA graph and replayed with one cuGraphLaunch per step. Everything that changes
 between steps — token ids, positions, block tables, sampling parameters — lives in device memory written by one
 host->device copy before the replay, so no graph node is ever patched; the only readback is the B sampled
-token ids. Prefill runs up to PREFILL_CHUNK tokens of one sequence; its launch list is built once per chunk
-length and replayed.
+token ids. Prefill runs up to PREFILL_CHUNK tokens per pass, of one sequence or of several (prefill_many: the
+server admits several prompts in a step): the GEMMs take all their tokens at once, the cache write finds each
+token's block-table row, and the flash attention is launched per sequence on its rows. A pass's launch list is
+built once per shape (its sequences' token counts, which of them sample) and replayed.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
 from ingot.runtime import settings
+from ingot.runtime.engines.base import Chunk
 from ingot.runtime.engines.cuda_weights import LayerWeights, upload_weights
 from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
 from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
-from ingot.runtime.gpu.driver import Device, DeviceBuffer, DevicePool, Event, Graph, Launch, PinnedBuffer, Stream
+from ingot.runtime.gpu.driver import (
+    Copy,
+    Device,
+    DeviceBuffer,
+    DevicePool,
+    Event,
+    Graph,
+    Launch,
+    PinnedBuffer,
+    Stream,
+)
 from ingot.runtime.gpu.kernels import (
     ACTIVATION_KERNELS,
     GQA_MAX,
@@ -61,6 +75,10 @@ ACTIVATION_MODES = {"silu": MODE_SWIGLU, "gelu_tanh": MODE_GEGLU}
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the prefill buffers (a 1000-token prompt = 2 passes)
 DEFAULT_MAX_CTX = 8192
 HIST_CAP = 256  # repetition-penalty window kept on the device (repeat_last_n is clamped to it)
+PLANS_KEPT = 64  # prefill launch lists kept, by pass shape
+
+PassShape: TypeAlias = tuple[tuple[int, bool], ...]  # a prefill pass: (tokens, samples) of each sequence, in order
+Work: TypeAlias = Launch | Copy  # what a launch list holds
 
 
 @dataclass
@@ -305,13 +323,23 @@ class _GemmDecodeOps(_GemmOps):
 
 
 class _PrefillOps(_GemmOps):
-    """Up to PREFILL_CHUNK tokens of one sequence (block-table row 0 of the prefill inputs): [q/k norms,] rope and
-    the cache write for all tokens, then flash attention."""
+    """A prefill pass: up to PREFILL_CHUNK tokens of one or more sequences, `lengths[r]` consecutive rows of
+    sequence r (block-table row r of the prefill inputs). [q/k norms,] rope and the cache write for all tokens
+    (pre.slots names each token's row), then flash attention per sequence on its rows."""
 
-    def __init__(self, e: CudaEngine, T: int):
+    def __init__(self, e: CudaEngine, lengths: tuple[int, ...]):
         super().__init__(
-            e, T, e.px, e.pre.ptr["tokens"], xh=e.pxh.ptr, qkv=e.pqkv.ptr, gu=e.pgu.ptr, o=e.po.ptr, split_k=None
+            e,
+            sum(lengths),
+            e.px,
+            e.pre.ptr["tokens"],
+            xh=e.pxh.ptr,
+            qkv=e.pqkv.ptr,
+            gu=e.pgu.ptr,
+            o=e.po.ptr,
+            split_k=None,
         )
+        self.lengths = lengths
 
     def attention(self, layer: int, lw: LayerWeights) -> Act:
         e, c, k, p = self.e, self.c, self.k, self.e.pre
@@ -334,22 +362,25 @@ class _PrefillOps(_GemmOps):
                 eps=c.norm_eps,
             )
         )
-        self.L.append(
-            k.attn_prefill(
-                self.qkv,
-                e.qkv_dim,
-                kc,
-                vc,
-                p.ptr["block_table"],
-                p.ptr["pos"],
-                self.n,
-                self.xh,
-                c,
-                scale=c.attn_scale,
-                window=c.layer_window(layer),
-                softcap=c.attn_softcap,
+        start = 0
+        for r, n in enumerate(self.lengths):  # rows [start, start + n): sequence r's tokens, in position order
+            self.L.append(
+                k.attn_prefill(
+                    self.qkv + 4 * start * e.qkv_dim,
+                    e.qkv_dim,
+                    kc,
+                    vc,
+                    p.ptr["block_table"] + 4 * r * e.max_pages,
+                    p.ptr["pos"] + 4 * start,
+                    n,
+                    self.xh + 2 * start * c.n_heads * c.head_dim,
+                    c,
+                    scale=c.attn_scale,
+                    window=c.layer_window(layer),
+                    softcap=c.attn_softcap,
+                )
             )
-        )
+            start += n
         return self.xh
 
 
@@ -434,7 +465,7 @@ class CudaEngine:
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self._graphs: dict[int, Graph] = {}
-        self._prefill_plans: dict[tuple[int, bool], list[Launch]] = {}
+        self._prefill_plans: dict[tuple[PassShape, bool], list[Work]] = {}
         self._bt_signature: tuple | None = None
 
     # --- memory ----------------------------------------------------------------------------------
@@ -517,34 +548,33 @@ class CudaEngine:
         # sample_prep_f32's per-chunk results (decode's B rows; prefill's one row reuses row 0, stream-ordered)
         self.sample_chunks = a(sample_chunk_bytes(V, B), "sampler chunk results")
         self.stream.memset(self.counters.ptr, 0, self.counters.nbytes)
-        # prefill, for up to T tokens of one sequence (block-table row 0 of its own table)
+        # prefill, for up to T tokens of up to B sequences per pass: token i belongs to block-table row slots[i];
+        # the sampling fields have a row per sequence that samples (its prompt's last token is in the pass)
         self.pre = _HostDevice(
             self.pool,
             [
                 ("tokens", np.int32, T),
                 ("pos", np.int32, T),
                 ("slots", np.int32, T),
-                ("block_table", np.int32, self.max_pages),
-                ("top_k", np.int32, 1),
-                ("hist_len", np.int32, 1),
-                ("counter", np.int32, 1),
-                ("masked", np.int32, 1),
-                ("temperature", np.float32, 1),
-                ("top_p", np.float32, 1),
-                ("min_p", np.float32, 1),
-                ("penalty", np.float32, 1),
-                ("seed", np.uint64, 1),
-                ("hist", np.int32, HIST_CAP),
-                ("mask", np.uint32, self.mask_words),
+                ("top_k", np.int32, B),
+                ("hist_len", np.int32, B),
+                ("counter", np.int32, B),
+                ("masked", np.int32, B),
+                ("temperature", np.float32, B),
+                ("top_p", np.float32, B),
+                ("min_p", np.float32, B),
+                ("penalty", np.float32, B),
+                ("seed", np.uint64, B),
+                ("hist", np.int32, B * HIST_CAP),
+                ("block_table", np.int32, B * self.max_pages),
+                ("mask", np.uint32, B * self.mask_words),  # uploaded only in passes with a masked row
             ],
         )
-        self.pre.host["slots"][:] = 0
         self.px = a(4 * T * D, "prefill x")
         self.pxh = a(2 * T * widest, "prefill x fp16")
         self.pqkv = a(4 * T * Dqkv, "prefill qkv")
         self.pgu = a(4 * T * 2 * F, "prefill gate/up")
         self.po = a(4 * T * D, "prefill projection out (post-norm architectures)")
-        self.plogits = a(4 * V, "prefill logits (last row)")
         # Every row's logits (logits(): perplexity, tests), [T, V] fp32: allocated on first use, as it is large for
         # big vocabularies (512 x 262,144 x 4 bytes = 512 MiB for Gemma 3) and serving never needs it.
         self._all_logits: DeviceBuffer | None = None
@@ -611,21 +641,36 @@ class CudaEngine:
         extra = {"hist_cap": HIST_CAP, "mask_words": self.mask_words, "chunks": self.sample_chunks.ptr}
         return {n: io.ptr[n] for n in names} | extra
 
-    def _prefill_launches(self, T: int, all_logits: bool) -> list[Launch]:
-        """The layers over T tokens of one sequence at positions pre.pos[0..T). Ends with logits of every row
-        (all_logits) or with the last row's logits and a sampled token."""
+    def _prefill_launches(self, shape: PassShape, all_logits: bool) -> list[Work]:
+        """The layers over one prefill pass: shape[r] = (tokens of sequence r, whether it samples), their rows
+        consecutive in that order at positions pre.pos. Ends with the logits of every row (all_logits: one
+        sequence) or with a token for each sampling sequence, sampled from its last row (the j-th of them in
+        out_tokens[j], with the j-th row of pre's sampling fields)."""
         c, p = self.config, self.pre
-        ops = _PrefillOps(self, T)
+        ops = _PrefillOps(self, tuple(n for n, _ in shape))
         h = self._forward(ops, head=(self.w.out_norm, self.w.head) if all_logits else None)
         if h is not None:
             ops.linear(self.w.head, h, self.all_logits.ptr, c.n_vocab)
-            return ops.L
-        # the last row alone through the decode path's matrix-vector product (one row: no GEMM tiles wasted)
-        last = _MatvecOps(self, 1, x=self.px.ptr + 4 * (T - 1) * c.dim)
+            return list(ops.L)
+        ends = itertools.accumulate(n for n, _ in shape)
+        rows = [end - 1 for end, (_, samples) in zip(ends, shape, strict=True) if samples]
+        if not rows:  # chunks of prompts that go on in a later step: their sampled tokens would be discarded
+            return list(ops.L)
+        # The sampled rows alone through the decode path's matrix-vector products (no GEMM tiles spent on the
+        # rows nobody samples): read in place when it is the pass's last row, else gathered into x [S, D].
+        row = 4 * c.dim
+        gather: list[Work] = []
+        if rows == [ops.n - 1]:
+            x = self.px.ptr + row * rows[0]
+        else:
+            x = self.x.ptr
+            gather = [Copy(x + row * j, self.px.ptr + row * r, row) for j, r in enumerate(rows)]
+        last = _MatvecOps(self, len(rows), x=x)
         h = last.norm(last.x, self.w.out_norm, self.w.head)
-        last.linear(self.w.head, h, self.plogits.ptr, c.n_vocab)
-        sample = self.k.sample(self.plogits.ptr, c.n_vocab, c.n_vocab, 1, self._sample_args(p), self.out_tokens.ptr)
-        return ops.L + last.L + sample
+        last.linear(self.w.head, h, self.logits_buf.ptr, c.n_vocab)
+        V = c.n_vocab
+        sample = self.k.sample(self.logits_buf.ptr, V, V, len(rows), self._sample_args(p), self.out_tokens.ptr)
+        return [*ops.L, *gather, *last.L, *sample]
 
     # --- sequences -------------------------------------------------------------------------------
 
@@ -659,12 +704,11 @@ class CudaEngine:
             )
         return self.pages.grow(st.pages, st.pos + n_new)
 
-    def _adopt(self, st: _Seq, tokens: list[int]) -> int:
+    def _adopt(self, st: _Seq, tokens: list[int], *, sample: bool) -> int:
         """Prefix cache: append the cached pages that hold the prompt's leading full pages to the sequence's
-        block table (kvcache.py decides which); returns how many tokens they hold, which prefill skips."""
-        if st.pos + len(tokens) > self.max_ctx:
-            return 0  # _reserve refuses it
-        n = self.pages.adopt(st.pages, st.chain, tokens)
+        block table (kvcache.py decides which: PagePool.adopt); returns how many tokens they hold, which prefill
+        skips."""
+        n = self.pages.adopt(st.pages, st.chain, tokens, sample=sample)
         self._remember(st, tokens[:n])
         st.pos += n
         return n
@@ -691,56 +735,121 @@ class CudaEngine:
     # --- the Engine interface ----------------------------------------------------------------------
 
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
-        self.pre.wait_copied()
-        self.pre.host["masked"][0] = mask is not None
-        if mask is not None:
-            self.pre.host["mask"][:] = mask
-        self._run_prefill(seq, tokens, all_logits=False)
-        self.stream.download(self.out_host.view(np.int32, 0, 1), self.out_tokens.ptr)
-        self.stream.synchronize()
-        return int(self.out_host.view(np.int32, 0, 1)[0])
+        token = self.prefill_many([Chunk(seq, tokens, True, mask)])[0]
+        assert token is not None  # a last chunk samples
+        return token
+
+    def prefill_many(self, chunks: Sequence[Chunk]) -> list[int | None]:
+        """The chunks' tokens in passes of up to PREFILL_CHUNK tokens, several sequences per pass (a chunk that
+        does not fit what is left of a pass goes on in the next one); each last chunk's token is sampled in the
+        pass that holds its last token. One readback, after the last pass."""
+        states = self._check(chunks)
+        work = []  # (its state, the tokens to compute, its chunk's index), prefix-cached pages adopted
+        for i, (c, st) in enumerate(zip(chunks, states, strict=True)):
+            tokens = [int(t) for t in c.tokens]
+            rest = tokens[self._adopt(st, tokens, sample=c.last) :]  # a last chunk always computes its last token
+            if rest:
+                self._reserve(st, len(rest))
+                work.append((st, rest, i))
+        p, M, W = self.pre, self.max_pages, self.mask_words
+        out: list[int | None] = [None] * len(chunks)
+        sampled: list[int] = []  # the chunk of each token sampled so far, in out_host's order
+        item, done = 0, 0  # the work item the next pass starts with, and how many of its tokens passes took
+        while item < len(work):
+            p.wait_copied()  # the previous pass's upload has read the host arrays (see _HostDevice)
+            shape: list[tuple[int, bool]] = []
+            written: list[tuple[_Seq, list[int]]] = []
+            here: list[int] = []  # the chunks sampled in this pass
+            T = 0
+            while item < len(work) and T < PREFILL_CHUNK:
+                st, rest, i = work[item]
+                piece = rest[done : done + PREFILL_CHUNK - T]
+                n, r = len(piece), len(shape)
+                p.host["tokens"][T : T + n] = piece
+                p.host["pos"][T : T + n] = np.arange(st.pos, st.pos + n)
+                p.host["slots"][T : T + n] = r
+                p.host["block_table"][r * M : r * M + len(st.pages)] = st.pages
+                self._remember(st, piece)
+                st.pos += n
+                done += n
+                ends = done == len(rest)
+                samples = ends and chunks[i].last
+                if samples:
+                    j, mask = len(here), chunks[i].mask
+                    st.pos -= 1  # the sampled token's counter is the last prompt position, as in decode
+                    self._fill_sampling(p, j, st)
+                    st.pos += 1
+                    p.host["masked"][j] = mask is not None
+                    if mask is not None:
+                        p.host["mask"][j * W : (j + 1) * W] = mask
+                    here.append(i)
+                shape.append((n, samples))
+                written.append((st, piece))
+                T += n
+                if ends:
+                    item, done = item + 1, 0
+            any_mask = any(chunks[i].mask is not None for i in here)
+            p.upload(self.stream, "tokens", "mask" if any_mask else "block_table")
+            for launch in self._plan(tuple(shape), all_logits=False):
+                launch(self.stream)
+            for st, piece in written:
+                self.pages.append(st.pages, st.chain, piece)  # registers the pages it filled (stream-ordered)
+            if here:
+                self.stream.download(self.out_host.view(np.int32, 4 * len(sampled), len(here)), self.out_tokens.ptr)
+                sampled += here
+        if sampled:
+            self.stream.synchronize()
+            for i, token in zip(sampled, self.out_host.view(np.int32, 0, len(sampled)), strict=True):
+                out[i] = int(token)
+        return out
+
+    def _check(self, chunks: Sequence[Chunk]) -> list[_Seq]:
+        """Every chunk's sequence, after checking all of them (before any work): known and distinct sequences,
+        token ids in the vocabulary, room in the context."""
+        if len(chunks) > self.max_seqs:
+            raise UsageError(f"prefill of {len(chunks)} chunks at once (max {self.max_seqs})")
+        if len({c.seq for c in chunks}) != len(chunks):
+            raise UsageError("prefill_many got two chunks of one sequence")
+        states = []
+        for c in chunks:
+            st = self._seq(c.seq)
+            if not len(c.tokens):
+                raise UsageError("prefill needs at least one token")
+            if min(c.tokens) < 0 or max(c.tokens) >= self.config.n_vocab:
+                raise UsageError(f"token id out of range for a vocabulary of {self.config.n_vocab}")
+            if st.pos + len(c.tokens) > self.max_ctx:
+                raise UsageError(
+                    f"sequence would grow to {st.pos + len(c.tokens)} tokens, past the context of {self.max_ctx}",
+                    hint="shorten the prompt or lower max tokens",
+                )
+            states.append(st)
+        return states
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
-        rows = self._run_prefill(seq, tokens, all_logits=True)
-        assert rows is not None  # all_logits=True returns them
-        return rows
-
-    def _run_prefill(self, seq: int, tokens: Sequence[int], all_logits: bool) -> np.ndarray | None:
-        st = self._seq(seq)
+        """Every row's logits: one sequence, passes of PREFILL_CHUNK tokens, each read back."""
+        (st,) = self._check([Chunk(seq, tokens, False)])
         tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise UsageError("prefill needs at least one token")
-        if any(t < 0 or t >= self.config.n_vocab for t in tokens):
-            raise UsageError(f"token id out of range for a vocabulary of {self.config.n_vocab}")
-        if not all_logits:  # logits() returns a row per token, so it computes them all
-            tokens = tokens[self._adopt(st, tokens) :]  # never empty: the last token is always computed
         self._reserve(st, len(tokens))
-        out = []
-        p = self.pre
+        p, out = self.pre, []
         p.host["block_table"][: len(st.pages)] = st.pages
         for start in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
             T = len(chunk)
-            p.wait_copied()  # the previous chunk's upload has read the host arrays (see _HostDevice)
-            last = start + T == len(tokens)
+            p.wait_copied()
             p.host["tokens"][:T] = chunk
             p.host["pos"][:T] = np.arange(st.pos, st.pos + T)
+            p.host["slots"][:T] = 0
             self._remember(st, chunk)
             st.pos += T
-            if last and not all_logits:
-                st.pos -= 1  # the sampled token's counter is the last prompt position, as in decode
-                self._fill_sampling(p, 0, st)
-                st.pos += 1
-            p.upload(self.stream)
-            for launch in self._plan(T, all_logits):
+            p.upload(self.stream, "tokens", "block_table")
+            for launch in self._plan(((T, False),), all_logits=True):
                 launch(self.stream)
-            self.pages.append(st.pages, st.chain, chunk)  # registers the pages it filled (stream-ordered)
-            if all_logits:
-                rows = np.empty((T, self.config.n_vocab), dtype=np.float32)
-                self.stream.download(rows, self.all_logits.ptr)
-                self.stream.synchronize()
-                out.append(rows)
-        return np.concatenate(out) if all_logits else None
+            self.pages.append(st.pages, st.chain, chunk)
+            rows = np.empty((T, self.config.n_vocab), dtype=np.float32)
+            self.stream.download(rows, self.all_logits.ptr)
+            self.stream.synchronize()
+            out.append(rows)
+        return np.concatenate(out)
 
     @property
     def all_logits(self) -> DeviceBuffer:
@@ -748,13 +857,16 @@ class CudaEngine:
             self._all_logits = self.pool.alloc(4 * PREFILL_CHUNK * self.config.n_vocab, "prefill logits (all rows)")
         return self._all_logits
 
-    def _plan(self, T: int, all_logits: bool) -> list[Launch]:
-        key = (T, all_logits)
-        plan = self._prefill_plans.get(key)
+    def _plan(self, shape: PassShape, all_logits: bool) -> list[Work]:
+        """The launch list of a pass of this shape, built on first use; the most recently used PLANS_KEPT are kept
+        (a server sees a few shapes again and again: one prompt's chunks, a few new prompts of similar length)."""
+        key = (shape, all_logits)
+        plan = self._prefill_plans.pop(key, None)
         if plan is None:
-            if len(self._prefill_plans) > 16:
-                self._prefill_plans.clear()
-            plan = self._prefill_plans[key] = self._prefill_launches(T, all_logits)
+            plan = self._prefill_launches(shape, all_logits)
+            if len(self._prefill_plans) >= PLANS_KEPT:
+                del self._prefill_plans[next(iter(self._prefill_plans))]  # the least recently used
+        self._prefill_plans[key] = plan  # (re)inserted last: the dict's order is the order of use
         return plan
 
     def decode(

@@ -8,7 +8,8 @@ keeps the same books over page-sized chunks of its per-sequence arrays, so both 
 Prefix cache. A full page's keys and values depend only on the tokens up to its end, so a full page is named
 by a chained hash, hash(parent page's hash, the page's token ids), and registered under it. A prefill that
 starts at a page boundary looks its tokens up page by page and adopts the matching pages (reference count + 1)
-instead of computing them; it always computes at least its last token, whose logits sample the next one. A
+instead of computing them; a prompt's last chunk always computes at least its last token, whose logits sample
+the next one (an earlier chunk of a prompt prefilled in several samples nothing, and may adopt every page). A
 page is shared only once full and registered, and a sequence writes only past its last full page, so a page
 with more than one reference is never written. When its last reference goes, a registered page stays cached
 in an LRU of evictable pages, reclaimed (oldest first) only when no never-used page is left.
@@ -171,17 +172,18 @@ class PagePool:
 
     # --- the prefix cache -------------------------------------------------------------------------
 
-    def adopt(self, pages: list[int], chain: PrefixChain, tokens: Sequence[int]) -> int:
+    def adopt(self, pages: list[int], chain: PrefixChain, tokens: Sequence[int], *, sample: bool = True) -> int:
         """Before prefilling `tokens` into a sequence at a page boundary (chain.tail empty, len(pages) ==
         len(chain.hashes)): append to `pages` the cached pages that hold the longest run of its leading full
-        pages, never the page of the last token (it is computed). Returns the tokens adopted (a multiple of
-        the page size); the caller computes tokens[returned:]."""
+        pages; when the prefill samples (`sample`: a prompt's last chunk), never the page of the last token, whose
+        logits must be computed. Returns the tokens adopted (a multiple of the page size, all of them when a chunk
+        that does not sample is all cached pages); the caller computes tokens[returned:]."""
         if not self.prefix_cache or chain.tail or len(pages) != len(chain.hashes):
             return 0
         P = self.page_size
         self.stats.queried_tokens += len(tokens)
-        n = 0
-        while n + P < len(tokens):  # the page [n, n + P) ends before the last token
+        n, end = 0, len(tokens) - 1 if sample else len(tokens)
+        while n + P <= end:  # the page [n, n + P) ends before the last token (sample) or with the tokens
             h = page_hash(chain.parent, tokens[n : n + P])
             page = self._page_of.get(h)
             if page is None:

@@ -439,6 +439,19 @@ class Memset:
         _check(cu.cuMemsetD32Async(self.ptr, self.value, self.count, stream.handle), "cuMemsetD32Async")
 
 
+class Copy:
+    """A capturable device-to-device copy of `nbytes` (e.g. gathering the rows a prefill samples from)."""
+
+    __slots__ = ("dst", "src", "nbytes")
+
+    def __init__(self, dst: int, src: int, nbytes: int):
+        self.dst, self.src, self.nbytes = int(dst), int(src), nbytes
+
+    def __call__(self, stream: Stream) -> None:
+        stream.after_kernel = False
+        _check(cu.cuMemcpyDtoDAsync(self.dst, self.src, self.nbytes, stream.handle), "cuMemcpyDtoDAsync")
+
+
 class Graph:
     """A captured sequence of stream work, instantiated once and replayed with one cuGraphLaunch."""
 

@@ -6,8 +6,9 @@ Each `step()`:
         prefilled, oldest first, admitting waiting requests in arrival order while a sequence slot (max_seqs)
         and their KV pages are free; a prompt longer than what is left of the budget is prefilled in chunks
         (ending on KV page boundaries where the budget allows: the next chunk's prefill can then adopt
-        prefix-cached pages) over several steps (engine.prefill appends at the sequence's position, so
-        consecutive chunks are one prompt; the token sampled after a chunk that is not the last is discarded)
+        prefix-cached pages) over several steps (the engine appends at the sequence's position, so
+        consecutive chunks are one prompt; only a prompt's last chunk samples). All the step's chunks go to
+        the engine in one engine.prefill_many call: one pass over the weights for several new prompts.
     -> a protocol.Step: each sequence's new token ids, which ones ended (eos, length) or failed, the stats.
 So a 4,000-token prompt costs every running stream at most one chunk's prefill time per token, never the
 whole prompt's. The loop knows no text: stop strings are the front end's, which Aborts a sequence whose text
@@ -24,8 +25,8 @@ constrained sequence pass token masks to the engine (`mask=`/`masks=`; a step wi
 computes none), and each accepted token advances its sequence's matcher. A complete grammar allows only EOS,
 which ends the sequence as usual.
 
-A chunk's sampled token is discarded unless it is the prompt's last: both engines draw by (seed, position), so a
-seeded request's text is the same however its prompt was split.
+Both engines draw by (seed, position), so a seeded request's text is the same however its prompt was split and
+whichever prompts it was prefilled with.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ingot.runtime.engines.base import Engine, pages_for
+from ingot.runtime.engines.base import Chunk, Engine, pages_for
 from ingot.runtime.errors import UsageError
 from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.server.protocol import Add, Output, Stats, Step
@@ -167,23 +168,29 @@ class Scheduler:
             self._accept(s, token, outputs)
 
     def _prefill_some(self, outputs: _Outputs, started: list[tuple[int, int]]) -> int:
-        """Spend the step's prompt-token budget: partly prefilled sequences first, then new admissions."""
+        """Spend the step's prompt-token budget: partly prefilled sequences first, then new admissions; all their
+        chunks go to the engine in one prefill_many call (one pass over the weights for all of them)."""
         budget = self.prefill_chunk
+        plan: list[tuple[_Seq, int]] = []  # each sequence and its chunk's length
         for partial in [s for s in self._running if not s.decoding]:
-            spent = self._prefill(partial, budget, outputs)
-            if not spent:
-                return self.prefill_chunk - budget
-            budget -= spent
-        while budget > 0 and self._waiting:
-            new = self._admit(outputs)
-            if new is None:  # no slot or KV pages free: the rest waits
+            n = self._chunk_len(partial, budget)
+            if not n:
                 break
-            if new.seq is not None:
-                started.append((new.req.id, time.monotonic_ns()))
-                spent = self._prefill(new, budget, outputs)
-                if not spent:  # its first chunk waits for the next step's budget
+            plan.append((partial, n))
+            budget -= n
+        else:
+            while budget > 0 and self._waiting:
+                new = self._admit(outputs)
+                if new is None:  # no slot or KV pages free: the rest waits
                     break
-                budget -= spent
+                if new.seq is not None:
+                    started.append((new.req.id, time.monotonic_ns()))
+                    n = self._chunk_len(new, budget)
+                    if not n:  # its first chunk waits for the next step's budget
+                        break
+                    plan.append((new, n))
+                    budget -= n
+        self._prefill(plan, outputs)
         return self.prefill_chunk - budget
 
     def _admit(self, outputs: _Outputs) -> _Seq | None:
@@ -204,38 +211,68 @@ class Scheduler:
         self._running.append(s)
         return s
 
-    def _prefill(self, s: _Seq, budget: int, outputs: _Outputs) -> int:
-        """Feed up to `budget` more prompt tokens; returns how many. The last chunk's sampled token is the
-        sequence's first."""
-        prompt = s.req.prompt
-        end = s.prefilled + budget
+    def _chunk_len(self, s: _Seq, budget: int) -> int:
+        """How many more prompt tokens of s this step's `budget` takes: all that is left if it fits, else a chunk
+        ending on a KV page boundary where the budget allows (the next chunk's prefill can then adopt
+        prefix-cached pages)."""
+        prompt_len = len(s.req.prompt)
+        end = min(s.prefilled + budget, prompt_len)
         aligned = end - end % self.engine.kv_page_size
-        if end < len(prompt) and aligned > s.prefilled:  # not the last chunk: end it on a page boundary, where
-            end = aligned  # the next chunk's prefill can adopt cached pages (the prefix cache)
-        chunk = prompt[s.prefilled : end]
-        if not chunk:  # no budget left
-            return 0
-        try:
-            if len(prompt) > self.engine.max_ctx:
-                raise UsageError(
-                    f"the prompt is {len(prompt)} tokens, longer than the context of {self.engine.max_ctx}"
-                )
-            if s.prefilled + len(chunk) < len(prompt):  # not the last chunk: its sampled token is discarded
-                token = self.engine.prefill(s.live_seq, chunk)
-            else:
-                if s.constraint is not None and s.matcher is None:
+        if end < prompt_len and aligned > s.prefilled:
+            end = aligned
+        return end - s.prefilled
+
+    def _prefill(self, plan: list[tuple[_Seq, int]], outputs: _Outputs) -> None:
+        """Feed each sequence its chunk's tokens, in one engine call; a prompt's last chunk samples its first
+        token. A chunk the engine refuses as bad input (UsageError, raised before any work) fails only its own
+        sequence: the batch is then fed one chunk at a time."""
+        batch: list[tuple[_Seq, Chunk]] = []
+        for s, n in plan:
+            prompt = s.req.prompt
+            last = s.prefilled + n == len(prompt)
+            try:
+                if len(prompt) > self.engine.max_ctx:
+                    raise UsageError(
+                        f"the prompt is {len(prompt)} tokens, longer than the context of {self.engine.max_ctx}"
+                    )
+                if last and s.constraint is not None and s.matcher is None:
                     s.matcher = self._grammars_of().matcher(Constraint.from_json(s.constraint.decode()))
-                if s.matcher is not None:
-                    token = self.engine.prefill(s.live_seq, chunk, s.matcher.mask())
-                else:
-                    token = self.engine.prefill(s.live_seq, chunk)
+                mask = s.matcher.mask() if last and s.matcher is not None else None
+            except Exception as e:
+                self._fail(s, e, outputs)
+                continue
+            batch.append((s, Chunk(s.live_seq, prompt[s.prefilled : s.prefilled + n], last, mask)))
+        if not batch:
+            return
+        try:
+            tokens = self.engine.prefill_many([c for _, c in batch])
+        except UsageError as e:
+            if len(batch) == 1:
+                self._fail(batch[0][0], e, outputs)
+            else:
+                for s, c in batch:
+                    self._prefill_one(s, c, outputs)
+            return
+        except Exception as e:
+            for s, _ in batch:
+                self._fail(s, e, outputs)
+            return
+        self._prefilled(batch, tokens, outputs)
+
+    def _prefill_one(self, s: _Seq, chunk: Chunk, outputs: _Outputs) -> None:
+        try:
+            tokens = self.engine.prefill_many([chunk])
         except Exception as e:
             self._fail(s, e, outputs)
-            return len(chunk)
-        s.prefilled += len(chunk)
-        if s.decoding:
-            self._accept(s, token, outputs)
-        return len(chunk)
+            return
+        self._prefilled([(s, chunk)], tokens, outputs)
+
+    def _prefilled(self, batch: list[tuple[_Seq, Chunk]], tokens: list[int | None], outputs: _Outputs) -> None:
+        for (s, c), token in zip(batch, tokens, strict=True):
+            s.prefilled += len(c.tokens)
+            if s.decoding:
+                assert token is not None  # a last chunk samples
+                self._accept(s, token, outputs)
 
     def _accept(self, s: _Seq, token: int, outputs: _Outputs) -> None:
         """Record a sampled token; end the sequence on an end-of-generation token, max_tokens or a full

@@ -28,6 +28,7 @@ from numerics import fp16_budget, fp16_operands, fp16_run_failure, rel_err
 from tiny_models import VARIANTS, write_model
 
 from ingot.runtime import settings
+from ingot.runtime.engines.base import Chunk
 from ingot.runtime.engines.cpu import CpuEngine
 from ingot.runtime.model.gguf import load_model
 from ingot.runtime.sampling import SamplingParams
@@ -165,6 +166,50 @@ def test_batched_decode_equals_single(engines):
     for s in seqs:
         gpu.release(s)
     assert together == alone
+
+
+def test_prefill_many_equals_one_at_a_time(engines):
+    """Several sequences prefilled in one prefill_many call (one pass of GEMMs over all their tokens, attention
+    per sequence) sample the same tokens and continue the same as each prefilled alone: greedy and seeded with
+    a repetition penalty (each row's own sampling fields), a sequence that already holds a first chunk (its
+    positions start past 0), a chunk that samples nothing, and more tokens than one pass (PREFILL_CHUNK) holds,
+    so that a sequence is split across two passes."""
+    model, _, gpu = engines
+    lengths = (3, 40, 129, 300, 77)  # 549 tokens with the continued sequence's: two passes
+    prompts = [_prompt(model, n, seed=400 + n) for n in lengths]
+    params = [
+        SamplingParams() if i % 2 else SamplingParams(temperature=0.8, repetition_penalty=1.2, seed=i)
+        for i in range(len(lengths))
+    ]
+    first = 50  # sequence 4's prompt arrives in two chunks: its first in an earlier call
+
+    def run(together: bool) -> list[list[int]]:
+        seqs = [gpu.new_sequence(p) for p in params]
+        head = gpu.prefill_many([Chunk(seqs[4], prompts[4][:first], last=False)])
+        assert head == [None]  # a chunk that is not its prompt's last samples nothing
+        chunks = [Chunk(s, p) for s, p in zip(seqs, prompts, strict=True)]
+        chunks[4] = Chunk(seqs[4], prompts[4][first:])
+        chunks.append(Chunk(gpu.new_sequence(SamplingParams()), prompts[0], last=False))  # a prompt going on
+        if together:
+            outs = gpu.prefill_many(chunks)
+        else:
+            outs = [gpu.prefill_many([c])[0] for c in chunks]
+        assert outs[-1] is None
+        gpu.release(chunks[-1].seq)
+        seqs_out = [[t] for t in outs[:-1]]
+        for _ in range(8):
+            nxt = gpu.decode(seqs, [t[-1] for t in seqs_out])
+            for t, x in zip(seqs_out, nxt, strict=True):
+                t.append(x)
+        for s in seqs:
+            gpu.release(s)
+        return seqs_out
+
+    cache, gpu.pages.prefix_cache = gpu.pages.prefix_cache, False  # the second run computes, not adopts
+    try:
+        assert run(together=True) == run(together=False)
+    finally:
+        gpu.pages.prefix_cache = cache
 
 
 def test_wide_batch_decode_matches_cpu(engines):
