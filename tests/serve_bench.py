@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ingot.runtime.engines.base import pages_for
+from ingot.runtime.engines.base import Chunk, pages_for
 from ingot.runtime.model.synth import synthesize
 from ingot.runtime.sampling import SamplingParams
 from ingot.runtime.server import core, protocol
@@ -85,26 +85,45 @@ class StandIn:
         return 100 + (seq * 7 + self._len[seq]) % 400  # ordinary tokens, as the load generator's prompts
 
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
-        if self.prefill_s:
-            time.sleep(self.prefill_s * len(tokens))
-        self._len[seq] += len(tokens)
-        return self._token(seq)
+        token = self.prefill_many([Chunk(seq, tokens, True, mask)])[0]
+        assert token is not None
+        return token
+
+    def prefill_many(self, chunks: Sequence[Chunk]) -> list[int | None]:
+        return self.decode_and_prefill([], [], None, chunks)[1]
 
     def decode(
         self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None
     ) -> list[int]:
+        return self.decode_and_prefill(seqs, tokens, masks, [])[0]
+
+    def decode_and_prefill(
+        self,
+        seqs: Sequence[int],
+        tokens: Sequence[int],
+        masks: Sequence[np.ndarray | None] | None,
+        chunks: Sequence[Chunk],
+    ) -> tuple[list[int], list[int | None]]:
+        """The GPU's time of the step: a decode (step_s, when there are sequences) then the prefill (prefill_s
+        per prompt token), one after the other as on one stream."""
         t0 = time.perf_counter()
-        if self._last_end is not None:
+        if seqs and self._last_end is not None:
             self.gaps.append(t0 - self._last_end)
-        if self.step_s:
-            time.sleep(self.step_s)
-        self._last_end = time.perf_counter()
-        self.busy.append(self._last_end - t0)
+        wait = (self.step_s if seqs else 0.0) + self.prefill_s * sum(len(c.tokens) for c in chunks)
+        if wait:
+            time.sleep(wait)
+        if seqs:
+            self._last_end = time.perf_counter()
+            self.busy.append(self._last_end - t0)
         out = []
         for q in seqs:
             self._len[q] += 1
             out.append(self._token(q))
-        return out
+        firsts: list[int | None] = []
+        for c in chunks:
+            self._len[c.seq] += len(c.tokens)
+            firsts.append(self._token(c.seq) if c.last else None)
+        return out, firsts
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         raise NotImplementedError

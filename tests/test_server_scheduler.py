@@ -40,13 +40,22 @@ class Spy:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def decode(self, seqs, tokens):
+    def decode_and_prefill(self, seqs, tokens, masks, chunks):
+        if self.fail_decode and seqs:
+            raise RuntimeError("device lost")
+        self.widest = max(self.widest, len(seqs))
+        if chunks:
+            self.prefills += [len(c.tokens) for c in chunks]
+            self.prefill_calls.append(len(chunks))
+        return self.engine.decode_and_prefill(seqs, tokens, masks, chunks)
+
+    def decode(self, seqs, tokens, masks=None):  # the scheduler's fallback when a step's input was refused
         if self.fail_decode:
             raise RuntimeError("device lost")
         self.widest = max(self.widest, len(seqs))
-        return self.engine.decode(seqs, tokens)
+        return self.engine.decode(seqs, tokens, masks)
 
-    def prefill_many(self, chunks):
+    def prefill_many(self, chunks):  # ... one chunk at a time
         self.prefills += [len(c.tokens) for c in chunks]
         self.prefill_calls.append(len(chunks))
         return self.engine.prefill_many(chunks)
@@ -224,13 +233,11 @@ class MaskSpy(Spy):
         self.prefill_masks: list[bool] = []
         self.decode_masks: list[int | None] = []
 
-    def decode(self, seqs, tokens, masks=None):
-        self.decode_masks.append(None if masks is None else sum(m is not None for m in masks))
-        return self.engine.decode(seqs, tokens, masks)
-
-    def prefill_many(self, chunks):
+    def decode_and_prefill(self, seqs, tokens, masks, chunks):
+        if seqs:
+            self.decode_masks.append(None if masks is None else sum(m is not None for m in masks))
         self.prefill_masks += [c.mask is not None for c in chunks]
-        return self.engine.prefill_many(chunks)
+        return self.engine.decode_and_prefill(seqs, tokens, masks, chunks)
 
 
 def test_constrained_sequence_gets_masks_and_a_schema_instance(tiny_model, tiny_tokenizer):

@@ -13,7 +13,7 @@ Prefill of several sequences at once (`prefill_many`): the server's step prefill
 it admits together, so that the weights are read once for all of them (the GPU engine runs them as one pass
 of up to PREFILL_CHUNK tokens, attention per sequence). A chunk that is not its prompt's last (`Chunk.last`
 False) samples nothing, and the prefix cache may adopt all of its full pages: only a prompt's last token must
-be computed (its logits sample the next token).
+be computed (its logits sample the next token). `decode_and_prefill` is a step of both at once.
 
 Constrained decoding (runtime/structured.py) reaches an engine as token masks: a bitmask row, np.uint32
 [ceil(V/32)] with bit t % 32 of word t // 32 set when token t may be sampled, for the token prefill samples
@@ -66,6 +66,17 @@ class Engine(Protocol):
         self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None
     ) -> list[int]:
         """One step: feed tokens[i] to seqs[i]; return the next sampled token of each (masks[i] allows it)."""
+
+    def decode_and_prefill(
+        self,
+        seqs: Sequence[int],
+        tokens: Sequence[int],
+        masks: Sequence[np.ndarray | None] | None,
+        chunks: Sequence[Chunk],
+    ) -> tuple[list[int], list[int | None]]:
+        """decode(seqs, tokens, masks) and prefill_many(chunks) (other sequences) in one call: the server's step.
+        The GPU engine queues the prefill behind the decode step and waits once. The chunks are checked before
+        any work, as in prefill_many."""
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         """Append tokens; return float32 logits [len(tokens), n_vocab], one row per position."""

@@ -152,6 +152,17 @@ class CpuEngine:
         masks = masks if masks is not None else [None] * len(batch)
         return [self._sample(s, row, m) for s, row, m in zip(batch, rows, masks, strict=True)]
 
+    def decode_and_prefill(
+        self,
+        seqs: Sequence[int],
+        tokens: Sequence[int],
+        masks: Sequence[np.ndarray | None] | None,
+        chunks: Sequence[Chunk],
+    ) -> tuple[list[int], list[int | None]]:
+        for c in chunks:
+            self._admit(c.seq, c.tokens)  # the chunks are checked before any work
+        return self.decode(seqs, tokens, masks) if seqs else [], self.prefill_many(chunks) if chunks else []
+
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         s = self._admit(seq, tokens)
         return np.concatenate(

@@ -529,7 +529,7 @@ class CudaEngine:
         )
         self.step.host["slots"][:] = np.arange(B)
         self.out_tokens = a(4 * B, "sampled tokens")
-        self.out_host = PinnedBuffer(4 * B)
+        self.out_host = PinnedBuffer(4 * 2 * B)  # a step's decoded tokens, then its prefills' sampled ones
         self.x = a(4 * B * D, "x")
         self.xf = a(4 * B * widest, "x fp32 normed")
         self.xq = a(2 * B * widest, "x q8x2")  # two int8 levels per value
@@ -740,10 +740,35 @@ class CudaEngine:
         return token
 
     def prefill_many(self, chunks: Sequence[Chunk]) -> list[int | None]:
-        """The chunks' tokens in passes of up to PREFILL_CHUNK tokens, several sequences per pass (a chunk that
-        does not fit what is left of a pass goes on in the next one); each last chunk's token is sampled in the
-        pass that holds its last token. One readback, after the last pass."""
-        states = self._check(chunks)
+        return self.decode_and_prefill([], [], None, chunks)[1]
+
+    def decode_and_prefill(
+        self,
+        seqs: Sequence[int],
+        tokens: Sequence[int],
+        masks: Sequence[np.ndarray | None] | None,
+        chunks: Sequence[Chunk],
+    ) -> tuple[list[int], list[int | None]]:
+        """decode(seqs, tokens, masks) and prefill_many(chunks) with one wait: the decode step's graph is launched,
+        then the prefill passes are queued behind it while it runs (their launches cost host time), and the tokens
+        of both are read back at once."""
+        states = self._check(chunks)  # every chunk checked before any work
+        B = self._launch_decode(seqs, tokens, masks) if seqs else 0
+        sampled = self._launch_prefill(chunks, states, first=B)
+        if not B and not sampled:
+            return [], [None] * len(chunks)
+        self.stream.synchronize()
+        got = self.out_host.view(np.int32, 0, B + len(sampled))
+        out: list[int | None] = [None] * len(chunks)
+        for i, token in zip(sampled, got[B:], strict=True):
+            out[i] = int(token)
+        return [int(t) for t in got[:B]], out
+
+    def _launch_prefill(self, chunks: Sequence[Chunk], states: list[_Seq], first: int) -> list[int]:
+        """Queue the chunks' tokens in passes of up to PREFILL_CHUNK tokens, several sequences per pass (a chunk
+        that does not fit what is left of a pass goes on in the next one); each last chunk's token is sampled in
+        the pass that holds its last token and read back into out_host[first + k] for the k-th. Returns the
+        chunks that sample, in that order."""
         work = []  # (its state, the tokens to compute, its chunk's index), prefix-cached pages adopted
         for i, (c, st) in enumerate(zip(chunks, states, strict=True)):
             tokens = [int(t) for t in c.tokens]
@@ -752,7 +777,6 @@ class CudaEngine:
                 self._reserve(st, len(rest))
                 work.append((st, rest, i))
         p, M, W = self.pre, self.max_pages, self.mask_words
-        out: list[int | None] = [None] * len(chunks)
         sampled: list[int] = []  # the chunk of each token sampled so far, in out_host's order
         item, done = 0, 0  # the work item the next pass starts with, and how many of its tokens passes took
         while item < len(work):
@@ -795,13 +819,10 @@ class CudaEngine:
             for st, piece in written:
                 self.pages.append(st.pages, st.chain, piece)  # registers the pages it filled (stream-ordered)
             if here:
-                self.stream.download(self.out_host.view(np.int32, 4 * len(sampled), len(here)), self.out_tokens.ptr)
+                dst = self.out_host.view(np.int32, 4 * (first + len(sampled)), len(here))
+                self.stream.download(dst, self.out_tokens.ptr)
                 sampled += here
-        if sampled:
-            self.stream.synchronize()
-            for i, token in zip(sampled, self.out_host.view(np.int32, 0, len(sampled)), strict=True):
-                out[i] = int(token)
-        return out
+        return sampled
 
     def _check(self, chunks: Sequence[Chunk]) -> list[_Seq]:
         """Every chunk's sequence, after checking all of them (before any work): known and distinct sequences,
@@ -872,9 +893,15 @@ class CudaEngine:
     def decode(
         self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None = None
     ) -> list[int]:
+        return self.decode_and_prefill(seqs, tokens, masks, [])[0]
+
+    def _launch_decode(
+        self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None
+    ) -> int:
+        """Queue one decode step of B = len(seqs) sequences (its graph, captured on first use per B) and the
+        readback of its tokens into out_host[:B]; returns B. The sequences' books (positions, pages) are updated
+        here: nothing reads them before the step's tokens are waited for."""
         B = len(seqs)
-        if B == 0:
-            return []
         if B > self.max_seqs or len(tokens) != B:
             raise UsageError(f"decode of {B} sequences with {len(tokens)} tokens (max {self.max_seqs})")
         s = self.step
@@ -910,13 +937,11 @@ class CudaEngine:
             launches = self._decode_launches(B)
             graph = self._graphs[B] = Graph(self.stream, lambda: self._launch_all(launches))
         graph.launch(self.stream)
-        out = self.out_host.view(np.int32, 0, B)
-        self.stream.download(out, self.out_tokens.ptr)
-        self.stream.synchronize()
+        self.stream.download(self.out_host.view(np.int32, 0, B), self.out_tokens.ptr)
         for st, tok in zip(states, tokens, strict=False):
             st.pos += 1
             self.pages.append(st.pages, st.chain, [tok])
-        return [int(t) for t in out]
+        return B
 
     def decode_logits(self, seqs: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One decode step like decode(), also returning the logits [B, n_vocab] it sampled from (tests)."""

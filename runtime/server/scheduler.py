@@ -1,14 +1,14 @@
 """Continuous batching with chunked prefill: the step loop that owns the engine, inside the engine core process.
 
-Each `step()`:
-    one engine.decode(all sequences whose prompt is in, their last tokens) for every running sequence
-    then prompt tokens, at most `prefill_chunk` of them (INGOT_PREFILL_CHUNK), for the sequences still being
+Each `step()`, one engine.decode_and_prefill call:
+    a decode of every sequence whose prompt is in (their last tokens)
+    and prompt tokens, at most `prefill_chunk` of them (INGOT_PREFILL_CHUNK), for the sequences still being
         prefilled, oldest first, admitting waiting requests in arrival order while a sequence slot (max_seqs)
         and their KV pages are free; a prompt longer than what is left of the budget is prefilled in chunks
         (ending on KV page boundaries where the budget allows: the next chunk's prefill can then adopt
         prefix-cached pages) over several steps (the engine appends at the sequence's position, so
-        consecutive chunks are one prompt; only a prompt's last chunk samples). All the step's chunks go to
-        the engine in one engine.prefill_many call: one pass over the weights for several new prompts.
+        consecutive chunks are one prompt; only a prompt's last chunk samples). The step's chunks of several
+        prompts are one prefill pass over the weights, queued on the GPU behind the decode, with one wait.
     -> a protocol.Step: each sequence's new token ids, which ones ended (eos, length) or failed, the stats.
 So a 4,000-token prompt costs every running stream at most one chunk's prefill time per token, never the
 whole prompt's. The loop knows no text: stop strings are the front end's, which Aborts a sequence whose text
@@ -147,12 +147,34 @@ class Scheduler:
     def step(self) -> Step:
         outputs = _Outputs()
         batch = [s for s in self._running if s.decoding]
-        t0 = time.perf_counter()
-        self._decode(batch, outputs)
-        decode_s = time.perf_counter() - t0
         started: list[tuple[int, int]] = []
-        prefilled = self._prefill_some(outputs, started)
-        return self._report(outputs, started, len(batch), decode_s, prefilled)
+        plan, prefilled = self._plan_prefill(outputs, started)
+        chunks = self._chunks(plan, outputs)
+        t0 = time.perf_counter()
+        self._run(batch, chunks, outputs)
+        return self._report(outputs, started, len(batch), time.perf_counter() - t0, prefilled)
+
+    def _run(self, batch: list[_Seq], chunks: list[tuple[_Seq, Chunk]], outputs: _Outputs) -> None:
+        """The step's decode and prefill in one engine call (the GPU engine queues the prefill behind the decode
+        and waits once). Bad input the engine finds before any work (UsageError: a chunk it refuses) fails only
+        its own sequence: the step is then run part by part."""
+        if not batch and not chunks:
+            return
+        try:
+            seqs, last, masks = [s.live_seq for s in batch], [s.last_token for s in batch], self._masks(batch)
+            tokens, firsts = self.engine.decode_and_prefill(seqs, last, masks, [c for _, c in chunks])
+        except UsageError:
+            self._decode(batch, outputs)
+            for s, c in chunks:
+                self._prefill_one(s, c, outputs)
+            return
+        except Exception as e:
+            for s in [*batch, *(s for s, _ in chunks)]:
+                self._fail(s, e, outputs)
+            return
+        for s, token in zip(batch, tokens, strict=True):
+            self._accept(s, token, outputs)
+        self._prefilled(chunks, firsts, outputs)
 
     def _decode(self, batch: list[_Seq], outputs: _Outputs) -> None:
         if not batch:
@@ -167,9 +189,10 @@ class Scheduler:
         for s, token in zip(batch, tokens, strict=True):
             self._accept(s, token, outputs)
 
-    def _prefill_some(self, outputs: _Outputs, started: list[tuple[int, int]]) -> int:
-        """Spend the step's prompt-token budget: partly prefilled sequences first, then new admissions; all their
-        chunks go to the engine in one prefill_many call (one pass over the weights for all of them)."""
+    def _plan_prefill(self, outputs: _Outputs, started: list[tuple[int, int]]) -> tuple[list[tuple[_Seq, int]], int]:
+        """Spend the step's prompt-token budget: partly prefilled sequences first, then new admissions. Returns
+        each sequence's chunk length, and their sum. (Sequences this step's decode ends free their slots and
+        pages for the next step's admissions.)"""
         budget = self.prefill_chunk
         plan: list[tuple[_Seq, int]] = []  # each sequence and its chunk's length
         for partial in [s for s in self._running if not s.decoding]:
@@ -190,8 +213,7 @@ class Scheduler:
                         break
                     plan.append((new, n))
                     budget -= n
-        self._prefill(plan, outputs)
-        return self.prefill_chunk - budget
+        return plan, self.prefill_chunk - budget
 
     def _admit(self, outputs: _Outputs) -> _Seq | None:
         """Move the oldest waiting request into the running set if a slot and its KV pages are free (None if
@@ -222,11 +244,11 @@ class Scheduler:
             end = aligned
         return end - s.prefilled
 
-    def _prefill(self, plan: list[tuple[_Seq, int]], outputs: _Outputs) -> None:
-        """Feed each sequence its chunk's tokens, in one engine call; a prompt's last chunk samples its first
-        token. A chunk the engine refuses as bad input (UsageError, raised before any work) fails only its own
-        sequence: the batch is then fed one chunk at a time."""
-        batch: list[tuple[_Seq, Chunk]] = []
+    def _chunks(self, plan: list[tuple[_Seq, int]], outputs: _Outputs) -> list[tuple[_Seq, Chunk]]:
+        """Each planned sequence's next prompt tokens as an engine Chunk; a prompt's last chunk samples its first
+        token, under its grammar's mask for a constrained request (its Matcher is built here). A sequence whose
+        prompt cannot fit or whose grammar fails is ended instead."""
+        chunks = []
         for s, n in plan:
             prompt = s.req.prompt
             last = s.prefilled + n == len(prompt)
@@ -241,23 +263,8 @@ class Scheduler:
             except Exception as e:
                 self._fail(s, e, outputs)
                 continue
-            batch.append((s, Chunk(s.live_seq, prompt[s.prefilled : s.prefilled + n], last, mask)))
-        if not batch:
-            return
-        try:
-            tokens = self.engine.prefill_many([c for _, c in batch])
-        except UsageError as e:
-            if len(batch) == 1:
-                self._fail(batch[0][0], e, outputs)
-            else:
-                for s, c in batch:
-                    self._prefill_one(s, c, outputs)
-            return
-        except Exception as e:
-            for s, _ in batch:
-                self._fail(s, e, outputs)
-            return
-        self._prefilled(batch, tokens, outputs)
+            chunks.append((s, Chunk(s.live_seq, prompt[s.prefilled : s.prefilled + n], last, mask)))
+        return chunks
 
     def _prefill_one(self, s: _Seq, chunk: Chunk, outputs: _Outputs) -> None:
         try:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ingot.runtime.engines.cuda import CudaEngine
-from ingot.runtime.gpu.driver import Memset
+from ingot.runtime.gpu.driver import Copy, Memset
 from ingot.runtime.model.gguf import load_model
 from ingot.runtime.sampling import SamplingParams
 
@@ -30,7 +30,9 @@ from kernel_bench import graph_time_us  # noqa: E402  (the one graph-replay time
 
 
 def name_of(launch) -> str:
-    return "memset" if isinstance(launch, Memset) else launch.kernel.name
+    if isinstance(launch, Memset | Copy):
+        return type(launch).__name__.lower()
+    return launch.kernel.name
 
 
 def profile(eng: CudaEngine, launches: list, title: str, reps: int) -> None:
