@@ -268,6 +268,21 @@ def test_split_k_grids_fit_the_scratch(sm_count, rows, cols, M, mma):
 
 
 @pytest.mark.parametrize(
+    "M,N,K,slices",
+    [
+        (64, 960, 576, 6),  # SmolLM2's qkv at batch 64: 18 k-steps; 16 slices measured 45% slower than 6
+        (64, 3072, 576, 6),  # gate+up
+        (64, 576, 1536, 9),  # down: 48 k-steps
+        (16, 960, 576, 12),  # a 16-row tile's partial costs a quarter: more slices pay
+        (64, 4096, 14336, 9),  # 8B down: the GPU-filling cap binds first, as before the balance rule
+        (16, 6144, 4096, 6),  # 8B qkv
+    ],
+)
+def test_matmul2_split_k_balances_the_main_loop_and_the_ordered_sum(M, N, K, slices):
+    assert matmul_geometry(M, N, K, 132, mma=True, split=True).slices == slices
+
+
+@pytest.mark.parametrize(
     "M,N,split,tm",
     [
         (1, 4096, True, 16),  # decode batches: the smallest tile that covers M

@@ -7,6 +7,8 @@ or capture it into a CUDA graph. Shapes are given per method; all activations ar
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +137,11 @@ def mark_pdl(kernels: dict[str, Kernel], cc: int) -> None:
 
 
 MAX_K_SLICES = 16  # split-K slices of one GEMM at most
+# matmul2's split-K cost, measured on the H200 (cuda/PERF.md v11; SmolLM2's decode GEMMs at M=16 and 64): a block
+# of a 64-row tile spends ~0.45 us per 32-wide k-step and the tile's last block ~0.24 us per slice it adds up
+# (a 16-row tile's partial is a quarter of that), so t(s) ~ a + 0.45 steps/s + 0.24 s (tm/64) is least at
+# s = sqrt(1.9 steps 64/tm): 6 slices for K = 576 at M = 64, where 16 cost 45% more.
+SPLIT_K_BALANCE = 2
 SPLIT_K_TILES_PER_SM = 4  # partial tiles of SPLIT_K_TILE_FLOATS that SplitK holds per SM (Kernels.split_k)
 # The unit: a 64x128 fp32 tile, matmul2's at decode batches up to 64 (a 128x128 tile counts twice, WMMA's 64x64
 # half). matmul_geometry caps the slices so that a grid's partial tiles fit.
@@ -201,7 +208,9 @@ def matmul_geometry(M: int, N: int, K: int, sm_count: int, *, mma: bool, split: 
     the smallest of MATMUL2_TILE_ROWS covering M (decode batches: no multiplies wasted on padding rows); without
     split-K (prefill) a smaller one, down to MATMUL2_PREFILL_MIN_ROWS, while the larger would leave SMs idle.
     split: K is cut into slices while the tiles alone would not fill the GPU twice, as many as bring tiles x slices
-    to about 2 x SMs, at most MAX_K_SLICES and K/32, and no more than SplitK's scratch holds (split_k_floats)."""
+    to about 2 x SMs, at most MAX_K_SLICES and K/32, and no more than SplitK's scratch holds (split_k_floats); for
+    matmul2 also no more than sqrt(SPLIT_K_BALANCE x k-steps x 64 / tm), where a slice's share of the main loop
+    stops paying for its partial tile in the last block's ordered sum (SPLIT_K_BALANCE)."""
     if mma:
         tn = MATMUL2_BN
         tm = next((t for t in MATMUL2_TILE_ROWS if t >= M), MATMUL2_TILE_ROWS[-1])
@@ -213,7 +222,9 @@ def matmul_geometry(M: int, N: int, K: int, sm_count: int, *, mma: bool, split: 
     slices = 1
     if split and tiles < 2 * sm_count:
         fit = split_k_floats(sm_count) // (tiles * tm * tn)
-        slices = max(1, min(K // QK, MAX_K_SLICES, -(-2 * sm_count // tiles), fit))
+        steps = K // QK
+        balance = math.isqrt(SPLIT_K_BALANCE * steps * MATMUL2_TILE_ROWS[-2] // tm) if mma else MAX_K_SLICES
+        slices = max(1, min(steps, MAX_K_SLICES, -(-2 * sm_count // tiles), balance, fit))
     return GemmTiling(mma, tm, tn, slices)
 
 

@@ -40,7 +40,7 @@ PART=53278256        # the other four: (253,113,024 - FIRST_PART) / 4
 WHEELS="gguf==0.19.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 zstandard==0.25.0 lz4==4.4.5 rfc8785==0.1.4
 msgspec==0.23.0 pyzmq==27.3.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 llguidance==1.6.1 starlette==1.10.0 uvicorn==0.54.0 sse-starlette==3.7.0 httptools==0.7.1 typing_extensions==4.16.0
-openai==3.57.0 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5"
+openai==3.57.0 sniffio==1.3.1 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5"
 PLATFORMS="--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 --platform manylinux1_x86_64"

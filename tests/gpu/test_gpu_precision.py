@@ -17,7 +17,9 @@ fp32 up to 2.8e-3 (prefill of 7 tokens), the GPU's GEMM paths within the same ra
 
 Decode over several steps is chaotic on real models: a value near an fp16 rounding boundary rounds one way on
 the GPU and the other in the emulation, and the difference is carried on. So the wide-batch decode is judged on
-its run, not sample by sample against the emulation's sample (numerics.fp16_run_failure). On Gemma 3 the
+its run, not sample by sample against the emulation's sample (numerics.fp16_run_failure), and against the
+GPU's own q8x2 path from the same prefill, so that what it measures is the wide path's roundings and not the
+prefill's (the tensor-core prefill attention rounds Q and P to fp16, which the emulation does not). On Gemma 3 the
 split-K GEMM's atomic sums alone made two identical GPU runs differ by up to 1e-2 (v9): its partial sums are now
 added in a fixed order, so a run is repeatable and what is left is the rounding, not the schedule.
 """
@@ -53,49 +55,67 @@ def model(request, tmp_path_factory):
     return load_model(path)
 
 
-def test_wide_batch_decode_is_within_its_fp16_budget(model):
+def test_wide_batch_decode_is_within_its_fp16_budget(model, monkeypatch):
+    """The wide path's own roundings, isolated: the same prompts prefilled by two GPU engines (identical kernels and
+    inputs: bit-identical KV caches), then decoded by one through the tensor-core GEMMs (B >= GEMM_MIN_BATCH) and
+    by the other through the q8x2 matrix-vector kernels; their distance, step by step, is judged against what fp16
+    operands cost the CPU reference on the same samples (numerics.fp16_run_failure).
+
+    Why not the wide path against fp32 directly (issue 11's failure, 9.94e-3 on SmolLM2 at step 3 of the sequence
+    of 65 tokens): on the H200 (2026-12-02) that sample is as far from fp32 on the q8x2 path, 7.02e-3, which holds
+    no fp16 GEMM at all; it is the prefill's tensor-core attention (fp16 Q and P) whose roundings this one
+    sensitive sample amplifies (with INGOT_ATTN_PREFILL=scalar the q8x2 path is at 3.99e-3 there), and the fp16
+    emulation has no such rounding. The wide path's distance from the q8x2 path there is 3.27e-3, within the
+    budget of that sample's d16 (1.96e-3). The prefill attention is held to its own budget below."""
     from ingot.runtime.engines.cuda import CudaEngine
 
     B = settings.DECODE_GEMM_MIN_BATCH.get()
     prompts = [
         [int(t) for t in np.random.default_rng(300 + i).integers(2, model.config.n_vocab, 2 + 9 * i)] for i in range(B)
     ]
-    gpu = CudaEngine(model, max_seqs=B, max_ctx=512)
+    wide = CudaEngine(model, max_seqs=B, max_ctx=512)
+    monkeypatch.setenv("INGOT_DECODE_GEMM_MIN_BATCH", str(B + 1))
+    narrow = CudaEngine(model, max_seqs=B, max_ctx=512)  # the same batch through the matrix-vector kernels
+    monkeypatch.undo()
     ref32 = CpuEngine(model, max_seqs=B, max_ctx=512)
     ref16 = CpuEngine(model, max_seqs=B, max_ctx=512)
     try:
-        gs = [gpu.new_sequence(SamplingParams()) for _ in range(B)]
+        ws = [wide.new_sequence(SamplingParams()) for _ in range(B)]
+        ns = [narrow.new_sequence(SamplingParams()) for _ in range(B)]
         cs = [ref32.new_sequence(SamplingParams()) for _ in range(B)]
         es = [ref16.new_sequence(SamplingParams()) for _ in range(B)]
         nxt = [int(np.argmax(ref32.logits(c, p)[-1])) for c, p in zip(cs, prompts, strict=True)]
         with fp16_operands():
             for e, p in zip(es, prompts, strict=True):
                 ref16.logits(e, p)
-        for g, p in zip(gs, prompts, strict=True):
-            gpu.prefill(g, p)
-        worst = {"gpu-fp16emu": 0.0, "gpu-fp32": 0.0, "fp16emu-fp32": 0.0}
-        gpu_errs, d16s = [], []
+        for w, n, p in zip(ws, ns, prompts, strict=True):
+            wide.prefill(w, p)
+            narrow.prefill(n, p)
+        keys = ("wide-narrow", "wide-fp32", "narrow-fp32", "fp16emu-fp32")
+        worst = dict.fromkeys(keys, 0.0)
+        gaps, d16s = [], []
         for _ in range(STEPS):
-            out = gpu.decode_logits(gs, nxt)
+            out, base = wide.decode_logits(ws, nxt), narrow.decode_logits(ns, nxt)
             for b in range(B):
                 r32 = ref32.logits(cs[b], [nxt[b]])[-1]
                 with fp16_operands():
                     r16 = ref16.logits(es[b], [nxt[b]])[-1]
-                errs = {"gpu-fp16emu": rel_err(out[b], r16), "gpu-fp32": rel_err(out[b], r32),
-                        "fp16emu-fp32": rel_err(r16, r32)}  # fmt: skip
+                errs = dict(zip(keys, (rel_err(out[b], base[b]), rel_err(out[b], r32), rel_err(base[b], r32),
+                                       rel_err(r16, r32)), strict=True))  # fmt: skip
                 worst = {k: max(worst[k], v) for k, v in errs.items()}
-                gpu_errs.append(errs["gpu-fp32"])
+                gaps.append(errs["wide-narrow"])
                 d16s.append(errs["fp16emu-fp32"])
                 nxt[b] = int(np.argmax(r32))
         print(
             f"wide-batch decode (B={B}, {STEPS} steps), worst rel err: "
             + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
-            + f"; mean gpu-fp32 {np.mean(gpu_errs):.2e}, fp16emu-fp32 {np.mean(d16s):.2e}"
+            + f"; mean wide-narrow {np.mean(gaps):.2e}, fp16emu-fp32 {np.mean(d16s):.2e}"
         )
-        failure = fp16_run_failure(gpu_errs, d16s)
+        failure = fp16_run_failure(gaps, d16s)
         assert failure is None, f"{failure} (samples in step-major order, {B} sequences a step)"
     finally:
-        gpu.close()
+        wide.close()
+        narrow.close()
 
 
 @pytest.mark.parametrize("n", (7, 128))
