@@ -28,6 +28,8 @@
 #                              verify --device + run; the 8B benches (stage 2's, pp2048, PDL off, the PDL
 #                              trigger A/B, the GEMM kernels A/B)
 #   s3  []                     stage 3 (the serving load test)
+#   s23 [".m/smol.b"]          instead of s2 and s3 when the 8B figures are not needed: SmolLM2's tests, pack +
+#                              verify --device, its bench (pp512, tg128 at batch 1, 16, 64), then stage 3
 # The GEMM kernels (v10's pipelined matmul2_* against v9's WMMA; carry .whl/ only, any order after prepare):
 #   gemm        build; the GEMM kernel tests (both families, tests/test_pdl.py's PTX check); kernel_bench --gemm
 #   gemm-bench  synthetic llama3-8b Q4_0: ingot bench pp512 and batch 1,16,64 with INGOT_MATMUL=mma, then =wmma
@@ -190,6 +192,22 @@ s2)
     echo "INGOT_MATMUL=wmma (the previous GEMM), Q4_0:"
     INGOT_MATMUL=wmma timeout 100 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 512 -r 2 --batch 16,64 --no-cold-start \
         2>&1 | grep -E "pp|tg"
+    ;;
+s23)
+    [ -f .m/smol.b ] && cat .m/smol.b >>$M/smol.part || { echo "error: .m/smol.b did not travel"; exit 2; }
+    env_up
+    mv $M/smol.part $SMOL
+    [ "$(sha256sum $SMOL | cut -d' ' -f1)" = "$SMOL_SHA" ] || { echo "error: SmolLM2 sha256 differs"; exit 1; }
+    INGOT_TEST_MODELS=$SMOL OPENBLAS_NUM_THREADS=2 timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -s -n 8 -k SmolLM2 \
+        tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_precision.py 2>&1 | tee "$OUT/s2_smol.log" |
+        grep -E "rel err|decode:|wide|prefill [0-9]|passed|failed|Error|assert" | tail -30
+    python3 -m ingot pack --model $SMOL --kernels /tmp/kernels --out /tmp/smol.ingot >/dev/null &&
+        python3 -m ingot verify /tmp/smol.ingot --device 2>&1 | tail -3
+    timeout 60 python3 -m ingot run /tmp/smol.ingot -p "The capital of France is" -n 16 --device cuda 2>&1 | tail -2
+    timeout 120 python3 -m ingot bench /tmp/smol.ingot -p 512 -r 5 --batch 1,16,64 2>&1 | tee "$OUT/s2_smol_bench.log" |
+        grep -E "pp|tg|cold"
+    INGOT_TEST_MODEL=$SMOL timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/gpu/test_gpu_serve_load.py \
+        2>&1 | tee "$OUT/s3_serve.log" | tail -40
     ;;
 s3)
     env_up
