@@ -14,6 +14,7 @@ engine.decode call; `generate` drives a single request from prefill to the end.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -53,36 +54,23 @@ class Chunk:
 
 
 class IncrementalDecoder:
-    """Decodes a growing token list into text deltas.
+    """Decodes a growing token list into text deltas: each token's bytes (Tokenizer.token_bytes) through an
+    incremental UTF-8 decoder, which holds the first bytes of a character split over byte tokens until its last
+    one arrives (and gives U+FFFD for bytes that can never form one, as decode() does). What decode() of the
+    whole list would say, at a dictionary lookup per token instead of two decodes of a window; a generated text
+    never starts a decode, so a SentencePiece decoder's stripping of a text's first space never applies (the
+    first generated word keeps its leading space)."""
 
-    Decoding token by token breaks characters split over byte tokens and loses the spaces that some decoders
-    derive from neighbouring tokens, so it decodes a short window: the text of ids[prefix:] minus the text of
-    ids[prefix:read] is new. While that ends in U+FFFD (an incomplete UTF-8 character), it waits for more.
-    The window starts with the prompt's last tokens, so the first generated word keeps its leading space."""
-
-    CONTEXT_TOKENS = 4
-
-    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
-        self.tokenizer = tokenizer
-        self.ids = list(context[-self.CONTEXT_TOKENS :])
-        self.prefix = 0
-        self.read = len(self.ids)
+    def __init__(self, tokenizer: Tokenizer):
+        self.spelled = tokenizer.token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        return self._delta(final=False)
+        return self._utf8.decode(self.spelled[token] if 0 <= token < len(self.spelled) else b"")
 
     def flush(self) -> str:
-        """Whatever is still held (at the end of generation)."""
-        return self._delta(final=True)
-
-    def _delta(self, final: bool) -> str:
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix :])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before) :]
+        """Whatever is still held (at the end of generation): an unfinished character as U+FFFD."""
+        return self._utf8.decode(b"", final=True)
 
 
 class StopStrings:
@@ -114,7 +102,7 @@ class Generation:
     def __init__(self, tokenizer: Tokenizer, request: GenerationRequest):
         self.request = request
         self.eog_ids = tokenizer.eog_ids
-        self.decoder = IncrementalDecoder(tokenizer, request.prompt_tokens)
+        self.decoder = IncrementalDecoder(tokenizer)
         self.stops = StopStrings(request.stop)
         self.n_generated = 0
         self.finish_reason: str | None = None

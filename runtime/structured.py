@@ -17,10 +17,9 @@ measure (a JSON schema compiles in 1 ms; outlines-core builds a whole-vocabulary
 SmolLM2's 49,152 tokens, 4 s on Gemma's 262,144), and
 JSON schemas plus Lark grammars (the tool-call formats) in one engine.
 
-Token text for the engine comes from the vocabulary the way llama.cpp spells tokens: byte-level BPE through
-GPT-2's byte-to-unicode map, SentencePiece "▁" as a space and <0xXX> pieces as bytes. Control tokens (and
-user-defined ones that look like <...>, as llama.cpp treats them) are special: the grammar never spells text
-with them, only names them (<tool_call> in a Lark grammar) or ends with the end-of-generation token.
+Token text for the engine is each token's bytes as the tokenizer spells them (tokenizer.token_bytes). Control
+tokens (and user-defined ones that look like <...>, as llama.cpp treats them) are special: the grammar never
+spells text with them, only names them (<tool_call> in a Lark grammar) or ends with the end-of-generation token.
 """
 
 from __future__ import annotations
@@ -35,10 +34,9 @@ import numpy as np
 
 from ingot.runtime.errors import UsageError
 from ingot.runtime.model.gguf import Vocab
-from ingot.runtime.model.tokenizer import END_OF_GENERATION_TEXTS, Tokenizer
+from ingot.runtime.model.tokenizer import CONTROL, END_OF_GENERATION_TEXTS, USER_DEFINED, Tokenizer, token_bytes
 
 KINDS = ("json", "json_schema", "lark")  # json: any JSON object (OpenAI json_object, Ollama format "json")
-CONTROL, USER_DEFINED, BYTE = 3, 4, 6  # gguf.TokenType values
 SPECIAL_MARK = b"\xff"  # llguidance's prefix for a token that is never text
 
 # llguidance's JSON compiler defaults: "whitespace_flexible": False keeps the output compact JSON (no runs of
@@ -90,36 +88,14 @@ def check(constraint: Constraint) -> str | None:
 # --- tokens as bytes ------------------------------------------------------------------------------------
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-to-unicode map, inverted: printable bytes stand for themselves, the rest are shifted to
-    256 + n in the order they appear."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
-
-
-def token_bytes(vocab: Vocab) -> list[bytes]:
-    """Each token's bytes as generated text; special tokens are SPECIAL_MARK + their name."""
-    decoder = _byte_decoder()
+def grammar_tokens(vocab: Vocab) -> list[bytes]:
+    """Each token's bytes as llguidance reads them: the text it spells (Tokenizer's token_bytes), or, for a
+    control token and a user-defined one that looks like <...> (as llama.cpp treats them), SPECIAL_MARK + its
+    name: the grammar never spells text with those."""
     out = []
-    for text, kind in zip(vocab.tokens, vocab.types, strict=False):
-        if kind == CONTROL or (kind == USER_DEFINED and text.startswith("<") and text.endswith(">")):
-            out.append(SPECIAL_MARK + text.encode())
-        elif kind == USER_DEFINED:
-            out.append(text.encode())
-        elif vocab.model == "gpt2":
-            out.append(bytes(decoder[c] for c in text) if all(c in decoder for c in text) else text.encode())
-        elif kind == BYTE and len(text) == 6 and text.startswith("<0x"):
-            out.append(bytes([int(text[3:5], 16)]))
-        else:
-            out.append(text.replace("\u2581", " ").encode())
+    for spelled, text, kind in zip(token_bytes(vocab), vocab.tokens, vocab.types, strict=True):
+        special = kind == CONTROL or (kind == USER_DEFINED and text.startswith("<") and text.endswith(">"))
+        out.append(SPECIAL_MARK + text.encode() if special else spelled)
     return out
 
 
@@ -160,7 +136,7 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, n_vocab: int):
         vocab = tokenizer.vocab
         eos = end_token(tokenizer)
-        tokens = token_bytes(vocab)
+        tokens = grammar_tokens(vocab)
         tokens += [SPECIAL_MARK + f"<[pad {i}]>".encode() for i in range(len(tokens), n_vocab)]
 
         def encode(text: str) -> list[int]:  # grammar-forced text: no BOS, control-token names stay text

@@ -1,11 +1,12 @@
 """Generation: stop strings (also split across tokens, never echoed), UTF-8 safe streaming, finish reasons,
 and seeded sampling through a real engine."""
 
+import numpy as np
 import pytest
 
 from ingot.runtime.engines.cpu import CpuEngine
 from ingot.runtime.errors import UsageError
-from ingot.runtime.generate import SamplingParams, generate
+from ingot.runtime.generate import IncrementalDecoder, SamplingParams, generate
 
 
 class ScriptedEngine:
@@ -231,3 +232,47 @@ def test_default_max_tokens_is_256(tiny_tokenizer):
 def test_a_stop_string_completed_by_the_final_flush_still_stops(tiny_tokenizer):
     chunks, _ = _run(tiny_tokenizer, _byte_tokens("ok") + _byte_tokens("é")[:1], max_tokens=3, stop=["\ufffd"])
     assert "".join(c.text for c in chunks) == "ok" and chunks[-1].finish_reason == "stop"
+
+
+def _decode_deltas(tok, ids: list[int]) -> str:
+    d = IncrementalDecoder(tok)
+    return "".join(d.push(t) for t in ids) + d.flush()
+
+
+def _windowed(tok, context: list[int], ids: list[int]) -> str:
+    """What decode() says the ids add after a context (the text a client sees)."""
+    return tok.decode(context + ids)[len(tok.decode(context)) :]
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "smollm2", "gemma3"])
+def test_incremental_decoding_says_what_decode_says(kind, tiny_tokenizer, request):
+    """The bytes-per-token decoder against the tokenizer's own decode() of the context and the generated ids: on
+    text the tokenizer encoded (spaces, multi-byte characters, control tokens among them) and on random ids
+    (byte tokens that may not form characters), exactly. One documented difference, seen only with the
+    synthetic SentencePiece vocabulary's many byte pieces: in a run of byte pieces that is not valid UTF-8,
+    decode() (tokenizers' ByteFallback) makes every byte U+FFFD, an ASCII one too, while the incremental
+    decoder keeps the bytes that are characters (as llama.cpp prints them); there only the valid runs are
+    compared. (Measured: SmolLM2 and Gemma 3 agree on 2,000 of 2,000 random runs.)"""
+    from test_tokenizer import _spm_vocab
+
+    from ingot.runtime.model.tokenizer import Tokenizer
+
+    if kind in ("smollm2", "gemma3"):
+        tok = request.getfixturevalue("real_tokenizer" if kind == "smollm2" else "gemma3_tokenizer")
+    else:
+        tok = tiny_tokenizer if kind == "byte-level" else Tokenizer(_spm_vocab(0))
+    text = 'Hello, wörld! {"a": 1}\n\tthe cat — 日本語 sat  on the mat 😀'
+    ids = tok.encode(text, add_special=False)
+    control = [i for i, t in enumerate(tok.vocab.types) if t == 3][:2]
+    ids = ids[:5] + control + ids[5:]
+    context = tok.encode("A prompt")
+    assert _decode_deltas(tok, ids) == _windowed(tok, context, ids)
+    rng = np.random.default_rng(7)
+    compared = 0
+    for _ in range(200):
+        ids = [int(t) for t in rng.integers(0, tok.n_vocab, int(rng.integers(1, 12)))]
+        want = _windowed(tok, context, ids)
+        if kind != "sentencepiece" or "\ufffd" not in want:
+            assert _decode_deltas(tok, ids) == want, ids
+            compared += 1
+    assert compared >= 20  # 31 of the 200 with the synthetic SentencePiece vocabulary (seeded)

@@ -18,7 +18,7 @@ from ingot.runtime.model.templates import CHATML_TEMPLATE, HERMES_TEMPLATE, LLAM
 from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.model.toolcalls import ToolCall, call_grammar, parse_calls, tool_format
 from ingot.runtime.sampling import SamplingParams, allowed_tokens, sample
-from ingot.runtime.structured import Constraint, Grammars, check, end_token, json_schema, mask_of, token_bytes
+from ingot.runtime.structured import Constraint, Grammars, check, end_token, grammar_tokens, json_schema, mask_of
 
 SCHEMA = {
     "type": "object",
@@ -51,12 +51,12 @@ def test_constraint_is_a_serializable_spec():
     assert check(Constraint("lark", "start: (")) and check(json_schema({"type": "frobnicate"}))
 
 
-def test_token_bytes_spell_what_the_tokenizer_decodes(tiny, real_tokenizer):
+def test_grammar_tokens_spell_what_the_tokenizer_decodes(tiny, real_tokenizer):
     for tok in (tiny[1], real_tokenizer):
-        tb = token_bytes(tok.vocab)
+        tb = grammar_tokens(tok.vocab)
         ids = tok.encode('Hello, wörld {"a": 1}\n\ttabs', add_special=False)
         assert b"".join(tb[i] for i in ids).decode() == tok.decode(ids)
-        assert tb[tok.vocab.bos_id].startswith(b"\xff")  # control tokens are never text
+        assert tb[tok.vocab.bos_id] == b"\xff" + tok.vocab.tokens[tok.vocab.bos_id].encode()  # never text
 
 
 def test_matcher_walks_a_schema_instance_and_then_allows_only_the_end(tiny):

@@ -8,7 +8,6 @@ or capture it into a CUDA graph. Shapes are given per method; all activations ar
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from pathlib import Path
 
