@@ -156,6 +156,33 @@ def test_a_bad_prompt_prefilled_with_others_fails_alone(tiny_model, tiny_tokeniz
     assert spy.prefill_calls[0] == 4 and spy.live == 0
 
 
+def test_a_bad_prompt_arriving_while_others_decode_costs_them_nothing(tiny_model, tiny_tokenizer):
+    """The bad prompt's step also decodes two running sequences: the engine refuses the step before any work
+    (the chunks are checked first), the scheduler reruns it part by part, and the running sequences are decoded
+    once (their texts are one-at-a-time generation's), the new good prompt admitted beside the bad one too."""
+    good = [_request(tiny_tokenizer, p) for p in PROMPTS[:3]]
+    bad = GenerationRequest((5, tiny_model.config.n_vocab + 7, 9), SamplingParams(), 12)
+    spy = Spy(CpuEngine(tiny_model, max_seqs=4))
+    scheduler = Scheduler(spy, 512)
+    for i in (0, 1):
+        scheduler.add(_add(i, tiny_tokenizer, good[i]))
+    steps = [scheduler.step()]  # both prefilled: they decode from the next step on
+    scheduler.add(_add(2, tiny_tokenizer, bad))
+    scheduler.add(_add(3, tiny_tokenizer, good[2]))
+    while scheduler.has_work():
+        steps.append(scheduler.step())
+    gens = {i: Generation(tiny_tokenizer, r) for i, r in ((0, good[0]), (1, good[1]), (3, good[2]))}
+    texts = dict.fromkeys(gens, "")
+    for step in steps:
+        for out in step.outputs:
+            if out.id == 2:
+                assert out.finish == "error" and out.status == 400
+            else:
+                texts[out.id] += "".join(gens[out.id].accept(t).text for t in out.tokens)
+    assert [texts[0], texts[1], texts[3]] == _one_at_a_time(tiny_model, tiny_tokenizer, good)
+    assert spy.live == 0
+
+
 def test_admission_waits_for_free_kv_pages(tiny_model, tiny_tokenizer):
     """Each request reserves pages for prompt + max_tokens (<= 64 tokens: one page); a pool of 2 pages runs at
     most 2 sequences at once, whatever max_seqs says."""
