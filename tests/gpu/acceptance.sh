@@ -37,11 +37,11 @@ set -o pipefail
 cd "$(dirname "$0")/../.."
 GEMMA_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # runtime/model/fetch.py
-FIRST_PART=40000000  # bytes of the model part that travels with .whl/ (~22 MB) and the tree in the first call
-PART=53278256        # the other four: (253,113,024 - FIRST_PART) / 4
+FIRST_PART=36000000  # bytes of the model part that travels with .whl/ (~27 MB) and the tree in the first call
+PART=54278256        # the other four: (253,113,024 - FIRST_PART) / 4
 WHEELS="gguf==0.19.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 zstandard==0.25.0 lz4==4.4.5 rfc8785==0.1.4
 msgspec==0.23.0 pyzmq==27.3.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-llguidance==1.6.1 starlette==1.10.0 uvicorn==0.54.0 sse-starlette==3.7.0 httptools==0.7.1 typing_extensions==4.16.0
+llguidance==1.6.1 starlette==1.10.0 uvicorn==0.54.0 sse-starlette==3.7.0 httptools==0.7.1 uvloop==0.23.0 typing_extensions==4.16.0
 openai==3.57.0 sniffio==1.3.1 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5"
 PLATFORMS="--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
