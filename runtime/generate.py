@@ -62,11 +62,11 @@ class IncrementalDecoder:
     first generated word keeps its leading space)."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.spelled = tokenizer.token_bytes
+        self._spelled = tokenizer.token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token: int) -> str:
-        return self._utf8.decode(self.spelled[token] if 0 <= token < len(self.spelled) else b"")
+        return self._utf8.decode(self._spelled[token] if 0 <= token < len(self._spelled) else b"")
 
     def flush(self) -> str:
         """Whatever is still held (at the end of generation): an unfinished character as U+FFFD."""

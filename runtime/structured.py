@@ -33,8 +33,7 @@ import llguidance
 import numpy as np
 
 from ingot.runtime.errors import UsageError
-from ingot.runtime.model.gguf import Vocab
-from ingot.runtime.model.tokenizer import CONTROL, END_OF_GENERATION_TEXTS, USER_DEFINED, Tokenizer, token_bytes
+from ingot.runtime.model.tokenizer import CONTROL, END_OF_GENERATION_TEXTS, USER_DEFINED, Tokenizer
 
 KINDS = ("json", "json_schema", "lark")  # json: any JSON object (OpenAI json_object, Ollama format "json")
 SPECIAL_MARK = b"\xff"  # llguidance's prefix for a token that is never text
@@ -88,12 +87,13 @@ def check(constraint: Constraint) -> str | None:
 # --- tokens as bytes ------------------------------------------------------------------------------------
 
 
-def grammar_tokens(vocab: Vocab) -> list[bytes]:
-    """Each token's bytes as llguidance reads them: the text it spells (Tokenizer's token_bytes), or, for a
+def grammar_tokens(tokenizer: Tokenizer) -> list[bytes]:
+    """Each token's bytes as llguidance reads them: the text it spells (Tokenizer.token_bytes), or, for a
     control token and a user-defined one that looks like <...> (as llama.cpp treats them), SPECIAL_MARK + its
     name: the grammar never spells text with those."""
     out = []
-    for spelled, text, kind in zip(token_bytes(vocab), vocab.tokens, vocab.types, strict=True):
+    vocab = tokenizer.vocab
+    for spelled, text, kind in zip(tokenizer.token_bytes, vocab.tokens, vocab.types, strict=True):
         special = kind == CONTROL or (kind == USER_DEFINED and text.startswith("<") and text.endswith(">"))
         out.append(SPECIAL_MARK + text.encode() if special else spelled)
     return out
@@ -136,7 +136,7 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, n_vocab: int):
         vocab = tokenizer.vocab
         eos = end_token(tokenizer)
-        tokens = grammar_tokens(vocab)
+        tokens = grammar_tokens(tokenizer)
         tokens += [SPECIAL_MARK + f"<[pad {i}]>".encode() for i in range(len(tokens), n_vocab)]
 
         def encode(text: str) -> list[int]:  # grammar-forced text: no BOS, control-token names stay text

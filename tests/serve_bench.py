@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ingot.runtime.engines.base import Chunk, pages_for
+from ingot.runtime.engines.base import PrefillChunk, pages_for
 from ingot.runtime.model.synth import synthesize
 from ingot.runtime.sampling import SamplingParams
 from ingot.runtime.server import core, protocol
@@ -85,11 +85,11 @@ class StandIn:
         return 100 + (seq * 7 + self._len[seq]) % 400  # ordinary tokens, as the load generator's prompts
 
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
-        token = self.prefill_many([Chunk(seq, tokens, True, mask)])[0]
+        token = self.prefill_many([PrefillChunk(seq, tokens, True, mask)])[0]
         assert token is not None
         return token
 
-    def prefill_many(self, chunks: Sequence[Chunk]) -> list[int | None]:
+    def prefill_many(self, chunks: Sequence[PrefillChunk]) -> list[int | None]:
         return self.decode_and_prefill([], [], None, chunks)[1]
 
     def decode(
@@ -102,7 +102,7 @@ class StandIn:
         seqs: Sequence[int],
         tokens: Sequence[int],
         masks: Sequence[np.ndarray | None] | None,
-        chunks: Sequence[Chunk],
+        chunks: Sequence[PrefillChunk],
     ) -> tuple[list[int], list[int | None]]:
         """The GPU's time of the step: a decode (step_s, when there are sequences) then the prefill (prefill_s
         per prompt token), one after the other as on one stream."""

@@ -399,3 +399,123 @@ def test_every_decode_and_prefill_launch_may_use_pdl_on_sm90(arch, cc, monkeypat
     assert len(launches) == len(steps), [type(s).__name__ for s in steps if not isinstance(s, Launch)]
     assert len(launches) > 8 * e.config.n_layers
     assert all(s.pdl == (cc >= 90) for s in launches), [s.kernel.name for s in launches if s.pdl != (cc >= 90)]
+
+
+# --- a prefill call's host side: passes, rows, sampling rows, readback offsets (no device) ---------------------
+
+
+class _Inputs:
+    """The prefill inputs' host arrays (CudaEngine.pre's fields); each upload keeps a copy of them as sent."""
+
+    def __init__(self, B: int, T: int, max_pages: int, mask_words: int):
+        ints = ("tokens", "pos", "slots", "top_k", "hist_len", "counter", "masked")
+        self.host = {n: np.zeros(T if n in ("tokens", "pos", "slots") else B, np.int32) for n in ints}
+        self.host |= {n: np.zeros(B, np.float32) for n in ("temperature", "top_p", "min_p", "penalty")}
+        self.host |= {"seed": np.zeros(B, np.uint64), "hist": np.zeros(B * 256, np.int32)}
+        self.host |= {"block_table": np.full(B * max_pages, -1, np.int32), "mask": np.zeros(B * mask_words, np.uint32)}
+        self.sent: list[tuple[str, dict]] = []
+
+    def upload(self, stream, first, last):
+        self.sent.append((last, {n: a.copy() for n, a in self.host.items()}))
+
+    def wait_copied(self):
+        pass
+
+
+class _Readback:
+    """out_host and the stream's downloads: which byte offsets of it each pass's sampled tokens go to."""
+
+    def __init__(self):
+        self.views: list[tuple[int, int]] = []
+
+    def view(self, dtype, offset, count):
+        self.views.append((offset, count))
+        return np.zeros(count, dtype)
+
+    def download(self, dst, src):
+        pass
+
+
+def host_engine(prefix_cache: bool = False):
+    from ingot.runtime.engines.kvcache import PagePool
+
+    c = config_of(SHAPES["tiny-k"])
+    e = plan_engine(c)
+    e.max_seqs, e.max_ctx, e._seqs, e._next_id = 8, 1024, {}, 0
+    e.pre = _Inputs(8, 512, e.max_pages, e.mask_words)
+    e.pages = PagePool(256, 16, prefix_cache=prefix_cache)
+    e.out_host = e.stream = _Readback()
+    e.shapes = []
+    e._plan = lambda shape, all_logits: e.shapes.append(shape) or []
+    return e
+
+
+def test_a_prefill_call_fills_passes_rows_and_sampling_rows():
+    """Four chunks of 40 (its prompt goes on: no sample), 300 (masked), 250 and 5 (masked) tokens, behind a decode
+    of 3 sequences: pass 1 holds 40 + 300 + the first 172 of the 250, pass 2 the other 78 and the 5. Each
+    sequence's tokens name its block-table row (slots), each sampling sequence its sampling row (counter = its last
+    prompt position, its mask in its row), and the sampled tokens are read back after the decode's three."""
+    from ingot.runtime.engines.base import PrefillChunk
+    from ingot.runtime.sampling import SamplingParams
+
+    e = host_engine()
+    W = e.mask_words
+    seqs = [e.new_sequence(SamplingParams(temperature=0.5 + i)) for i in range(4)]
+    lengths, masks = (40, 300, 250, 5), [None, np.full(W, 7, np.uint32), None, np.full(W, 9, np.uint32)]
+    chunks = [
+        PrefillChunk(q, list(range(1, n + 1)), last=i > 0, mask=masks[i])
+        for i, (q, n) in enumerate(zip(seqs, lengths, strict=True))
+    ]
+    sampled = e._launch_prefill(chunks, e._check(chunks), first=3)
+    assert sampled == [1, 2, 3]
+    assert e.shapes == [((40, False), (300, True), (172, False)), ((78, True), (5, True))]
+    assert e.out_host.views == [(4 * 3, 1), (4 * 4, 2)]  # bytes: after the decode's 3 tokens, then the next 2
+    (last1, one), (last2, two) = e.pre.sent
+    assert last1 == last2 == "mask"  # a masked row in each pass: the masks travel
+    assert one["slots"][:512].tolist() == [0] * 40 + [1] * 300 + [2] * 172
+    assert two["slots"][:83].tolist() == [0] * 78 + [1] * 5
+    assert one["pos"][340:512].tolist() == list(range(172)) and two["pos"][:78].tolist() == list(range(172, 250))
+    M = e.max_pages
+    for sent, rows in ((one, seqs[:3]), (two, seqs[2:])):
+        for r, q in enumerate(rows):
+            pages = e._seqs[q].pages
+            assert sent["block_table"][r * M : r * M + len(pages)].tolist() == pages
+    # sampling rows: pass 1 samples sequence 1 (row 0), pass 2 sequences 2 and 3 (rows 0, 1)
+    assert one["counter"][0] == 299 and one["temperature"][0] == 1.5 and one["masked"][0] == 1
+    assert (one["mask"][:W] == 7).all()
+    assert two["counter"][:2].tolist() == [249, 4] and two["temperature"][:2].tolist() == [2.5, 3.5]
+    assert two["masked"][:2].tolist() == [0, 1] and (two["mask"][W : 2 * W] == 9).all()
+    assert [e._seqs[q].pos for q in seqs] == list(lengths)
+
+
+def test_a_prompt_sharing_pages_with_one_in_the_pass_waits_for_them():
+    """Two prompts of one call with the same first 48 tokens (3 pages): the second starts a new pass, adopts the
+    3 pages the first pass registered, and computes only its 20 others."""
+    from ingot.runtime.engines.base import PrefillChunk
+    from ingot.runtime.sampling import SamplingParams
+
+    e = host_engine(prefix_cache=True)
+    shared = list(range(100, 148))
+    a, b = e.new_sequence(SamplingParams()), e.new_sequence(SamplingParams())
+    chunks = [PrefillChunk(a, shared + [1] * 10), PrefillChunk(b, shared + [2] * 20)]
+    assert e._launch_prefill(chunks, e._check(chunks), first=0) == [0, 1]
+    assert e.shapes == [((58, True),), ((20, True),)]
+    assert e.pages.prefix_stats()["hit_tokens"] == 48 and e._seqs[b].pages[:3] == e._seqs[a].pages[:3]
+
+
+def test_a_step_is_checked_whole_before_any_work():
+    """A chunk of a sequence that the same step decodes, and a step whose pages do not fit, are refused before
+    anything changed."""
+    from ingot.runtime.engines.base import PrefillChunk
+    from ingot.runtime.engines.kvcache import CacheFullError
+    from ingot.runtime.errors import UsageError
+    from ingot.runtime.sampling import SamplingParams
+
+    e = host_engine()
+    e.max_ctx = 4096
+    a, b = e.new_sequence(SamplingParams()), e.new_sequence(SamplingParams())
+    with pytest.raises(UsageError, match="twice"):
+        e._check([PrefillChunk(a, [1, 2])], decoding=[a])
+    with pytest.raises(CacheFullError):
+        e._check([PrefillChunk(a, [1] * 1000), PrefillChunk(b, [1] * 3200)])  # 63 + 200 pages of 16 > 256
+    assert e.pages.free == 256 and e._seqs[a].pos == e._seqs[b].pos == 0

@@ -53,7 +53,7 @@ def test_constraint_is_a_serializable_spec():
 
 def test_grammar_tokens_spell_what_the_tokenizer_decodes(tiny, real_tokenizer):
     for tok in (tiny[1], real_tokenizer):
-        tb = grammar_tokens(tok.vocab)
+        tb = grammar_tokens(tok)
         ids = tok.encode('Hello, wörld {"a": 1}\n\ttabs', add_special=False)
         assert b"".join(tb[i] for i in ids).decode() == tok.decode(ids)
         assert tb[tok.vocab.bos_id] == b"\xff" + tok.vocab.tokens[tok.vocab.bos_id].encode()  # never text

@@ -11,7 +11,7 @@ prefill whose leading full pages were computed before adopts them instead of com
 
 Prefill of several sequences at once (`prefill_many`): the server's step prefills the chunks of every sequence
 it admits together, so that the weights are read once for all of them (the GPU engine runs them as one pass
-of up to PREFILL_CHUNK tokens, attention per sequence). A chunk that is not its prompt's last (`Chunk.last`
+of up to PREFILL_CHUNK tokens, attention per sequence). A chunk that is not its prompt's last (`PrefillChunk.last`
 False) samples nothing, and the prefix cache may adopt all of its full pages: only a prompt's last token must
 be computed (its logits sample the next token). `decode_and_prefill` is a step of both at once.
 
@@ -34,7 +34,7 @@ from ingot.runtime.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
-class Chunk:
+class PrefillChunk:
     """Prompt tokens to append to one sequence in a prefill_many call."""
 
     seq: int
@@ -57,7 +57,7 @@ class Engine(Protocol):
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
         """Append tokens; return the next sampled token (one `mask` allows, when given)."""
 
-    def prefill_many(self, chunks: Sequence[Chunk]) -> list[int | None]:
+    def prefill_many(self, chunks: Sequence[PrefillChunk]) -> list[int | None]:
         """Append each chunk to its sequence (distinct sequences); return, per chunk, the next sampled token of a
         last chunk (None for the others). Every chunk is checked before any is computed: a bad one raises
         UsageError and none of them is appended."""
@@ -72,7 +72,7 @@ class Engine(Protocol):
         seqs: Sequence[int],
         tokens: Sequence[int],
         masks: Sequence[np.ndarray | None] | None,
-        chunks: Sequence[Chunk],
+        chunks: Sequence[PrefillChunk],
     ) -> tuple[list[int], list[int | None]]:
         """decode(seqs, tokens, masks) and prefill_many(chunks) (other sequences) in one call: the server's step.
         The GPU engine queues the prefill behind the decode step and waits once. The chunks are checked before

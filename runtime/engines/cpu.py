@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ingot.runtime import settings
-from ingot.runtime.engines.base import Chunk, pages_for
-from ingot.runtime.engines.kvcache import PagePool, PrefixChain
+from ingot.runtime.engines.base import PrefillChunk, pages_for
+from ingot.runtime.engines.kvcache import CacheFullError, PagePool, PrefixChain
 from ingot.runtime.errors import IngotError, UsageError
 from ingot.runtime.model.gguf import Model, expected_shapes
 from ingot.runtime.model.reference import KVCache, forward, logits
@@ -113,16 +113,14 @@ class CpuEngine:
         return seq
 
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
-        token = self.prefill_many([Chunk(seq, tokens, True, mask)])[0]
+        token = self.prefill_many([PrefillChunk(seq, tokens, True, mask)])[0]
         assert token is not None  # a last chunk samples
         return token
 
-    def prefill_many(self, chunks: Sequence[Chunk]) -> list[int | None]:
+    def prefill_many(self, chunks: Sequence[PrefillChunk]) -> list[int | None]:
         """One sequence after the other (the reference needs no batching): the same results as the GPU engine's
         single pass."""
-        states = [self._admit(c.seq, c.tokens) for c in chunks]  # every chunk checked before any is computed
-        if len({c.seq for c in chunks}) != len(chunks):
-            raise UsageError("prefill_many got two chunks of one sequence")
+        states = self._check_step([], [], chunks)  # every chunk checked before any is computed
         out: list[int | None] = []
         for c, s in zip(chunks, states, strict=True):
             rest = c.tokens[self._adopt(s, c.tokens, sample=c.last) :]  # a last chunk computes its last token
@@ -157,10 +155,9 @@ class CpuEngine:
         seqs: Sequence[int],
         tokens: Sequence[int],
         masks: Sequence[np.ndarray | None] | None,
-        chunks: Sequence[Chunk],
+        chunks: Sequence[PrefillChunk],
     ) -> tuple[list[int], list[int | None]]:
-        for c in chunks:
-            self._admit(c.seq, c.tokens)  # the chunks are checked before any work
+        self._check_step(seqs, tokens, chunks)  # the whole step checked before any work
         return self.decode(seqs, tokens, masks) if seqs else [], self.prefill_many(chunks) if chunks else []
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
@@ -228,6 +225,25 @@ class CpuEngine:
         if ids.min() < 0 or ids.max() >= self.config.n_vocab:
             raise UsageError(f"token id out of range 0..{self.config.n_vocab - 1}")
         return s
+
+    def _check_step(
+        self, seqs: Sequence[int], tokens: Sequence[int], chunks: Sequence[PrefillChunk]
+    ) -> list[_Sequence]:
+        """The chunks' sequences, after checking a whole step before any work, so that a refused step changed
+        nothing: each sequence in one chunk or decoded (not both), every chunk and decode token admissible
+        (_admit), and KV pages for all of it (counted as if nothing were adopted)."""
+        if len({c.seq for c in chunks} | set(seqs)) != len(chunks) + len(seqs):
+            raise UsageError("a step names a sequence twice (two chunks, or a chunk and a decode)")
+        states = [self._admit(c.seq, c.tokens) for c in chunks]
+        decoded = [self._admit(q, [t]) for q, t in zip(seqs, tokens, strict=False)]
+        added = [(s, len(c.tokens)) for s, c in zip(states, chunks, strict=True)] + [(s, 1) for s in decoded]
+        need = sum(max(0, self.pages.pages_for(s.cache.n + n) - len(s.pages)) for s, n in added)
+        if need > self.pages.free:
+            raise CacheFullError(
+                f"KV cache full: {need} more pages needed, {self.pages.free} free",
+                hint="finish or cancel other sequences, or lower --max-seqs or --ctx",
+            )
+        return states
 
     def _forward(self, s: _Sequence, tokens: Sequence[int]) -> np.ndarray:
         self.pages.grow(s.pages, s.cache.n + len(tokens))

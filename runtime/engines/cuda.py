@@ -39,9 +39,9 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from ingot.runtime import settings
-from ingot.runtime.engines.base import Chunk
+from ingot.runtime.engines.base import PrefillChunk
 from ingot.runtime.engines.cuda_weights import LayerWeights, upload_weights
-from ingot.runtime.engines.kvcache import PagePool, PrefixChain
+from ingot.runtime.engines.kvcache import CacheFullError, PagePool, PrefixChain
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
 from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
 from ingot.runtime.gpu.driver import (
@@ -89,6 +89,18 @@ class _Seq:
     pages: list[int] = field(default_factory=list)
     recent: list[int] = field(default_factory=list)  # last repeat_last_n tokens (prompt included)
     chain: PrefixChain = field(default_factory=PrefixChain)  # hashes of its full pages (the prefix cache)
+
+
+@dataclass
+class _Pass:
+    """A prefill pass being filled (CudaEngine._launch_prefill): up to PREFILL_CHUNK tokens of several sequences."""
+
+    shape: list[tuple[int, bool]] = field(default_factory=list)  # (tokens, samples) of each sequence, in row order
+    written: list[tuple[_Seq, list[int]]] = field(default_factory=list)  # each sequence's tokens, for pages.append
+    sampled: list[int] = field(default_factory=list)  # the chunks it samples, in sampling-row order
+    tokens: int = 0
+    masked: bool = False  # a sampling row has an allowed-token mask (its upload then includes the masks)
+    pending: set[bytes] = field(default_factory=set)  # hashes of the KV pages it will register (prefix cache)
 
 
 class _HostDevice:
@@ -735,11 +747,11 @@ class CudaEngine:
     # --- the Engine interface ----------------------------------------------------------------------
 
     def prefill(self, seq: int, tokens: Sequence[int], mask: np.ndarray | None = None) -> int:
-        token = self.prefill_many([Chunk(seq, tokens, True, mask)])[0]
+        token = self.prefill_many([PrefillChunk(seq, tokens, True, mask)])[0]
         assert token is not None  # a last chunk samples
         return token
 
-    def prefill_many(self, chunks: Sequence[Chunk]) -> list[int | None]:
+    def prefill_many(self, chunks: Sequence[PrefillChunk]) -> list[int | None]:
         return self.decode_and_prefill([], [], None, chunks)[1]
 
     def decode_and_prefill(
@@ -747,12 +759,12 @@ class CudaEngine:
         seqs: Sequence[int],
         tokens: Sequence[int],
         masks: Sequence[np.ndarray | None] | None,
-        chunks: Sequence[Chunk],
+        chunks: Sequence[PrefillChunk],
     ) -> tuple[list[int], list[int | None]]:
         """decode(seqs, tokens, masks) and prefill_many(chunks) with one wait: the decode step's graph is launched,
         then the prefill passes are queued behind it while it runs (their launches cost host time), and the tokens
         of both are read back at once."""
-        states = self._check(chunks)  # every chunk checked before any work
+        states = self._check(chunks, seqs)  # the whole step checked before any work
         B = self._launch_decode(seqs, tokens, masks) if seqs else 0
         sampled = self._launch_prefill(chunks, states, first=B)
         if not B and not sampled:
@@ -764,99 +776,122 @@ class CudaEngine:
             out[i] = int(token)
         return [int(t) for t in got[:B]], out
 
-    def _launch_prefill(self, chunks: Sequence[Chunk], states: list[_Seq], first: int) -> list[int]:
+    def _launch_prefill(self, chunks: Sequence[PrefillChunk], states: list[_Seq], first: int) -> list[int]:
         """Queue the chunks' tokens in passes of up to PREFILL_CHUNK tokens, several sequences per pass (a chunk
         that does not fit what is left of a pass goes on in the next one); each last chunk's token is sampled in
         the pass that holds its last token and read back into out_host[first + k] for the k-th. Returns the
-        chunks that sample, in that order."""
-        work = []  # (its state, the tokens to compute, its chunk's index), prefix-cached pages adopted
+        chunks that sample, in that order.
+
+        Prefix cache: each chunk adopts the cached pages it can just before it is placed. A chunk whose next page
+        is one that the pass being filled will compute (two prompts of one step sharing a system prompt) starts
+        a new pass instead, so that it adopts those pages once the pass has registered them, as it would have
+        had the two prompts come one after the other."""
+        p, P = self.pre, self.kv_page_size
+        sampled: list[int] = []
+        ps = _Pass()
         for i, (c, st) in enumerate(zip(chunks, states, strict=True)):
             tokens = [int(t) for t in c.tokens]
+            if ps.pending and not st.chain.tail and set(self.pages.page_hashes(st.chain, tokens[:P])) & ps.pending:
+                sampled += self._flush(ps, chunks, first + len(sampled))
+                ps = _Pass()
             rest = tokens[self._adopt(st, tokens, sample=c.last) :]  # a last chunk always computes its last token
-            if rest:
-                self._reserve(st, len(rest))
-                work.append((st, rest, i))
-        p, M, W = self.pre, self.max_pages, self.mask_words
-        sampled: list[int] = []  # the chunk of each token sampled so far, in out_host's order
-        item, done = 0, 0  # the work item the next pass starts with, and how many of its tokens passes took
-        while item < len(work):
-            p.wait_copied()  # the previous pass's upload has read the host arrays (see _HostDevice)
-            shape: list[tuple[int, bool]] = []
-            written: list[tuple[_Seq, list[int]]] = []
-            here: list[int] = []  # the chunks sampled in this pass
-            T = 0
-            while item < len(work) and T < PREFILL_CHUNK:
-                st, rest, i = work[item]
-                piece = rest[done : done + PREFILL_CHUNK - T]
-                n, r = len(piece), len(shape)
-                p.host["tokens"][T : T + n] = piece
-                p.host["pos"][T : T + n] = np.arange(st.pos, st.pos + n)
-                p.host["slots"][T : T + n] = r
-                p.host["block_table"][r * M : r * M + len(st.pages)] = st.pages
-                self._remember(st, piece)
-                st.pos += n
-                done += n
-                ends = done == len(rest)
-                samples = ends and chunks[i].last
-                if samples:
-                    j, mask = len(here), chunks[i].mask
-                    st.pos -= 1  # the sampled token's counter is the last prompt position, as in decode
-                    self._fill_sampling(p, j, st)
-                    st.pos += 1
-                    p.host["masked"][j] = mask is not None
-                    if mask is not None:
-                        p.host["mask"][j * W : (j + 1) * W] = mask
-                    here.append(i)
-                shape.append((n, samples))
-                written.append((st, piece))
-                T += n
-                if ends:
-                    item, done = item + 1, 0
-            any_mask = any(chunks[i].mask is not None for i in here)
-            p.upload(self.stream, "tokens", "mask" if any_mask else "block_table")
-            for launch in self._plan(tuple(shape), all_logits=False):
-                launch(self.stream)
-            for st, piece in written:
-                self.pages.append(st.pages, st.chain, piece)  # registers the pages it filled (stream-ordered)
-            if here:
-                dst = self.out_host.view(np.int32, 4 * (first + len(sampled)), len(here))
-                self.stream.download(dst, self.out_tokens.ptr)
-                sampled += here
+            if not rest:
+                continue
+            self._reserve(st, len(rest))
+            if self.pages.prefix_cache:
+                ps.pending.update(self.pages.page_hashes(st.chain, rest))
+            done = 0
+            while done < len(rest):
+                if ps.tokens == PREFILL_CHUNK:
+                    sampled += self._flush(ps, chunks, first + len(sampled))
+                    ps = _Pass()
+                if not ps.tokens:
+                    p.wait_copied()  # the previous pass's upload has read the host arrays (see _HostDevice)
+                piece = rest[done : done + PREFILL_CHUNK - ps.tokens]
+                done += len(piece)
+                self._place(ps, st, piece, i, samples=done == len(rest) and c.last, mask=c.mask)
+        if ps.tokens:
+            sampled += self._flush(ps, chunks, first + len(sampled))
         return sampled
 
-    def _check(self, chunks: Sequence[Chunk]) -> list[_Seq]:
-        """Every chunk's sequence, after checking all of them (before any work): known and distinct sequences,
-        token ids in the vocabulary, room in the context."""
+    def _place(self, ps: _Pass, st: _Seq, piece: list[int], chunk: int, samples: bool, mask: np.ndarray | None):
+        """Write a sequence's next tokens into the pass's inputs: rows ps.tokens.., block-table row r (its
+        sequence's place in the pass) and, when its last token samples, sampling row j (its place among those)."""
+        p, M, W = self.pre, self.max_pages, self.mask_words
+        T, n, r = ps.tokens, len(piece), len(ps.shape)
+        p.host["tokens"][T : T + n] = piece
+        p.host["pos"][T : T + n] = np.arange(st.pos, st.pos + n)
+        p.host["slots"][T : T + n] = r
+        p.host["block_table"][r * M : r * M + len(st.pages)] = st.pages
+        self._remember(st, piece)
+        st.pos += n
+        if samples:
+            j = len(ps.sampled)
+            st.pos -= 1  # the sampled token's counter is the last prompt position, as in decode
+            self._fill_sampling(p, j, st)
+            st.pos += 1
+            p.host["masked"][j] = mask is not None
+            if mask is not None:
+                p.host["mask"][j * W : (j + 1) * W] = mask
+                ps.masked = True
+            ps.sampled.append(chunk)
+        ps.shape.append((n, samples))
+        ps.written.append((st, piece))
+        ps.tokens += n
+
+    def _flush(self, ps: _Pass, chunks: Sequence[PrefillChunk], row: int) -> list[int]:
+        """Queue the pass: its inputs' upload, its launch list (built once per shape), the registration of the
+        pages it fills, and the readback of its sampled tokens into out_host[row..]. Returns ps.sampled."""
+        self.pre.upload(self.stream, "tokens", "mask" if ps.masked else "block_table")
+        for launch in self._plan(tuple(ps.shape), all_logits=False):
+            launch(self.stream)
+        for st, piece in ps.written:
+            self.pages.append(st.pages, st.chain, piece)  # registers the pages it filled (stream-ordered)
+        if ps.sampled:
+            self.stream.download(self.out_host.view(np.int32, 4 * row, len(ps.sampled)), self.out_tokens.ptr)
+        return ps.sampled
+
+    def _check(self, chunks: Sequence[PrefillChunk], decoding: Sequence[int] = ()) -> list[_Seq]:
+        """Every chunk's sequence, after checking the whole step before any work, so that a refused step changed
+        nothing: known sequences, each in one chunk or decoded (not both), token ids in the vocabulary, room
+        in the context, and KV pages for all of it (counted as if nothing were adopted from the prefix cache)."""
         if len(chunks) > self.max_seqs:
             raise UsageError(f"prefill of {len(chunks)} chunks at once (max {self.max_seqs})")
-        if len({c.seq for c in chunks}) != len(chunks):
-            raise UsageError("prefill_many got two chunks of one sequence")
-        states = []
+        if len({c.seq for c in chunks} | set(decoding)) != len(chunks) + len(decoding):
+            raise UsageError("a step names a sequence twice (two chunks, or a chunk and a decode)")
+        states, pages = [], 0
+        for seq, n in [(c.seq, len(c.tokens)) for c in chunks] + [(q, 1) for q in decoding]:
+            st = self._seq(seq)
+            if st.pos + n > self.max_ctx:
+                raise UsageError(
+                    f"sequence would grow to {st.pos + n} tokens, past the context of {self.max_ctx}",
+                    hint="shorten the prompt or lower max tokens",
+                )
+            pages += max(0, self.pages.pages_for(st.pos + n) - len(st.pages))
+            states.append(st)
         for c in chunks:
-            st = self._seq(c.seq)
             if not len(c.tokens):
                 raise UsageError("prefill needs at least one token")
             if min(c.tokens) < 0 or max(c.tokens) >= self.config.n_vocab:
                 raise UsageError(f"token id out of range for a vocabulary of {self.config.n_vocab}")
-            if st.pos + len(c.tokens) > self.max_ctx:
-                raise UsageError(
-                    f"sequence would grow to {st.pos + len(c.tokens)} tokens, past the context of {self.max_ctx}",
-                    hint="shorten the prompt or lower max tokens",
-                )
-            states.append(st)
-        return states
+        if pages > self.pages.free:
+            raise CacheFullError(
+                f"KV cache full: {pages} more pages needed, {self.pages.free} free",
+                hint="finish or cancel other sequences, or lower --max-seqs or --ctx, or raise INGOT_KV_FRACTION",
+            )
+        return states[: len(chunks)]
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         """Every row's logits: one sequence, passes of PREFILL_CHUNK tokens, each read back."""
-        (st,) = self._check([Chunk(seq, tokens, False)])
+        (st,) = self._check([PrefillChunk(seq, tokens, False)])
         tokens = [int(t) for t in tokens]
         self._reserve(st, len(tokens))
         p, out = self.pre, []
-        p.host["block_table"][: len(st.pages)] = st.pages
         for start in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
             T = len(chunk)
-            p.wait_copied()
+            p.wait_copied()  # a prefill pass queued before (nothing waited for it) may still be reading them
+            p.host["block_table"][: len(st.pages)] = st.pages
             p.host["tokens"][:T] = chunk
             p.host["pos"][:T] = np.arange(st.pos, st.pos + T)
             p.host["slots"][:T] = 0
@@ -902,6 +937,7 @@ class CudaEngine:
         readback of its tokens into out_host[:B]; returns B. The sequences' books (positions, pages) are updated
         here: nothing reads them before the step's tokens are waited for."""
         B = len(seqs)
+        self.step.wait_copied()  # the last step's upload has read the host arrays (an exception may have cut it)
         if B > self.max_seqs or len(tokens) != B:
             raise UsageError(f"decode of {B} sequences with {len(tokens)} tokens (max {self.max_seqs})")
         s = self.step

@@ -197,6 +197,16 @@ class PagePool:
         self.stats.hit_tokens += n
         return n
 
+    def page_hashes(self, chain: PrefixChain, tokens: Sequence[int]) -> list[bytes]:
+        """The hashes of the full pages that appending `tokens` to the chain would complete (the chain is not
+        changed): what append() will register, for a prefill that wants to know it before computing them."""
+        P, tail, parent, out = self.page_size, chain.tail + list(tokens), chain.parent, []
+        while len(tail) >= P:
+            parent = page_hash(parent, tail[:P])
+            out.append(parent)
+            del tail[:P]
+        return out
+
     def append(self, pages: list[int], chain: PrefixChain, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """After `tokens` were written into the sequence's pages: extend its chain, and register each page
         they filled. Returns (index in `pages`, page) of the pages registered now (the CPU engine copies their

@@ -140,7 +140,8 @@ MAX_K_SLICES = 16  # split-K slices of one GEMM at most
 # of a 64-row tile spends ~0.45 us per 32-wide k-step and the tile's last block ~0.24 us per slice it adds up
 # (a 16-row tile's partial is a quarter of that), so t(s) ~ a + 0.45 steps/s + 0.24 s (tm/64) is least at
 # s = sqrt(1.9 steps 64/tm): 6 slices for K = 576 at M = 64, where 16 cost 45% more.
-SPLIT_K_BALANCE = 2
+SPLIT_K_BALANCE = 2  # the fit's 1.9, rounded
+SPLIT_K_BALANCE_ROWS = 64  # the tile height the costs were measured at
 SPLIT_K_TILES_PER_SM = 4  # partial tiles of SPLIT_K_TILE_FLOATS that SplitK holds per SM (Kernels.split_k)
 # The unit: a 64x128 fp32 tile, matmul2's at decode batches up to 64 (a 128x128 tile counts twice, WMMA's 64x64
 # half). matmul_geometry caps the slices so that a grid's partial tiles fit.
@@ -222,7 +223,7 @@ def matmul_geometry(M: int, N: int, K: int, sm_count: int, *, mma: bool, split: 
     if split and tiles < 2 * sm_count:
         fit = split_k_floats(sm_count) // (tiles * tm * tn)
         steps = K // QK
-        balance = math.isqrt(SPLIT_K_BALANCE * steps * MATMUL2_TILE_ROWS[-2] // tm) if mma else MAX_K_SLICES
+        balance = math.isqrt(SPLIT_K_BALANCE * steps * SPLIT_K_BALANCE_ROWS // tm) if mma else MAX_K_SLICES
         slices = max(1, min(steps, MAX_K_SLICES, -(-2 * sm_count // tiles), balance, fit))
     return GemmTiling(mma, tm, tn, slices)
 

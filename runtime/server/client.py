@@ -344,7 +344,7 @@ class EngineClient:
         now = time.monotonic_ns()
         self.stats = step.stats
         if step.batch:
-            self.observer.step(step.batch, step.decode_s)
+            self.observer.step(step.batch, step.step_s)
         for rid, started in step.started:
             job = self._jobs.get(rid)
             if job is not None:

@@ -6,7 +6,7 @@ ingot_generated_tokens_total                tokens generated (rate() of it is th
 ingot_sequences_total{reason}               sequences ended: eos, stop, length, cancelled, error
 ingot_time_to_first_token_seconds           from the request's arrival to its first token (queueing included)
 ingot_queue_wait_seconds                    from arrival to admission
-ingot_decode_tokens_per_second              tokens per second of the last batched decode step
+ingot_decode_tokens_per_second              decoded tokens per second of the last step (a prefill in it counts)
 ingot_decode_batch_size                     sequences per decode step (histogram)
 ingot_queue_depth, ingot_running_sequences  requests waiting for admission, sequences being generated
 ingot_kv_cache_pages_used, _free            KV-cache pages in use and free (cached pages no sequence holds are free)
@@ -56,7 +56,9 @@ class Metrics:
             "ingot_queue_wait_seconds", "Request arrival to admission", buckets=LATENCY_BUCKETS, registry=r
         )
         self.decode_rate = Gauge(
-            "ingot_decode_tokens_per_second", "Tokens per second of the last decode step", registry=r
+            "ingot_decode_tokens_per_second",
+            "Decoded tokens per second of the last step (its prefill included in its time)",
+            registry=r,
         )
         self.batch = Histogram(
             "ingot_decode_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS, registry=r

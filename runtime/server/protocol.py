@@ -82,7 +82,7 @@ class Step(msgspec.Struct, tag=True, array_like=True):
     outputs: list[Output]
     started: list[tuple[int, int]]  # (id, time.monotonic_ns()) of each prefill begun in this step
     batch: int  # sequences in this step's decode (0: none ran)
-    decode_s: float  # seconds of that decode
+    step_s: float  # seconds of the step's engine call (its decode and the prefill queued behind it)
     prefill_tokens: int  # prompt tokens prefilled in this step
     stats: Stats
 

@@ -37,13 +37,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ingot.runtime.engines.base import Chunk, Engine, pages_for
+from ingot.runtime.engines.base import Engine, PrefillChunk, pages_for
 from ingot.runtime.errors import UsageError
 from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.server.protocol import Add, Output, Stats, Step
 from ingot.runtime.structured import Constraint, Grammars, Matcher
 
 SHUTDOWN_STATUS, SHUTDOWN_MESSAGE = 503, "the server is shutting down"
+Masks = list[np.ndarray | None] | None  # a decode batch's allowed-token masks, a row each (None: unconstrained)
 
 
 @dataclass
@@ -146,25 +147,25 @@ class Scheduler:
 
     def step(self) -> Step:
         outputs = _Outputs()
-        batch = [s for s in self._running if s.decoding]
+        batch, masks = self._masks([s for s in self._running if s.decoding], outputs)
         started: list[tuple[int, int]] = []
         plan, prefilled = self._plan_prefill(outputs, started)
         chunks = self._chunks(plan, outputs)
         t0 = time.perf_counter()
-        self._run(batch, chunks, outputs)
+        self._run(batch, masks, chunks, outputs)
         return self._report(outputs, started, len(batch), time.perf_counter() - t0, prefilled)
 
-    def _run(self, batch: list[_Seq], chunks: list[tuple[_Seq, Chunk]], outputs: _Outputs) -> None:
+    def _run(self, batch: list[_Seq], masks: Masks, chunks: list[tuple[_Seq, PrefillChunk]], outputs: _Outputs):
         """The step's decode and prefill in one engine call (the GPU engine queues the prefill behind the decode
         and waits once). Bad input the engine finds before any work (UsageError: a chunk it refuses) fails only
         its own sequence: the step is then run part by part."""
         if not batch and not chunks:
             return
         try:
-            seqs, last, masks = [s.live_seq for s in batch], [s.last_token for s in batch], self._masks(batch)
+            seqs, last = [s.live_seq for s in batch], [s.last_token for s in batch]
             tokens, firsts = self.engine.decode_and_prefill(seqs, last, masks, [c for _, c in chunks])
         except UsageError:
-            self._decode(batch, outputs)
+            self._decode(batch, masks, outputs)
             for s, c in chunks:
                 self._prefill_one(s, c, outputs)
             return
@@ -176,11 +177,11 @@ class Scheduler:
             self._accept(s, token, outputs)
         self._prefilled(chunks, firsts, outputs)
 
-    def _decode(self, batch: list[_Seq], outputs: _Outputs) -> None:
+    def _decode(self, batch: list[_Seq], masks: Masks, outputs: _Outputs) -> None:
         if not batch:
             return
         try:
-            seqs, last, masks = [s.live_seq for s in batch], [s.last_token for s in batch], self._masks(batch)
+            seqs, last = [s.live_seq for s in batch], [s.last_token for s in batch]
             tokens = self.engine.decode(seqs, last, masks) if masks else self.engine.decode(seqs, last)
         except Exception as e:
             for s in batch:
@@ -197,22 +198,21 @@ class Scheduler:
         plan: list[tuple[_Seq, int]] = []  # each sequence and its chunk's length
         for partial in [s for s in self._running if not s.decoding]:
             n = self._chunk_len(partial, budget)
-            if not n:
-                break
+            if not n:  # the budget is spent: admissions wait too
+                return plan, self.prefill_chunk - budget
             plan.append((partial, n))
             budget -= n
-        else:
-            while budget > 0 and self._waiting:
-                new = self._admit(outputs)
-                if new is None:  # no slot or KV pages free: the rest waits
+        while budget > 0 and self._waiting:
+            new = self._admit(outputs)
+            if new is None:  # no slot or KV pages free: the rest waits
+                break
+            if new.seq is not None:
+                started.append((new.req.id, time.monotonic_ns()))
+                n = self._chunk_len(new, budget)
+                if not n:  # its first chunk waits for the next step's budget
                     break
-                if new.seq is not None:
-                    started.append((new.req.id, time.monotonic_ns()))
-                    n = self._chunk_len(new, budget)
-                    if not n:  # its first chunk waits for the next step's budget
-                        break
-                    plan.append((new, n))
-                    budget -= n
+                plan.append((new, n))
+                budget -= n
         return plan, self.prefill_chunk - budget
 
     def _admit(self, outputs: _Outputs) -> _Seq | None:
@@ -244,8 +244,8 @@ class Scheduler:
             end = aligned
         return end - s.prefilled
 
-    def _chunks(self, plan: list[tuple[_Seq, int]], outputs: _Outputs) -> list[tuple[_Seq, Chunk]]:
-        """Each planned sequence's next prompt tokens as an engine Chunk; a prompt's last chunk samples its first
+    def _chunks(self, plan: list[tuple[_Seq, int]], outputs: _Outputs) -> list[tuple[_Seq, PrefillChunk]]:
+        """Each planned sequence's next prompt tokens as an engine PrefillChunk; a prompt's last chunk samples its first
         token, under its grammar's mask for a constrained request (its Matcher is built here). A sequence whose
         prompt cannot fit or whose grammar fails is ended instead."""
         chunks = []
@@ -263,10 +263,10 @@ class Scheduler:
             except Exception as e:
                 self._fail(s, e, outputs)
                 continue
-            chunks.append((s, Chunk(s.live_seq, prompt[s.prefilled : s.prefilled + n], last, mask)))
+            chunks.append((s, PrefillChunk(s.live_seq, prompt[s.prefilled : s.prefilled + n], last, mask)))
         return chunks
 
-    def _prefill_one(self, s: _Seq, chunk: Chunk, outputs: _Outputs) -> None:
+    def _prefill_one(self, s: _Seq, chunk: PrefillChunk, outputs: _Outputs) -> None:
         try:
             tokens = self.engine.prefill_many([chunk])
         except Exception as e:
@@ -274,7 +274,7 @@ class Scheduler:
             return
         self._prefilled([(s, chunk)], tokens, outputs)
 
-    def _prefilled(self, batch: list[tuple[_Seq, Chunk]], tokens: list[int | None], outputs: _Outputs) -> None:
+    def _prefilled(self, batch: list[tuple[_Seq, PrefillChunk]], tokens: list[int | None], outputs: _Outputs) -> None:
         for (s, c), token in zip(batch, tokens, strict=True):
             s.prefilled += len(c.tokens)
             if s.decoding:
@@ -313,11 +313,20 @@ class Scheduler:
             self._grammars = Grammars(self.tokenizer, self.engine.config.n_vocab)
         return self._grammars
 
-    @staticmethod
-    def _masks(batch: list[_Seq]) -> list[np.ndarray | None] | None:
+    def _masks(self, batch: list[_Seq], outputs: _Outputs) -> tuple[list[_Seq], Masks]:
+        """The decode batch and its rows' masks (None: no row is constrained); a sequence whose grammar fails
+        to give one is ended alone and leaves the batch."""
         if all(s.matcher is None for s in batch):
-            return None
-        return [s.matcher.mask() if s.matcher is not None else None for s in batch]
+            return batch, None
+        kept, masks = [], []
+        for s in batch:
+            try:
+                masks.append(s.matcher.mask() if s.matcher is not None else None)
+            except Exception as e:
+                self._fail(s, e, outputs)
+                continue
+            kept.append(s)
+        return kept, masks
 
     def _fail(self, s: _Seq, e: Exception, outputs: _Outputs) -> None:
         if isinstance(e, UsageError):  # e.g. a prompt that does not fit the context
@@ -339,7 +348,7 @@ class Scheduler:
             s.seq = None
 
     def _report(
-        self, outputs: _Outputs, started: list[tuple[int, int]], batch: int, decode_s: float, prefilled: int
+        self, outputs: _Outputs, started: list[tuple[int, int]], batch: int, step_s: float, prefilled: int
     ) -> Step:
         prefix = self.engine.prefix_stats()
         stats = Stats(
@@ -350,4 +359,4 @@ class Scheduler:
             prefix["queried_tokens"],
             prefix["hit_tokens"],
         )
-        return Step(list(outputs.by_id.values()), started, batch, decode_s, prefilled, stats)
+        return Step(list(outputs.by_id.values()), started, batch, step_s, prefilled, stats)

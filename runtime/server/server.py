@@ -87,7 +87,9 @@ class Server:
     def load(self) -> tuple[Model, Tokenizer, str]:
         """The front end's copy of the model (tokenizer, chat template, /api/show), in a worker thread."""
         opened = open_model(self.spec, pubkeys=self.options.pubkeys)
-        return opened.model, Tokenizer.from_model(opened.model), model_version(opened)
+        tokenizer = Tokenizer.from_model(opened.model)
+        tokenizer.token_bytes  # noqa: B018 - built here, off the event loop, not at the first request's first token
+        return opened.model, tokenizer, model_version(opened)
 
     async def _load_version(self) -> Loaded:
         """The model as it is on disk now, here and in a new engine core. Both open the file; if it was replaced

@@ -28,10 +28,11 @@ from numerics import fp16_budget, fp16_operands, fp16_run_failure, rel_err
 from tiny_models import VARIANTS, write_model
 
 from ingot.runtime import settings
-from ingot.runtime.engines.base import Chunk
+from ingot.runtime.engines.base import PrefillChunk
 from ingot.runtime.engines.cpu import CpuEngine
 from ingot.runtime.model.gguf import load_model
 from ingot.runtime.sampling import SamplingParams
+from ingot.runtime.structured import mask_of
 
 PREFILLS = (1, 7, 128, 600, 1000, 1500)
 DECODE_PROMPTS = (100, 500)
@@ -172,31 +173,32 @@ def test_prefill_many_equals_one_at_a_time(engines):
     """Several sequences prefilled in one prefill_many call (one pass of GEMMs over all their tokens, attention
     per sequence) sample the same tokens and continue the same as each prefilled alone: greedy and seeded with
     a repetition penalty (each row's own sampling fields), a sequence that already holds a first chunk (its
-    positions start past 0), a chunk that samples nothing, and more tokens than one pass (PREFILL_CHUNK) holds,
-    so that a sequence is split across two passes."""
+    positions start past 0), a chunk that samples nothing first (so that block-table and sampling rows differ),
+    and more tokens than one pass (PREFILL_CHUNK) holds, so that a sequence is split across two passes."""
+    from ingot.runtime.engines.cuda import PREFILL_CHUNK
+
     model, _, gpu = engines
-    lengths = (3, 40, 129, 300, 77)  # 549 tokens with the continued sequence's: two passes
+    lengths = (3, 40, 129, 300, 77)
     prompts = [_prompt(model, n, seed=400 + n) for n in lengths]
     params = [
         SamplingParams() if i % 2 else SamplingParams(temperature=0.8, repetition_penalty=1.2, seed=i)
         for i in range(len(lengths))
     ]
     first = 50  # sequence 4's prompt arrives in two chunks: its first in an earlier call
+    going_on = _prompt(model, 100, seed=499)  # a prompt whose first chunk is all this call holds of it
 
     def run(together: bool) -> list[list[int]]:
         seqs = [gpu.new_sequence(p) for p in params]
-        head = gpu.prefill_many([Chunk(seqs[4], prompts[4][:first], last=False)])
+        head = gpu.prefill_many([PrefillChunk(seqs[4], prompts[4][:first], last=False)])
         assert head == [None]  # a chunk that is not its prompt's last samples nothing
-        chunks = [Chunk(s, p) for s, p in zip(seqs, prompts, strict=True)]
-        chunks[4] = Chunk(seqs[4], prompts[4][first:])
-        chunks.append(Chunk(gpu.new_sequence(SamplingParams()), prompts[0], last=False))  # a prompt going on
-        if together:
-            outs = gpu.prefill_many(chunks)
-        else:
-            outs = [gpu.prefill_many([c])[0] for c in chunks]
-        assert outs[-1] is None
-        gpu.release(chunks[-1].seq)
-        seqs_out = [[t] for t in outs[:-1]]
+        chunks = [PrefillChunk(gpu.new_sequence(SamplingParams()), going_on, last=False)]
+        chunks += [PrefillChunk(s, p) for s, p in zip(seqs, prompts, strict=True)]
+        chunks[5] = PrefillChunk(seqs[4], prompts[4][first:])
+        assert sum(len(c.tokens) for c in chunks) > PREFILL_CHUNK  # two passes
+        outs = gpu.prefill_many(chunks) if together else [gpu.prefill_many([c])[0] for c in chunks]
+        assert outs[0] is None
+        gpu.release(chunks[0].seq)
+        seqs_out = [[t] for t in outs[1:]]
         for _ in range(8):
             nxt = gpu.decode(seqs, [t[-1] for t in seqs_out])
             for t, x in zip(seqs_out, nxt, strict=True):
@@ -210,6 +212,44 @@ def test_prefill_many_equals_one_at_a_time(engines):
         assert run(together=True) == run(together=False)
     finally:
         gpu.pages.prefix_cache = cache
+
+
+def test_decode_and_prefill_equals_a_decode_then_a_prefill(engines):
+    """The server's step (a decode graph with prefill passes queued behind it, one readback) gives what a decode
+    and then a prefill give: the decode's tokens, and each new prompt's first token under its own mask (two
+    sampling rows with different allowed sets), then the same continuation for all five sequences."""
+    model, _, gpu = engines
+    V = model.config.n_vocab
+    rng = np.random.default_rng(5)
+    allowed = [rng.choice(V, 40, replace=False), rng.choice(V, 40, replace=False)]
+    masks = [mask_of(a.tolist(), V) for a in allowed]
+    running = [_prompt(model, n, seed=600 + n) for n in (9, 33, 70)]
+    new = [_prompt(model, n, seed=700 + n) for n in (21, 130)]
+
+    def run(together: bool) -> tuple[list[int], list[int | None], list[list[int]]]:
+        seqs = [gpu.new_sequence(SamplingParams()) for _ in running]
+        last = [gpu.prefill(s, p) for s, p in zip(seqs, running, strict=True)]
+        fresh = [gpu.new_sequence(SamplingParams()) for _ in new]
+        chunks = [PrefillChunk(s, p, mask=m) for s, p, m in zip(fresh, new, masks, strict=True)]
+        if together:
+            decoded, firsts = gpu.decode_and_prefill(seqs, last, None, chunks)
+        else:
+            decoded, firsts = gpu.decode(seqs, last), gpu.prefill_many(chunks)
+        every, tokens = seqs + fresh, [[t] for t in decoded + firsts]
+        for _ in range(4):
+            for t, x in zip(tokens, gpu.decode(every, [t[-1] for t in tokens]), strict=True):
+                t.append(x)
+        for s in every:
+            gpu.release(s)
+        return decoded, firsts, tokens
+
+    cache, gpu.pages.prefix_cache = gpu.pages.prefix_cache, False
+    try:
+        together, apart = run(together=True), run(together=False)
+    finally:
+        gpu.pages.prefix_cache = cache
+    assert together == apart
+    assert all(t in a for t, a in zip(together[1], allowed, strict=True))  # each under its own mask
 
 
 def test_wide_batch_decode_matches_cpu(engines):
