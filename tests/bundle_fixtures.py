@@ -7,10 +7,14 @@ the CPU engine must run them. Bundles are made once and copied before tampering.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
+import os
 import shutil
 import sys
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -89,9 +93,25 @@ def repack(src: Path, dst: Path, *, replace: dict[str, bytes]) -> Path:
     return dst
 
 
+@contextlib.contextmanager
+def session_lock(tmp_path_factory, name: str) -> Iterator[Path]:
+    """Hold an exclusive lock shared by every pytest-xdist worker of this session; yields the session's root
+    temp folder (common to the workers), where work done under the lock can leave a marker for the others."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's root, common to every worker
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield base
+
+
 @pytest.fixture(scope="session")
 def kernel_dir(tmp_path_factory) -> Path:
-    """The real kernels, built once for sm_90 + compute_90 (the kernel cache makes repeat sessions fast)."""
+    """The real kernels, built once for sm_90 + compute_90 (the kernel cache makes repeat sessions fast).
+
+    Every xdist worker needs them at about the same time; under a session lock the first one compiles into the
+    kernel cache and the others wait and read the same entries from it, instead of each running nvcc on the
+    same sources at once."""
     from ingot.toolchain.archs import parse_arch_list
     from ingot.toolchain.build import build
     from ingot.toolchain.nvcc import find_toolkit
@@ -99,7 +119,8 @@ def kernel_dir(tmp_path_factory) -> Path:
     if find_toolkit() is None:
         pytest.skip("needs nvcc to build the kernels that go into bundles")
     out = tmp_path_factory.mktemp("kernels")
-    build(archs=parse_arch_list(TEST_ARCHS), out_dir=out)
+    with session_lock(tmp_path_factory, "kernel-dir"):
+        build(archs=parse_arch_list(TEST_ARCHS), out_dir=out)
     return out
 
 
