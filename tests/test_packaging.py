@@ -16,6 +16,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from ingot.runtime.gpu.fatbin import parse_fatbin
 from ingot.toolchain.nvcc import find_toolkit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,19 +56,28 @@ def test_the_lock_pins_every_dependency_of_pyproject_with_hashes():
             assert req.specifier.contains(version, prereleases=True), f"{req.name}=={version} violates {req}"
 
 
+# The archs of the kernels in the test wheel. Compiling cuda/*.cu for every arch of cuda/archs.json takes ~5 min on
+# 2 cores and says nothing more about the wheel than one arch does; the full policy goes through the same CMake
+# path in every `pip install` of the checkout (ci/env.sh), and tests/test_build.py checks the CMake fatbins are
+# byte-identical to `ingot build`'s.
+WHEEL_ARCHS = "sm_90"
+
+
 @pytest.fixture(scope="session")
 def dists(tmp_path_factory) -> dict[str, Path]:
-    """The wheel and sdist, built from this checkout with `python -m build` (what ci/release.sh runs); once per
-    test session, shared by the xdist workers (a lock file in the session's temp root)."""
+    """The wheel and sdist, built from this checkout with `python -m build` (what ci/release.sh runs, but with the
+    kernels for WHEEL_ARCHS only); once per test session, shared by the xdist workers (a lock file in the session's
+    temp root)."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # the session's root, common to every worker
     out = base / "ingot-dist"
+    archs = [f"--config-setting=cmake.define.INGOT_ARCH_LIST={WHEEL_ARCHS}"]
     with open(base / "ingot-dist.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "built").exists():
             proc = subprocess.run(
-                [sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(ROOT)],
+                [sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(ROOT), *archs],
                 capture_output=True,
                 text=True,
                 timeout=1800,
@@ -93,8 +103,14 @@ def test_the_wheel_tag_matches_its_contents(dists):
     python_tag, abi_tag, platform_tag = tag.split("-")
     assert (python_tag, abi_tag) == ("py3", "none") and platform_tag.startswith("linux_x86_64")
     assert f"Tag: {tag}" in wheel_file and "Root-Is-Purelib: false" in wheel_file
-    if find_toolkit() is not None:  # built with nvcc: the kernels are in, as data
+    if find_toolkit() is not None:  # built with nvcc: the kernels are in, as data, for the archs asked for
+        fatbins = {f"ingot/runtime/fatbins/{p.stem}.fatbin" for p in (ROOT / "cuda").glob("*.cu")}
         assert {"ingot/runtime/fatbins/matvec.fatbin", "ingot/runtime/fatbins/norm.fatbin"} <= set(names)
+        assert fatbins == {n for n in names if n.endswith(".fatbin")}
+        with zipfile.ZipFile(wheel) as z:
+            for name in sorted(fatbins):
+                fat = parse_fatbin(z.read(name), name=name)
+                assert (fat.sass, fat.ptx) == ([WHEEL_ARCHS], []) and fat.kernels, name
     assert "ingot/toolchain/cuda/archs.json" in names
     assert "Apache License" in license_text and "Version 2.0" in license_text
     assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
