@@ -24,7 +24,7 @@ _want=$(cd "$_root" && cat pyproject.toml CMakeLists.txt cuda/* 2>/dev/null | py
     'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')
 _want="$_want $_root [$_extras]"
 if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ] || ! python -c 'import ingot.toolchain.cli' 2>/dev/null; then
-    echo "== installing ingot-llm[$_extras] from $_root into $VIRTUAL_ENV (builds the kernels: ~1 min)" >&2
+    echo "== installing ingot-llm[$_extras] from $_root into $VIRTUAL_ENV (builds the kernels for every GPU: 4-5 min on 2 cores)" >&2
     python -m pip install -q --upgrade pip
     python -m pip install -q -e "$_root[$_extras]"
     echo "$_want" > "$_stamp"
