@@ -21,7 +21,7 @@ import numpy as np
 
 from ingot.runtime import settings
 from ingot.runtime.engines.base import PrefillChunk, pages_for
-from ingot.runtime.engines.kvcache import CacheFullError, PagePool, PrefixChain
+from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IngotError, UsageError
 from ingot.runtime.model.gguf import Model, expected_shapes
 from ingot.runtime.model.reference import KVCache, forward, logits
@@ -237,12 +237,7 @@ class CpuEngine:
         states = [self._admit(c.seq, c.tokens) for c in chunks]
         decoded = [self._admit(q, [t]) for q, t in zip(seqs, tokens, strict=False)]
         added = [(s, len(c.tokens)) for s, c in zip(states, chunks, strict=True)] + [(s, 1) for s in decoded]
-        need = sum(max(0, self.pages.pages_for(s.cache.n + n) - len(s.pages)) for s, n in added)
-        if need > self.pages.free:
-            raise CacheFullError(
-                f"KV cache full: {need} more pages needed, {self.pages.free} free",
-                hint="finish or cancel other sequences, or lower --max-seqs or --ctx",
-            )
+        self.pages.require(sum(self.pages.needed(s.pages, s.cache.n + n) for s, n in added))
         return states
 
     def _forward(self, s: _Sequence, tokens: Sequence[int]) -> np.ndarray:

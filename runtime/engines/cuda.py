@@ -41,7 +41,7 @@ import numpy as np
 from ingot.runtime import settings
 from ingot.runtime.engines.base import PrefillChunk
 from ingot.runtime.engines.cuda_weights import LayerWeights, upload_weights
-from ingot.runtime.engines.kvcache import CacheFullError, PagePool, PrefixChain
+from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
 from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
 from ingot.runtime.gpu.driver import (
@@ -519,26 +519,7 @@ class CudaEngine:
         widest = max(D, Dq, F)
         a = self.pool.alloc
         # decode, for up to B sequences
-        self.step = _HostDevice(
-            self.pool,
-            [
-                ("tokens", np.int32, B),
-                ("pos", np.int32, B),
-                ("slots", np.int32, B),
-                ("top_k", np.int32, B),
-                ("hist_len", np.int32, B),
-                ("counter", np.int32, B),
-                ("masked", np.int32, B),  # constrained decoding: row b's mask applies (runtime/structured.py)
-                ("temperature", np.float32, B),
-                ("top_p", np.float32, B),
-                ("min_p", np.float32, B),
-                ("penalty", np.float32, B),
-                ("seed", np.uint64, B),
-                ("hist", np.int32, B * HIST_CAP),
-                ("block_table", np.int32, B * self.max_pages),
-                ("mask", np.uint32, B * self.mask_words),  # uploaded only in steps with a masked row
-            ],
-        )
+        self.step = _HostDevice(self.pool, self._input_fields(B))
         self.step.host["slots"][:] = np.arange(B)
         self.out_tokens = a(4 * B, "sampled tokens")
         self.out_host = PinnedBuffer(4 * 2 * B)  # a step's decoded tokens, then its prefills' sampled ones
@@ -562,26 +543,7 @@ class CudaEngine:
         self.stream.memset(self.counters.ptr, 0, self.counters.nbytes)
         # prefill, for up to T tokens of up to B sequences per pass: token i belongs to block-table row slots[i];
         # the sampling fields have a row per sequence that samples (its prompt's last token is in the pass)
-        self.pre = _HostDevice(
-            self.pool,
-            [
-                ("tokens", np.int32, T),
-                ("pos", np.int32, T),
-                ("slots", np.int32, T),
-                ("top_k", np.int32, B),
-                ("hist_len", np.int32, B),
-                ("counter", np.int32, B),
-                ("masked", np.int32, B),
-                ("temperature", np.float32, B),
-                ("top_p", np.float32, B),
-                ("min_p", np.float32, B),
-                ("penalty", np.float32, B),
-                ("seed", np.uint64, B),
-                ("hist", np.int32, B * HIST_CAP),
-                ("block_table", np.int32, B * self.max_pages),
-                ("mask", np.uint32, B * self.mask_words),  # uploaded only in passes with a masked row
-            ],
-        )
+        self.pre = _HostDevice(self.pool, self._input_fields(T))
         self.px = a(4 * T * D, "prefill x")
         self.pxh = a(2 * T * widest, "prefill x fp16")
         self.pqkv = a(4 * T * Dqkv, "prefill qkv")
@@ -590,6 +552,30 @@ class CudaEngine:
         # Every row's logits (logits(): perplexity, tests), [T, V] fp32: allocated on first use, as it is large for
         # big vocabularies (512 x 262,144 x 4 bytes = 512 MiB for Gemma 3) and serving never needs it.
         self._all_logits: DeviceBuffer | None = None
+
+    def _input_fields(self, rows: int) -> list[tuple[str, type, int]]:
+        """The inputs of a decode step (rows = B sequences) or a prefill pass (rows = T tokens): per row its token,
+        position and block-table row (slots); per sampling row (up to B) its sampling parameters, penalty window
+        and allowed-token mask; B block-table rows. In this order: an upload sends a prefix of them (_HostDevice),
+        the penalty window, block tables and masks only when needed."""
+        B = self.max_seqs
+        return [
+            ("tokens", np.int32, rows),
+            ("pos", np.int32, rows),
+            ("slots", np.int32, rows),
+            ("top_k", np.int32, B),
+            ("hist_len", np.int32, B),
+            ("counter", np.int32, B),
+            ("masked", np.int32, B),  # constrained decoding: row b's mask applies (runtime/structured.py)
+            ("temperature", np.float32, B),
+            ("top_p", np.float32, B),
+            ("min_p", np.float32, B),
+            ("penalty", np.float32, B),
+            ("seed", np.uint64, B),
+            ("hist", np.int32, B * HIST_CAP),
+            ("block_table", np.int32, B * self.max_pages),
+            ("mask", np.uint32, B * self.mask_words),  # uploaded only with a masked row
+        ]
 
     def close(self) -> None:
         """Free everything on the GPU. Safe to call twice."""
@@ -709,12 +695,15 @@ class CudaEngine:
             raise IngotError(f"unknown sequence {seq}") from None
 
     def _reserve(self, st: _Seq, n_new: int) -> bool:
+        self._check_room(st, n_new)
+        return self.pages.grow(st.pages, st.pos + n_new)
+
+    def _check_room(self, st: _Seq, n_new: int) -> None:
         if st.pos + n_new > self.max_ctx:
             raise UsageError(
                 f"sequence would grow to {st.pos + n_new} tokens, past the context of {self.max_ctx}",
                 hint="shorten the prompt or lower max tokens",
             )
-        return self.pages.grow(st.pages, st.pos + n_new)
 
     def _adopt(self, st: _Seq, tokens: list[int], *, sample: bool) -> int:
         """Prefix cache: append the cached pages that hold the prompt's leading full pages to the sequence's
@@ -862,23 +851,15 @@ class CudaEngine:
         states, pages = [], 0
         for seq, n in [(c.seq, len(c.tokens)) for c in chunks] + [(q, 1) for q in decoding]:
             st = self._seq(seq)
-            if st.pos + n > self.max_ctx:
-                raise UsageError(
-                    f"sequence would grow to {st.pos + n} tokens, past the context of {self.max_ctx}",
-                    hint="shorten the prompt or lower max tokens",
-                )
-            pages += max(0, self.pages.pages_for(st.pos + n) - len(st.pages))
+            self._check_room(st, n)
+            pages += self.pages.needed(st.pages, st.pos + n)
             states.append(st)
         for c in chunks:
             if not len(c.tokens):
                 raise UsageError("prefill needs at least one token")
             if min(c.tokens) < 0 or max(c.tokens) >= self.config.n_vocab:
                 raise UsageError(f"token id out of range for a vocabulary of {self.config.n_vocab}")
-        if pages > self.pages.free:
-            raise CacheFullError(
-                f"KV cache full: {pages} more pages needed, {self.pages.free} free",
-                hint="finish or cancel other sequences, or lower --max-seqs or --ctx, or raise INGOT_KV_FRACTION",
-            )
+        self.pages.require(pages)
         return states[: len(chunks)]
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:

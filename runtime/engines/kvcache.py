@@ -128,16 +128,24 @@ class PagePool:
 
     # --- allocation -------------------------------------------------------------------------------
 
-    def grow(self, pages: list[int], n_tokens: int) -> bool:
-        """Append pages until `pages` can hold n_tokens. Returns True if pages were added."""
-        need = self.pages_for(n_tokens) - len(pages)
-        if need <= 0:
-            return False
+    def needed(self, pages: list[int], n_tokens: int) -> int:
+        """Pages a sequence holding `pages` must add to hold n_tokens."""
+        return max(0, self.pages_for(n_tokens) - len(pages))
+
+    def require(self, need: int) -> None:
+        """CacheFullError unless `need` more pages can be had (a step checks all its sequences' growth at once)."""
         if need > self.free:
             raise CacheFullError(
                 f"KV cache full: {need} more pages needed, {self.free} free",
                 hint="finish or cancel other sequences, or lower --max-seqs or --ctx, or raise INGOT_KV_FRACTION",
             )
+
+    def grow(self, pages: list[int], n_tokens: int) -> bool:
+        """Append pages until `pages` can hold n_tokens. Returns True if pages were added."""
+        need = self.needed(pages, n_tokens)
+        if not need:
+            return False
+        self.require(need)
         for _ in range(need):
             page = self._take()
             self._refs[page] = 1

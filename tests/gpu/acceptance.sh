@@ -80,6 +80,22 @@ append() {
     [ -f ".m/$1" ] || { echo "error: .m/$1 did not travel: carry it (see prepare's list)"; exit 2; }
     cat ".m/$1" >>$M/gemma.part && echo "model part $1: $(stat -c %s $M/gemma.part) bytes so far"
 }
+smol_up() {  # the second SmolLM2 part, the environment, the whole file checked
+    [ -f .m/smol.b ] && cat .m/smol.b >>$M/smol.part || { echo "error: .m/smol.b did not travel"; exit 2; }
+    env_up
+    mv $M/smol.part $SMOL
+    [ "$(sha256sum $SMOL | cut -d' ' -f1)" = "$SMOL_SHA" ] || { echo "error: SmolLM2 sha256 differs"; exit 1; }
+}
+smol_checks() {  # SmolLM2's engine and precision tests, pack + verify --device + run, its bench (extra args: ingot bench's)
+    INGOT_TEST_MODELS=$SMOL OPENBLAS_NUM_THREADS=2 timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -s -n 8 -k SmolLM2 \
+        tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_precision.py 2>&1 | tee "$OUT/s2_smol.log" |
+        grep -E "rel err|decode:|wide|prefill [0-9]|passed|failed|Error|assert" | tail -30
+    python3 -m ingot pack --model $SMOL --kernels /tmp/kernels --out /tmp/smol.ingot >/dev/null &&
+        python3 -m ingot verify /tmp/smol.ingot --device 2>&1 | tail -3
+    timeout 60 python3 -m ingot run /tmp/smol.ingot -p "The capital of France is" -n 16 --device cuda 2>&1 | tail -2
+    timeout 120 python3 -m ingot bench /tmp/smol.ingot -p 512 -r 5 "$@" 2>&1 | tee "$OUT/s2_smol_bench.log" |
+        grep -E "pp|tg|cold"
+}
 env_up() {
     export INGOT_CACHE_DIR=/tmp/icache PYTHONUNBUFFERED=1
     if [ -d /tmp/kernels ] && [ -d /tmp/site ]; then  # the machine is still the one stage 1 set up
@@ -163,18 +179,9 @@ s1)
     wait
     ;;
 s2)
-    [ -f .m/smol.b ] && cat .m/smol.b >>$M/smol.part || { echo "error: .m/smol.b did not travel"; exit 2; }
-    env_up
-    mv $M/smol.part $SMOL
-    [ "$(sha256sum $SMOL | cut -d' ' -f1)" = "$SMOL_SHA" ] || { echo "error: SmolLM2 sha256 differs"; exit 1; }
+    smol_up
     python3 -m ingot model synth --shape llama3-8b --quant Q4_K_M --out /tmp/l8_Q4_K_M.gguf >/dev/null &
-    INGOT_TEST_MODELS=$SMOL OPENBLAS_NUM_THREADS=2 timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -s -n 8 -k SmolLM2 \
-        tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_precision.py 2>&1 | tee "$OUT/s2_smol.log" |
-        grep -E "rel err|decode:|wide|prefill [0-9]|passed|failed|Error|assert" | tail -30
-    python3 -m ingot pack --model $SMOL --kernels /tmp/kernels --out /tmp/smol.ingot >/dev/null &&
-        python3 -m ingot verify /tmp/smol.ingot --device 2>&1 | tail -3
-    timeout 60 python3 -m ingot run /tmp/smol.ingot -p "The capital of France is" -n 16 --device cuda 2>&1 | tail -2
-    timeout 100 python3 -m ingot bench /tmp/smol.ingot -p 512 -r 5 2>&1 | tee "$OUT/s2_smol_bench.log" | grep -E "pp|tg|cold"
+    smol_checks
     wait
     timeout 200 python3 -m ingot bench /tmp/l8_Q4_0.gguf -p 512 -r 3 --batch 1,4,16,64 --no-cold-start 2>&1 |
         tee "$OUT/s2_q4_0.log" | grep -E "pp|tg"
@@ -194,18 +201,8 @@ s2)
         2>&1 | grep -E "pp|tg"
     ;;
 s23)
-    [ -f .m/smol.b ] && cat .m/smol.b >>$M/smol.part || { echo "error: .m/smol.b did not travel"; exit 2; }
-    env_up
-    mv $M/smol.part $SMOL
-    [ "$(sha256sum $SMOL | cut -d' ' -f1)" = "$SMOL_SHA" ] || { echo "error: SmolLM2 sha256 differs"; exit 1; }
-    INGOT_TEST_MODELS=$SMOL OPENBLAS_NUM_THREADS=2 timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -s -n 8 -k SmolLM2 \
-        tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_precision.py 2>&1 | tee "$OUT/s2_smol.log" |
-        grep -E "rel err|decode:|wide|prefill [0-9]|passed|failed|Error|assert" | tail -30
-    python3 -m ingot pack --model $SMOL --kernels /tmp/kernels --out /tmp/smol.ingot >/dev/null &&
-        python3 -m ingot verify /tmp/smol.ingot --device 2>&1 | tail -3
-    timeout 60 python3 -m ingot run /tmp/smol.ingot -p "The capital of France is" -n 16 --device cuda 2>&1 | tail -2
-    timeout 120 python3 -m ingot bench /tmp/smol.ingot -p 512 -r 5 --batch 1,16,64 2>&1 | tee "$OUT/s2_smol_bench.log" |
-        grep -E "pp|tg|cold"
+    smol_up
+    smol_checks --batch 1,16,64
     INGOT_TEST_MODEL=$SMOL timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/gpu/test_gpu_serve_load.py \
         2>&1 | tee "$OUT/s3_serve.log" | tail -40
     ;;
