@@ -219,8 +219,10 @@ class PagePool:
         """After `tokens` were written into the sequence's pages: extend its chain, and register each page
         they filled. Returns (index in `pages`, page) of the pages registered now (the CPU engine copies their
         contents); a page whose hash is cached already (two sequences computed it at once) stays private."""
-        P = self.page_size
-        chain.tail.extend(int(t) for t in tokens)
+        P, tail = self.page_size, chain.tail
+        tail.extend(map(int, tokens))
+        if len(tail) < P:  # most calls (a decode step's one token): no page filled
+            return []
         registered = []
         while len(chain.tail) >= P:
             h = page_hash(chain.parent, chain.tail[:P])
