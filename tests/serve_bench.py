@@ -143,6 +143,9 @@ class StandIn:
     def memory_report(self) -> dict[str, Any]:
         return {}
 
+    def warm(self) -> None:
+        pass
+
     def close(self) -> None:
         report = os.environ.get("SERVE_BENCH_REPORT")
         if report and self.gaps:

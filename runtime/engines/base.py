@@ -98,6 +98,10 @@ class Engine(Protocol):
         """Where the engine's memory is: {"device", "weights_bytes", "engine_bytes", "kv_pages", ...}; the GPU
         engine adds the device's "free" and "total" bytes and its "compute_capability" (90 for 9.0)."""
 
+    def warm(self) -> None:
+        """Prepare now what the first steps would otherwise prepare on the way (a server calls it once loaded):
+        the GPU engine captures its decode graph for every batch size; the CPU engine has nothing to do."""
+
     def close(self) -> None:
         """Free everything the engine holds (device memory, contexts). Safe to call twice."""
 

@@ -192,6 +192,9 @@ class CpuEngine:
             "kv_pages_free": self.pages.free,
         }
 
+    def warm(self) -> None:
+        """Nothing to prepare: every step runs as it comes."""
+
     def close(self) -> None:
         for seq in list(self._seqs):
             self.release(seq)

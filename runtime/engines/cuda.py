@@ -971,17 +971,29 @@ class CudaEngine:
                     h["mask"][b * W : (b + 1) * W] = m
             last = "mask"  # the block tables ride along (their host copy is current)
         s.upload(self.stream, "tokens", last)
-        graph = self._graphs.get(B)
-        if graph is None:
-            launches = self._decode_launches(B)
-            graph = self._graphs[B] = Graph(self.stream, lambda: self._launch_all(launches))
-        graph.launch(self.stream)
+        self._graph(B).launch(self.stream)
         self.stream.download(self.out_host.view(np.int32, 0, B), self.out_tokens.ptr)
         append = self.pages.append
         for st, tok in zip(states, tokens, strict=True):
             st.pos += 1
             append(st.pages, st.chain, (tok,))
         return B
+
+    def _graph(self, B: int) -> Graph:
+        """The decode step's CUDA graph for B sequences, captured on first use."""
+        graph = self._graphs.get(B)
+        if graph is None:
+            launches = self._decode_launches(B)
+            graph = self._graphs[B] = Graph(self.stream, lambda: self._launch_all(launches))
+        return graph
+
+    def warm(self) -> None:
+        """Capture the decode graph of every batch size up to max_seqs now (capture only: nothing runs). A
+        server's batch passes through every width as requests come and go, and each first use captured its graph
+        inside a step: on the H200 the load test's first run after its warm-up had a TTFT p95 of 245 ms, 92 ms
+        once every width had been seen (SmolLM2, 64 clients)."""
+        for B in range(1, self.max_seqs + 1):
+            self._graph(B)
 
     def decode_logits(self, seqs: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One decode step like decode(), also returning the logits [B, n_vocab] it sampled from (tests)."""

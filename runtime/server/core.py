@@ -112,6 +112,7 @@ def main(spec: str, options: Options, to_core: str, from_core: str) -> None:
             opened = open_model(spec, pubkeys=options.pubkeys)
             version = model_version(opened)
             engine = open_serving_engine(opened, options)
+            engine.warm()  # the decode graph of every batch width, before the first request (Engine.warm)
             chunk = options.prefill_chunk or settings.PREFILL_CHUNK.get()
         except BaseException as e:
             outbox.send(protocol.encode(_failed(e)))
