@@ -36,6 +36,27 @@ def test_the_load_report_has_ttft_and_merges_processes(server, procs):
     assert ttft["p50"] is not None and 0 < ttft["p50"] <= ttft["p95"] <= ttft["max"]
     assert ttft["max"] < report["wall_s"] * 1000  # a first token comes before the run's end
     assert decode["p50"] is not None and decode["p50"] > 0
+    # What the server counted over the run: the same tokens as the clients' usage, every prompt token admitted
+    # (none cached: fresh prompts of 16 tokens fill no page), steps no wider than the clients
+    srv = report["server"]
+    assert srv["generated_tokens"] == report["generated_tokens"]
+    assert srv["prompt_tokens"] == 8 * 16 and srv["prefix_saved_tokens"] == 0
+    assert srv["decode_steps"] >= 11  # 12 tokens: the first comes from the prefill
+    assert 1 <= srv["mean_batch"] <= 4
+    assert srv["front_end_cpu_us_per_token"] > 0
+
+
+def test_the_load_report_has_no_server_figures_without_ingot_metrics():
+    """Another server's /metrics (or none): the report says nothing rather than something wrong."""
+    assert asyncio.run(loadgen._scrape("http://127.0.0.1:9", None)) is None  # nothing listens (discard port)
+    assert loadgen._server_figures(None, {"ingot_decode_batch_size_count": 1.0}, 1.0) is None
+    before = dict.fromkeys(loadgen._SERIES, 0.0)
+    after = before | {"ingot_decode_batch_size_count": 4.0, "ingot_decode_batch_size_sum": 10.0}
+    after |= {"ingot_generated_tokens_total": 20.0, "process_cpu_seconds_total": 0.001}
+    figures = loadgen._server_figures(before, after, 2.0)
+    assert figures is not None
+    assert (figures["decode_steps"], figures["mean_batch"], figures["ms_per_step"]) == (4, 2.5, 500.0)
+    assert figures["front_end_cpu_us_per_token"] == 50.0
 
 
 def test_each_run_sends_fresh_prompts_unless_seeded(server):

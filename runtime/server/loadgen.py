@@ -11,6 +11,9 @@ once every one of them is connected. The report:
     generated_tok_s      all generated tokens / wall time from the first request to the last end
     ttft_ms p50/p95      request sent -> first text received (queueing and prefill included)
     decode_tok_s p50     per stream: (tokens - 1) / (end - first token)
+    server               from an ingot server's /metrics before and after the run (null from other servers):
+                         its decode steps, their mean batch and ms per step, tokens, prefix-cache savings,
+                         and the front-end process's CPU µs per generated token
 Generation can end early at an end-of-text token; the token counts are the server's (usage), not assumed.
 
 Two more modes (--mode) measure what the engine core's design promises:
@@ -44,6 +47,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 START_TIMEOUT_S = 660  # --procs: how long the processes wait for each other (each waits up to 600 s for /health)
 
@@ -167,6 +171,7 @@ async def run(
     seed None: fresh prompts (a repeated run would otherwise be served from the prefix cache)."""
     procs = max(1, min(procs, clients))
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
+    before = await _scrape(url, api_key)
     if procs == 1:
         model, samples = await _clients(url, clients, requests, prompt_tokens, max_tokens, temperature, api_key, seed)
     else:
@@ -186,7 +191,56 @@ async def run(
                     f"loadgen: the {procs} client processes did not all connect within {START_TIMEOUT_S} s"
                 ) from None
         model, samples = parts[0][0], [s for _, part in parts for s in part]
-    return report(url, model, clients, samples, prompt_tokens, max_tokens) | {"procs": procs}
+    out = report(url, model, clients, samples, prompt_tokens, max_tokens) | {"procs": procs}
+    return out | {"server": _server_figures(before, await _scrape(url, api_key), out["wall_s"])}
+
+
+# The /metrics series (metrics.py) whose change over a run says where the server's time went.
+_SERIES = (
+    "ingot_decode_batch_size_count",
+    "ingot_decode_batch_size_sum",
+    "ingot_generated_tokens_total",
+    "ingot_prompt_tokens_total",
+    "ingot_prefix_cache_saved_prefill_tokens",
+    "process_cpu_seconds_total",
+)
+
+
+async def _scrape(url: str, api_key: str | None) -> dict[str, float] | None:
+    """The _SERIES of an ingot server's /metrics, or None when it has none (another server, a proxy)."""
+    async with _client(1, api_key) as client:
+        try:
+            r = await client.get(f"{url}/metrics", timeout=10)
+        except httpx.HTTPError:
+            return None
+    if r.status_code != 200:
+        return None
+    try:
+        samples = {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples}
+    except ValueError:
+        return None
+    return {k: samples[k] for k in _SERIES if k in samples} if _SERIES[0] in samples else None
+
+
+def _server_figures(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """What the server counted during the run: its decode steps and their mean batch (a step is one engine call:
+    the decode of the running sequences and the prefill admitted with them), the tokens, and the front-end
+    process's CPU time per generated token. Where HTTP falls short of the engine, these say whether the steps
+    were fewer and fuller than they could be or the front end was busy."""
+    if before is None or after is None:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _SERIES}
+    steps, generated = d["ingot_decode_batch_size_count"], d["ingot_generated_tokens_total"]
+    cpu = d["process_cpu_seconds_total"] if "process_cpu_seconds_total" in after else None
+    return {
+        "decode_steps": int(steps),
+        "mean_batch": round(d["ingot_decode_batch_size_sum"] / steps, 2) if steps else None,
+        "ms_per_step": round(1000 * wall / steps, 3) if steps else None,
+        "generated_tokens": int(generated),
+        "prompt_tokens": int(d["ingot_prompt_tokens_total"]),
+        "prefix_saved_tokens": int(d["ingot_prefix_cache_saved_prefill_tokens"]),
+        "front_end_cpu_us_per_token": round(1e6 * cpu / generated, 1) if cpu is not None and generated else None,
+    }
 
 
 def report(url: str, model: str, clients: int, samples: list[Sample], prompt_tokens: int, max_tokens: int) -> dict:

@@ -13,6 +13,8 @@ ingot_kv_cache_pages_used, _free            KV-cache pages in use and free (cach
 ingot_prefix_cache_queried_tokens           prompt tokens looked up in the prefix cache, since start
 ingot_prefix_cache_saved_prefill_tokens     of those, read from cached pages instead of prefilled, since start
 ingot_prefix_cache_hit_rate                 saved / queried
+process_cpu_seconds_total, process_*        the front-end process (prometheus-client's process collector, Linux):
+                                            its CPU time per generated token is what loadgen reports
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -43,6 +46,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class Metrics:
     def __init__(self, stats: Callable[[], Stats]):
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total etc. of this (the front-end) process
         self.requests = Counter(
             "ingot_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )
