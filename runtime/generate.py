@@ -82,6 +82,8 @@ class StopStrings:
 
     def push(self, text: str) -> tuple[str, bool]:
         """-> (text safe to emit, whether a stop string was found)."""
+        if not self.stops:  # most requests: nothing to hold back
+            return text, False
         self.pending += text
         hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:

@@ -3,6 +3,7 @@ front end, around a stand-in engine whose decode step costs a fixed GPU-like wal
 
     python tests/serve_bench.py core [--streams 64] [--step-ms 2] [--seconds 10]
     python tests/serve_bench.py http [--streams 64] [--step-ms 2] [--requests 4] [--procs 1]
+    python tests/serve_bench.py deliver [--streams 64] [--max-tokens 128]
 
 The stand-in (StandIn) answers every Engine call without computing: decode sleeps --step-ms (time.sleep releases
 the GIL, as cuStreamSynchronize does in cuda-bindings, so another thread of the core runs meanwhile) and
@@ -18,6 +19,9 @@ tokenizer and config.
     http   `ingot serve` (the real front end: HTTP, detokenizing, SSE) with the stand-in core, driven by the
            load generator (ingot.runtime.server.loadgen, 128-token prompts); reports its JSON and each
            process's CPU µs per generated token (front end, core, load generator).
+    deliver  the front end's per-token work without HTTP or sockets, in this process: Step messages through
+           EngineClient (detokenizing, stop strings, metrics), each Job's queue and OpenAI's event framing;
+           CPU µs per token (the part of `http`'s front-end figure that is Ingot's own code).
 
 Speed is printed, never asserted: on a shared CPU it says where the time goes, not whether the H200 passes.
 On 2 CPU cores the load generator (~80 µs per token) and the front end compete for them, so `http` at 2 ms
@@ -27,6 +31,7 @@ steps measures the processes' cost per token, not the GPU server's tok/s (see th
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import json
 import multiprocessing
@@ -45,10 +50,15 @@ import numpy as np
 import zmq
 
 from ingot.runtime.engines.base import PrefillChunk, pages_for
+from ingot.runtime.generate import GenerationRequest
+from ingot.runtime.model.gguf import load_model
 from ingot.runtime.model.synth import synthesize
+from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.sampling import SamplingParams
-from ingot.runtime.server import core, protocol
+from ingot.runtime.server import core, openai, protocol
+from ingot.runtime.server.client import EngineClient, Job
 from ingot.runtime.server.core import Options
+from ingot.runtime.server.metrics import Metrics
 from ingot.runtime.server.protocol import Add, Ready, Shutdown, Step
 from ingot.toolchain.cli import main as ingot_main
 
@@ -324,6 +334,42 @@ def bench_http(args: argparse.Namespace, folder: Path) -> dict:
         server.wait(30)
 
 
+def bench_deliver(args: argparse.Namespace, folder: Path) -> dict:
+    """The front end's per-token path without HTTP, in this process: Step messages -> EngineClient._on_step
+    (Generation, metrics) -> each Job's queue -> openai._stream's event bytes, for --streams jobs and
+    --max-tokens steps of one token each. CPU time per token, best of three (one core, no other process)."""
+    tokenizer = Tokenizer.from_model(load_model(_model(folder)))
+    head = {"id": "x", "object": "text_completion", "created": 0, "model": "m"}
+
+    async def run() -> float:
+        client = EngineClient("unused.gguf", Options(), observer=Metrics(lambda: protocol.Stats()))
+        jobs = []
+        for i in range(args.streams):
+            job = Job(tokenizer, GenerationRequest((1,), SamplingParams(), args.max_tokens))
+            job.id, client._jobs[i] = i, job
+            jobs.append(job)
+
+        async def consume(job: Job) -> int:
+            return sum([len(event) async for event in openai._stream(job, head, False, True, None)])
+
+        tasks = [asyncio.create_task(consume(job)) for job in jobs]
+        await asyncio.sleep(0)
+        t0 = time.process_time()
+        for step in range(args.max_tokens):
+            outputs = [protocol.Output(i, [100 + (7 * step + i) % 300]) for i in range(args.streams)]
+            client._on_step(Step(outputs, [], args.streams, 0.003, 0, protocol.Stats()))
+            await asyncio.sleep(0)  # each consumer takes its chunk and yields its event
+        await asyncio.gather(*tasks)
+        return time.process_time() - t0
+
+    best = min(asyncio.run(run()) for _ in range(3))
+    return {
+        "streams": args.streams,
+        "tokens": args.streams * args.max_tokens,
+        "cpu_us_per_token": round(1e6 * best / (args.streams * args.max_tokens), 2),
+    }
+
+
 def _child(pid: int) -> int:
     """The engine core: the server's spawned child (not multiprocessing's resource tracker)."""
     for kid in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
@@ -344,7 +390,7 @@ def main() -> None:
         _serve(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=["core", "http"])
+    p.add_argument("mode", choices=["core", "http", "deliver"])
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--step-ms", type=float, default=2.0)
     p.add_argument("--prefill-us", type=float, default=10.0, help="stand-in prefill wall time per prompt token")
@@ -356,7 +402,7 @@ def main() -> None:
     p.add_argument("--profile", help="http: write the front end's cProfile stats to this file")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as d:
-        result = (bench_core if args.mode == "core" else bench_http)(args, Path(d))
+        result = {"core": bench_core, "http": bench_http, "deliver": bench_deliver}[args.mode](args, Path(d))
     print(json.dumps(result, indent=1))
 
 

@@ -348,7 +348,7 @@ def test_a_silent_stream_gets_keep_alives(tiny_tokenizer):
     quiet.last_emit = whole.last_emit = now - SSE_PING_S
     lively.last_emit = now - SSE_PING_S / 2
     client.ping_idle(now)
-    assert quiet._queue.qsize() == 1 and lively._queue.qsize() == 0 and whole._queue.qsize() == 0
+    assert quiet.waiting == 1 and lively.waiting == 0 and whole.waiting == 0
     head = {"id": "x", "object": "o", "created": 0, "model": "m"}
 
     async def ping_then_text():
