@@ -55,7 +55,7 @@ def test_the_load_report_has_no_server_figures_without_ingot_metrics():
     after |= {"ingot_generated_tokens_total": 20.0, "process_cpu_seconds_total": 0.001}
     figures = loadgen._server_figures(before, after, 2.0)
     assert figures is not None
-    assert (figures["decode_steps"], figures["mean_batch"], figures["ms_per_step"]) == (4, 2.5, 500.0)
+    assert (figures["decode_steps"], figures["mean_batch"], figures["wall_ms_per_decode_step"]) == (4, 2.5, 500.0)
     assert figures["front_end_cpu_us_per_token"] == 50.0
 
 

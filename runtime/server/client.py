@@ -370,12 +370,14 @@ class EngineClient:
                 job.started = started
                 self.observer.admitted(job.prompt_tokens, (started - job.submitted) / 1e9)
         generated = 0
-        for out in step.outputs:
-            job = self._jobs.get(out.id)
-            if job is not None:  # else it was cancelled or stopped already
-                generated += self._deliver(job, out, now)
-        if generated:
-            self.observer.generated(generated)  # once a step: a counter's lock and call per sequence add up
+        try:
+            for out in step.outputs:
+                job = self._jobs.get(out.id)
+                if job is not None:  # else it was cancelled or stopped already
+                    generated += self._deliver(job, out, now)
+        finally:  # once a step (a counter's lock and call per sequence add up), even if a delivery raised
+            if generated:
+                self.observer.generated(generated)
 
     def _deliver(self, job: Job, out: Output, now: int) -> int:
         """The output's tokens through the job's Generation, as one chunk; returns the tokens generated."""

@@ -112,7 +112,11 @@ def main(spec: str, options: Options, to_core: str, from_core: str) -> None:
             opened = open_model(spec, pubkeys=options.pubkeys)
             version = model_version(opened)
             engine = open_serving_engine(opened, options)
-            engine.warm()  # the decode graph of every batch width, before the first request (Engine.warm)
+            try:
+                engine.warm()  # every decode batch width's graph before the first request (Engine.warm)
+            except BaseException:
+                engine.close()  # e.g. out of GPU memory: the server does not start (a step would fail later)
+                raise
             chunk = options.prefill_chunk or settings.PREFILL_CHUNK.get()
         except BaseException as e:
             outbox.send(protocol.encode(_failed(e)))

@@ -12,7 +12,7 @@ once every one of them is connected. The report:
     ttft_ms p50/p95      request sent -> first text received (queueing and prefill included)
     decode_tok_s p50     per stream: (tokens - 1) / (end - first token)
     server               from an ingot server's /metrics before and after the run (null from other servers):
-                         its decode steps, their mean batch and ms per step, tokens, prefix-cache savings,
+                         its decode steps, their mean batch, wall ms per decode step, tokens, prefix savings,
                          and the front-end process's CPU µs per generated token
 Generation can end early at an end-of-text token; the token counts are the server's (usage), not assumed.
 
@@ -171,6 +171,8 @@ async def run(
     seed None: fresh prompts (a repeated run would otherwise be served from the prefix cache)."""
     procs = max(1, min(procs, clients))
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
+    async with _client(1, api_key) as client:  # the first reading of /metrics needs the server up
+        await _wait_ready(client, url, 600)
     before = await _scrape(url, api_key)
     if procs == 1:
         model, samples = await _clients(url, clients, requests, prompt_tokens, max_tokens, temperature, api_key, seed)
@@ -223,10 +225,11 @@ async def _scrape(url: str, api_key: str | None) -> dict[str, float] | None:
 
 
 def _server_figures(before: dict | None, after: dict | None, wall: float) -> dict | None:
-    """What the server counted during the run: its decode steps and their mean batch (a step is one engine call:
-    the decode of the running sequences and the prefill admitted with them), the tokens, and the front-end
-    process's CPU time per generated token. Where HTTP falls short of the engine, these say whether the steps
-    were fewer and fuller than they could be or the front end was busy."""
+    """What the server counted during the run: its decode steps (engine calls with a decode in them; the
+    prefill admitted with a decode rides in its step, a prefill-only step is not counted) and their mean batch,
+    the run's wall time per decode step, the tokens, and the front-end process's CPU time per generated token.
+    Where HTTP falls short of the engine, these say whether the steps were fewer and fuller than they could be
+    or the front end was busy."""
     if before is None or after is None:
         return None
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _SERIES}
@@ -235,7 +238,7 @@ def _server_figures(before: dict | None, after: dict | None, wall: float) -> dic
     return {
         "decode_steps": int(steps),
         "mean_batch": round(d["ingot_decode_batch_size_sum"] / steps, 2) if steps else None,
-        "ms_per_step": round(1000 * wall / steps, 3) if steps else None,
+        "wall_ms_per_decode_step": round(1000 * wall / steps, 3) if steps else None,
         "generated_tokens": int(generated),
         "prompt_tokens": int(d["ingot_prompt_tokens_total"]),
         "prefix_saved_tokens": int(d["ingot_prefix_cache_saved_prefill_tokens"]),
