@@ -3,7 +3,6 @@ LICENSE ships, `twine check` passes, and a fresh venv installs the wheel from th
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import subprocess
@@ -13,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from bundle_fixtures import session_lock
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -67,14 +67,10 @@ WHEEL_ARCHS = "sm_90"
 def dists(tmp_path_factory) -> dict[str, Path]:
     """The wheel and sdist, built from this checkout with `python -m build` (what ci/release.sh runs, but with the
     kernels for WHEEL_ARCHS only); once per test session, shared by the xdist workers (a lock file in the session's
-    temp root)."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # the session's root, common to every worker
-    out = base / "ingot-dist"
+    temp root: bundle_fixtures.session_lock)."""
     archs = [f"--config-setting=cmake.define.INGOT_ARCH_LIST={WHEEL_ARCHS}"]
-    with open(base / "ingot-dist.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with session_lock(tmp_path_factory, "ingot-dist") as base:
+        out = base / "ingot-dist"
         if not (out / "built").exists():
             proc = subprocess.run(
                 [sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(ROOT), *archs],
