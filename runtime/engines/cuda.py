@@ -89,7 +89,7 @@ class _Seq:
     pages: list[int] = field(default_factory=list)
     recent: list[int] = field(default_factory=list)  # last `window` tokens (prompt included)
     chain: PrefixChain = field(default_factory=PrefixChain)  # hashes of its full pages (the prefix cache)
-    window: int = 0  # repetition-penalty window kept (0: no penalty, nothing kept)
+    window: int = field(init=False)  # repetition-penalty window kept (0: no penalty, nothing kept)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -786,7 +786,7 @@ class CudaEngine:
         for i, (c, st) in enumerate(zip(chunks, states, strict=True)):
             tokens = [int(t) for t in c.tokens]
             if ps.pending and not st.chain.tail and set(self.pages.page_hashes(st.chain, tokens[:P])) & ps.pending:
-                sampled += self._flush(ps, chunks, first + len(sampled))
+                sampled += self._flush(ps, first + len(sampled))
                 ps = _Pass()
             rest = tokens[self._adopt(st, tokens, sample=c.last) :]  # a last chunk always computes its last token
             if not rest:
@@ -797,7 +797,7 @@ class CudaEngine:
             done = 0
             while done < len(rest):
                 if ps.tokens == PREFILL_CHUNK:
-                    sampled += self._flush(ps, chunks, first + len(sampled))
+                    sampled += self._flush(ps, first + len(sampled))
                     ps = _Pass()
                 if not ps.tokens:
                     p.wait_copied()  # the previous pass's upload has read the host arrays (see _HostDevice)
@@ -805,7 +805,7 @@ class CudaEngine:
                 done += len(piece)
                 self._place(ps, st, piece, i, samples=done == len(rest) and c.last, mask=c.mask)
         if ps.tokens:
-            sampled += self._flush(ps, chunks, first + len(sampled))
+            sampled += self._flush(ps, first + len(sampled))
         return sampled
 
     def _place(self, ps: _Pass, st: _Seq, piece: list[int], chunk: int, samples: bool, mask: np.ndarray | None):
@@ -833,7 +833,7 @@ class CudaEngine:
         ps.written.append((st, piece))
         ps.tokens += n
 
-    def _flush(self, ps: _Pass, chunks: Sequence[PrefillChunk], row: int) -> list[int]:
+    def _flush(self, ps: _Pass, row: int) -> list[int]:
         """Queue the pass: its inputs' upload, its launch list (built once per shape), the registration of the
         pages it fills, and the readback of its sampled tokens into out_host[row..]. Returns ps.sampled."""
         self.pre.upload(self.stream, "tokens", "mask" if ps.masked else "block_table")

@@ -221,16 +221,14 @@ class PagePool:
         contents); a page whose hash is cached already (two sequences computed it at once) stays private."""
         P, tail = self.page_size, chain.tail
         tail.extend(map(int, tokens))
-        if len(tail) < P:  # most calls (a decode step's one token): no page filled
-            return []
         registered = []
-        while len(chain.tail) >= P:
-            h = page_hash(chain.parent, chain.tail[:P])
+        while len(tail) >= P:
+            h = page_hash(chain.parent, tail[:P])
             i = len(chain.hashes)
             page = pages[i]
             if self.prefix_cache and h not in self._page_of and page not in self._hash_of:
                 self._page_of[h], self._hash_of[page] = page, h
                 registered.append((i, page))
             chain.hashes.append(h)
-            del chain.tail[:P]
+            del tail[:P]
         return registered

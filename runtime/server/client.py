@@ -67,8 +67,6 @@ class _StopMatch(StopStrings):
     matched: str | None = None
 
     def push(self, text: str) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
         pending = self.pending + text
         out, stopped = super().push(text)
         if stopped:
