@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 from server_fixtures import ServerProcess
 from sse_starlette import ServerSentEvent
@@ -48,7 +49,12 @@ def test_the_load_report_has_ttft_and_merges_processes(server, procs):
 
 def test_the_load_report_has_no_server_figures_without_ingot_metrics():
     """Another server's /metrics (or none): the report says nothing rather than something wrong."""
-    assert asyncio.run(loadgen._scrape("http://127.0.0.1:9", None)) is None  # nothing listens (discard port)
+
+    async def scrape_nothing():
+        async with httpx.AsyncClient() as client:
+            return await loadgen._scrape(client, "http://127.0.0.1:9")  # nothing listens (the discard port)
+
+    assert asyncio.run(scrape_nothing()) is None
     assert loadgen._server_figures(None, {"ingot_decode_batch_size_count": 1.0}, 1.0) is None
     before = dict.fromkeys(loadgen._SERIES, 0.0)
     after = before | {"ingot_decode_batch_size_count": 4.0, "ingot_decode_batch_size_sum": 10.0}

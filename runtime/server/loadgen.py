@@ -173,7 +173,7 @@ async def run(
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     async with _client(1, api_key) as client:  # the first reading of /metrics needs the server up
         await _wait_ready(client, url, 600)
-    before = await _scrape(url, api_key)
+        before = await _scrape(client, url)
     if procs == 1:
         model, samples = await _clients(url, clients, requests, prompt_tokens, max_tokens, temperature, api_key, seed)
     else:
@@ -193,8 +193,10 @@ async def run(
                     f"loadgen: the {procs} client processes did not all connect within {START_TIMEOUT_S} s"
                 ) from None
         model, samples = parts[0][0], [s for _, part in parts for s in part]
+    async with _client(1, api_key) as client:
+        after = await _scrape(client, url)
     out = report(url, model, clients, samples, prompt_tokens, max_tokens) | {"procs": procs}
-    return out | {"server": _server_figures(before, await _scrape(url, api_key), out["wall_s"])}
+    return out | {"server": _server_figures(before, after, out["wall_s"])}
 
 
 # The /metrics series (metrics.py) whose change over a run says where the server's time went.
@@ -208,13 +210,12 @@ _SERIES = (
 )
 
 
-async def _scrape(url: str, api_key: str | None) -> dict[str, float] | None:
+async def _scrape(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
     """The _SERIES of an ingot server's /metrics, or None when it has none (another server, a proxy)."""
-    async with _client(1, api_key) as client:
-        try:
-            r = await client.get(f"{url}/metrics", timeout=10)
-        except httpx.HTTPError:
-            return None
+    try:
+        r = await client.get(f"{url}/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
     if r.status_code != 200:
         return None
     try:
