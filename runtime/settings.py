@@ -184,6 +184,15 @@ PDL_TRIGGER = Setting(
     "When a matrix-vector kernel lets the next kernel launch under PDL: at its start (early), after its main loop"
     " (late), or late for those reading at least 4 MiB of weights (auto).",
 )
+# Prefill passes beside the decode step (cuda/PERF.md v13): at SmolLM2's size both are bound by per-kernel
+# latency, not by the GPU's width, so a prefill pass's layers on a second stream fill SMs the decode graph leaves idle.
+PREFILL_STREAM = Setting(
+    "INGOT_PREFILL_STREAM",
+    True,
+    _flag,
+    "1 or 0",
+    "The GPU engine runs prefill passes on a second stream, concurrent with the decode step; 0 queues them behind it.",
+)
 API_KEY = Setting(
     "INGOT_API_KEY",
     None,

@@ -96,6 +96,15 @@ class _Seq:
         self.window = min(p.repeat_last_n, HIST_CAP) if p.repetition_penalty != 1.0 else 0
 
 
+@dataclass(frozen=True)
+class _PassPlan:
+    """A prefill pass's launches: its layers (the pass's own buffers only) and its head (norm, logits and
+    sampling of the sampled rows, through the decode step's buffers)."""
+
+    body: list[Work]
+    head: list[Work]
+
+
 @dataclass
 class _Pass:
     """A prefill pass being filled (CudaEngine._launch_prefill): up to PREFILL_CHUNK tokens of several sequences."""
@@ -462,6 +471,12 @@ class CudaEngine:
 
         self.dev = Device(gpu)
         self.stream = Stream()
+        # Prefill passes run on a stream of their own, beside the decode graph: their layers touch only the
+        # pass's buffers; their head (x, logits, out_tokens, the sampler's scratch: the decode's) waits for
+        # the decode step's readback (`_decoded`). INGOT_PREFILL_STREAM=0: one stream, the passes behind the step.
+        self.side = Stream() if settings.PREFILL_STREAM.get() else self.stream
+        self._decoded = Event()
+        self._decode_queued = False
         self.pool = DevicePool()
         try:
             self.k = Kernels(self.dev, kernels if kernels is not None else kernel_images())
@@ -482,7 +497,7 @@ class CudaEngine:
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self._graphs: dict[int, Graph] = {}
-        self._prefill_plans: dict[tuple[PassShape, bool], list[Work]] = {}
+        self._prefill_plans: dict[tuple[PassShape, bool], _PassPlan] = {}
         self._bt_signature: tuple | None = None
         self._row_of: list[_Seq | None] = [None] * self.max_seqs  # whose sampling fields each decode row holds
 
@@ -591,6 +606,10 @@ class CudaEngine:
         for name in ("step", "pre", "out_host"):
             if hasattr(self, name):
                 getattr(self, name).close()
+        if hasattr(self, "_decoded"):
+            self._decoded.close()
+        if hasattr(self, "side") and self.side is not self.stream:
+            self.side.close()
         for name in ("k", "pool", "stream"):
             if hasattr(self, name):
                 getattr(self, name).close()
@@ -645,7 +664,7 @@ class CudaEngine:
         extra = {"hist_cap": HIST_CAP, "mask_words": self.mask_words, "chunks": self.sample_chunks.ptr}
         return {n: io.ptr[n] for n in names} | extra
 
-    def _prefill_launches(self, shape: PassShape, all_logits: bool) -> list[Work]:
+    def _prefill_launches(self, shape: PassShape, all_logits: bool) -> _PassPlan:
         """The layers over one prefill pass: shape[r] = (tokens of sequence r, whether it samples), their rows
         consecutive in that order at positions pre.pos. Ends with the logits of every row (all_logits: one
         sequence) or with a token for each sampling sequence, sampled from its last row (the j-th of them in
@@ -655,11 +674,11 @@ class CudaEngine:
         h = self._forward(ops, head=(self.w.out_norm, self.w.head) if all_logits else None)
         if h is not None:
             ops.linear(self.w.head, h, self.all_logits.ptr, c.n_vocab)
-            return list(ops.L)
+            return _PassPlan(list(ops.L), [])
         ends = itertools.accumulate(n for n, _ in shape)
         rows = [end - 1 for end, (_, samples) in zip(ends, shape, strict=True) if samples]
         if not rows:  # chunks of prompts that go on in a later step: their sampled tokens would be discarded
-            return list(ops.L)
+            return _PassPlan(list(ops.L), [])
         # The sampled rows alone through the decode path's matrix-vector products (no GEMM tiles spent on the
         # rows nobody samples): read in place when it is the pass's last row, else gathered into x [S, D].
         row = 4 * c.dim
@@ -674,7 +693,7 @@ class CudaEngine:
         last.linear(self.w.head, h, self.logits_buf.ptr, c.n_vocab)
         V = c.n_vocab
         sample = self.k.sample(self.logits_buf.ptr, V, V, len(rows), self._sample_args(p), self.out_tokens.ptr)
-        return [*ops.L, *gather, *last.L, *sample]
+        return _PassPlan(list(ops.L), [*gather, *last.L, *sample])
 
     # --- sequences -------------------------------------------------------------------------------
 
@@ -760,10 +779,14 @@ class CudaEngine:
         of both are read back at once."""
         states = self._check(chunks, seqs)  # the whole step checked before any work
         B = self._launch_decode(seqs, tokens, masks) if seqs else 0
+        if B:
+            self._decoded.record(self.stream)  # after its readback: the prefill heads may use its buffers
+        self._decode_queued = bool(B)
         sampled = self._launch_prefill(chunks, states, first=B)
-        if not B and not sampled:
+        if not B and not sampled and not chunks:
             return [], [None] * len(chunks)
         self.stream.synchronize()
+        self.side.synchronize()
         got = self.out_host.view(np.int32, 0, B + len(sampled))
         out: list[int | None] = [None] * len(chunks)
         for i, token in zip(sampled, got[B:], strict=True):
@@ -836,13 +859,21 @@ class CudaEngine:
     def _flush(self, ps: _Pass, row: int) -> list[int]:
         """Queue the pass: its inputs' upload, its launch list (built once per shape), the registration of the
         pages it fills, and the readback of its sampled tokens into out_host[row..]. Returns ps.sampled."""
-        self.pre.upload(self.stream, "tokens", "mask" if ps.masked else "block_table")
-        for launch in self._plan(tuple(ps.shape), all_logits=False):
-            launch(self.stream)
+        side = self.side
+        self.pre.upload(side, "tokens", "mask" if ps.masked else "block_table")
+        plan = self._plan(tuple(ps.shape), all_logits=False)
+        for launch in plan.body:
+            launch(side)
+        if plan.head:
+            if self._decode_queued:  # the head uses the decode step's buffers: after its readback
+                side.wait(self._decoded)
+                self._decode_queued = False
+            for launch in plan.head:
+                launch(side)
         for st, piece in ps.written:
             self.pages.append(st.pages, st.chain, piece)  # registers the pages it filled (stream-ordered)
         if ps.sampled:
-            self.stream.download(self.out_host.view(np.int32, 4 * row, len(ps.sampled)), self.out_tokens.ptr)
+            side.download(self.out_host.view(np.int32, 4 * row, len(ps.sampled)), self.out_tokens.ptr)
         return ps.sampled
 
     def _check(self, chunks: Sequence[PrefillChunk], decoding: Sequence[int] = ()) -> list[_Seq]:
@@ -892,7 +923,8 @@ class CudaEngine:
             self._remember(st, chunk)
             st.pos += T
             p.upload(self.stream, "tokens", "block_table")
-            for launch in self._plan(((T, False),), all_logits=True):
+            plan = self._plan(((T, False),), all_logits=True)
+            for launch in (*plan.body, *plan.head):
                 launch(self.stream)
             self.pages.append(st.pages, st.chain, chunk)
             rows = np.empty((T, self.config.n_vocab), dtype=np.float32)
@@ -907,7 +939,7 @@ class CudaEngine:
             self._all_logits = self.pool.alloc(4 * PREFILL_CHUNK * self.config.n_vocab, "prefill logits (all rows)")
         return self._all_logits
 
-    def _plan(self, shape: PassShape, all_logits: bool) -> list[Work]:
+    def _plan(self, shape: PassShape, all_logits: bool) -> _PassPlan:
         """The launch list of a pass of this shape, built on first use; the most recently used PLANS_KEPT are kept
         (a server sees a few shapes again and again: one prompt's chunks, a few new prompts of similar length)."""
         key = (shape, all_logits)

@@ -324,6 +324,12 @@ class Stream:
         if dst.nbytes:
             _check(cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, self.handle), "cuMemcpyDtoHAsync")
 
+    def wait(self, event: Event) -> None:
+        """Work queued on this stream after this point waits until `event` (recorded on another stream) has
+        happened."""
+        self.after_kernel = False
+        _check(cu.cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+
     def memset(self, dst: int, value: int, nbytes: int) -> None:
         self.after_kernel = False
         _check(cu.cuMemsetD8Async(dst, value, nbytes, self.handle), "cuMemsetD8Async")
