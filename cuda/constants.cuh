@@ -17,6 +17,7 @@
 #define MATMUL2_BN      128   // pipelined mma matmul (matmul2_*): tile columns (output features)
 #define MATMUL2_STAGES  4     // pipelined mma matmul: cp.async stages of 32 along K
 #define MATMUL2_THREADS 256   // pipelined mma matmul: threads per block (8 warps)
+#define MATMUL2_SLICES  8     // pipelined mma matmul: split-K slices at most (a thread-block cluster, portable size)
 #define ATT_WARPS       4     // warps per attention block
 #define ATT_QPW         4     // prefill attention: queries per warp
 #define MAX_SPLITS      32    // split-KV partials per (sequence, head): one per lane of the merging warp

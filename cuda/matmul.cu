@@ -20,6 +20,7 @@
 #include "weights.cuh"
 #include "matmul_tiles.cuh"
 #include "mma.cuh"          // smem_addr, cp_async*, ldsm_x4, mma16816 (sm_80+)
+#include <cooperative_groups.h>   // cluster split-K (sm_90+): this_cluster, map_shared_rank
 
 using namespace nvcuda;
 
@@ -329,6 +330,14 @@ FOR_EACH_GENERIC_TYPE(MATMUL_KERNEL)
 // reads the S partials back in that same order and adds them in slice order z = 0..S-1 (its own too, from ws),
 // so the sum does not depend on which slice finished last. ws holds gridDim.x*gridDim.y*S*TM*MM2_BN floats
 // (Kernels.matmul fits the slices to SplitK's size), counters gridDim.x*gridDim.y ints.
+// Cluster split-K (sm_90+, ws == null, launched as clusters of (1, 1, S) blocks: a tile's S slices, at most 8):
+// the same sum without the global round trip, counters or a last block. Each slice writes its partial tile into
+// its own shared memory (the pipeline's, free after the main loop: Kernels.matmul gives at least TM*128*4 bytes),
+// in the same register order; after a cluster barrier, slice r finalizes the accumulator registers q with
+// q % S == r of every thread, reading the S partials of that element from the cluster's shared memory (DSMEM) and
+// adding them in slice order 0..S-1 from 0, as the last block above does: the same bits as the global path, and
+// the tile's ordered sum spread over its S blocks instead of one. A second barrier keeps every block's shared
+// memory alive until its peers have read it.
 // =====================================================================================================================
 #define MM2_BN MATMUL2_BN
 #define MM2_THREADS MATMUL2_THREADS
@@ -575,10 +584,66 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
     cp_async_wait<0>();   // no copy may still target shared memory when the block exits (only empty groups remain)
     INGOT_PDL_TRIGGER();   // the next kernel may launch while this one writes C (common.cuh: after the main loop)
 
-    if (gridDim.z > 1) {
+    const int S = gridDim.z;
+    if (S > 1 && ws == nullptr) {   // cluster split-K (see the header)
+#if __CUDA_ARCH__ >= 900
+        constexpr int TILE = TM * MM2_BN;
+        {
+            unsigned have;
+            asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+            if (have < (unsigned)(TILE * 4)) __trap();
+        }
+        namespace cg = cooperative_groups;
+        cg::cluster_group cluster = cg::this_cluster();
+        float* part = reinterpret_cast<float*>(mm2_raw_smem) + tid;   // [MT*NT*4][MM2_THREADS], register order
+        __syncthreads();   // every warp's last ldmatrix of sA/sB is done before the partial overwrites them
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) part[((mt * NT + nt) * 4 + e) * MM2_THREADS] = acc[mt][nt][e];
+        cluster.sync();   // all S partials written, visible to the cluster
+        // Slice r finalizes the r-th S-th of the tile, in float4 groups of the register-order layout (element
+        // f = q * MM2_THREADS + t is register q of thread t): the S partials of a group are independent loads
+        // (in flight together), added in slice order from 0, and each of the 4 elements is stored where thread
+        // t's epilogue below would have stored its register q.
+        const float4* part4 = reinterpret_cast<const float4*>(mm2_raw_smem);
+        const int groups = TILE / 4, per = (groups + S - 1) / S;
+        const int g_end = min(groups, ((int)blockIdx.z + 1) * per);
+        for (int g = (int)blockIdx.z * per + tid; g < g_end; g += MM2_THREADS) {
+            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int z = 0; z < MATMUL2_SLICES; z++) {
+                if (z >= S) break;
+                const float4 v = cluster.map_shared_rank(part4, z)[g];
+                sum.x += v.x;
+                sum.y += v.y;
+                sum.z += v.z;
+                sum.w += v.w;
+            }
+            const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int f = 4 * g + j, q = f / MM2_THREADS, t = f % MM2_THREADS;
+                const int l = t % WARP, w = t / WARP, mt = q / (NT * 4), nt = (q / 4) % NT, e = q % 4;
+                const int gr = m0 + (w / WN) * (TM / WM) + l / 4 + mt * 16 + 8 * (e / 2);
+                const int gc = n0 + (w % WN) * (NT * 8) + 2 * (l % 4) + nt * 8 + e % 2;
+                if (gr >= M || gc >= N) continue;
+                float* out = C + (long long)gr * ldc + gc;
+                const float v = vals[j] + (bias ? bias[gc] : 0.0f);
+                *out = mode == MODE_ADD ? *out + v : v;
+            }
+        }
+        cluster.sync();   // the peers have read this block's partial: its shared memory may go
+        return;
+#else
+        __trap();   // the host launches clusters only on compute capability 9.0+
+#endif
+    } else if (S > 1) {
         __shared__ bool is_last;
         constexpr int TILE = TM * MM2_BN;
-        const int tile = blockIdx.y * gridDim.x + blockIdx.x, S = gridDim.z;
+        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
         float* mine = ws + ((size_t)tile * S + blockIdx.z) * TILE + tid;
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)

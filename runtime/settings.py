@@ -193,6 +193,17 @@ PREFILL_STREAM = Setting(
     "1 or 0",
     "The GPU engine runs prefill passes on a second stream, concurrent with the decode step; 0 queues them behind it.",
 )
+# How a decode GEMM's split-K slices are summed (cuda/matmul.cu, cuda/PERF.md v13): by the tile's S blocks as one
+# thread-block cluster through distributed shared memory (sm_90+), or by the tile's last block from global memory.
+# Both add in slice order: the same bits either way.
+SPLIT_K = Setting(
+    "INGOT_SPLIT_K",
+    "cluster",
+    _one_of("cluster", "ordered", fold_case=True),
+    "cluster or ordered",
+    "How split-K GEMM slices are summed: cluster (thread-block clusters, compute capability >= 9.0) or ordered"
+    " (the tile's last block, any GPU).",
+)
 API_KEY = Setting(
     "INGOT_API_KEY",
     None,

@@ -22,12 +22,14 @@ from ingot.runtime.errors import IncompatibleError, UsageError
 from ingot.runtime.gpu import constants
 from ingot.runtime.gpu.driver import DeviceBuffer
 from ingot.runtime.gpu.kernels import (
+    CLUSTER_GRID_PER_SM,
     GPU_QTYPES,
     LAYOUTS,
     MATMUL2_LDS,
     MATMUL2_RAW_ROW,
     MATMUL2_THREADS,
     MATMUL2_TILE_ROWS,
+    MAX_CLUSTER_SLICES,
     MAX_K_SLICES,
     SPLIT_K_TILES_PER_SM,
     SUPERBLOCK_TYPES,
@@ -40,6 +42,7 @@ from ingot.runtime.gpu.kernels import (
     matmul_geometry,
     matmul_uses_mma,
     split_k_floats,
+    split_k_uses_clusters,
 )
 from ingot.runtime.model.quants import QUANT_TYPES
 
@@ -131,12 +134,14 @@ class _FakeKernel:
         self.name, self.fn, self.pdl = name, None, pdl
 
 
-def _kernels(sm_count=132, mma=False):
+def _kernels(sm_count=132, mma=False, cluster=False):
     """Kernels without a device: the launch geometry only (kernel lookups give named stand-ins). mma: the GEMMs are
-    the pipelined matmul2_* (a GPU of compute capability >= 8.0 with INGOT_MATMUL=mma), else WMMA's."""
+    the pipelined matmul2_* (a GPU of compute capability >= 8.0 with INGOT_MATMUL=mma), else WMMA's; cluster: their
+    split-K slices are summed in thread-block clusters (sm_90+, INGOT_SPLIT_K=cluster)."""
     k = Kernels.__new__(Kernels)
     k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count))
     k.matmul_mma = mma
+    k.split_k_cluster = cluster
     names = ("matvec_{}", "matvec_{}_b1", "matmul_{}", *(f"matmul2_{{}}_bm{tm}" for tm in MATMUL2_TILE_ROWS))
     k.k = {n.format(q.lower()): _FakeKernel(n.format(q.lower())) for q in GPU_QTYPES for n in names}
     return k
@@ -267,14 +272,46 @@ def test_split_k_grids_fit_the_scratch(sm_count, rows, cols, M, mma):
         assert gz == 1 or gx * gy * gz < SPLIT_K_TILES_PER_SM * sm_count
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "F16"])
+@pytest.mark.parametrize("rows,cols,M", [(960, 768, 64), (576, 1536, 16), (28672, 4096, 64), (6144, 4096, 128)])
+def test_cluster_split_k_launches_a_tiles_slices_as_one_cluster(qtype, rows, cols, M):
+    """INGOT_SPLIT_K=cluster (sm_90+): the slices of a tile are one (1, 1, S) cluster of at most 8 blocks (the
+    portable size), with no SplitK scratch passed (ws, counters null: the kernel's cluster path) and shared memory
+    for the fp32 partial tile, while the grid has at most CLUSTER_GRID_PER_SM blocks per SM (SmolLM2's shapes
+    here; the 8B's take the last-block sum); without split-K the launch is the plain one."""
+    scratch = SplitK(DeviceBuffer(1 << 32, 4, "ws"), DeviceBuffer(1 << 33, 4, "counters"))
+    k = _kernels(132, mma=True, cluster=True)
+    (launch,) = k.matmul(_matrix(qtype, rows, cols), 7, 1 << 30, M, ldc=rows, split_k=scratch)
+    t = matmul_geometry(M, rows, cols, 132, mma=True, split=True, cluster=True)
+    assert t.slices == matmul_geometry(M, rows, cols, 132, mma=True, split=True).slices  # one geometry: same bits
+    gz = launch.grid[2]
+    assert gz == t.slices <= MAX_CLUSTER_SLICES
+    blocks = launch.grid[0] * launch.grid[1] * gz
+    assert t.cluster == (gz > 1 and blocks <= CLUSTER_GRID_PER_SM * 132)  # a larger grid: the last block sums
+    assert launch.cluster == (gz if t.cluster else 1)
+    assert _ptr_args(launch)[-2:] == ([0, 0] if t.cluster else [scratch.ws.ptr, scratch.counters.ptr])
+    assert launch.smem >= matmul2_smem(qtype, t.tm) and (not t.cluster or launch.smem >= 4 * t.tm * t.tn)
+    assert launch.smem + 16 <= 99 * 1024
+    (plain,) = k.matmul(_matrix(qtype, rows, cols), 7, 1 << 30, M, ldc=rows)
+    assert plain.grid[2] == 1 and plain.cluster == 1
+
+
+def test_split_k_sum_choice(monkeypatch):
+    """Clusters from compute capability 9.0 unless INGOT_SPLIT_K=ordered; never below 9.0."""
+    monkeypatch.delenv("INGOT_SPLIT_K", raising=False)
+    assert split_k_uses_clusters(90) and not split_k_uses_clusters(89)
+    monkeypatch.setenv("INGOT_SPLIT_K", "ordered")
+    assert not split_k_uses_clusters(90)
+
+
 @pytest.mark.parametrize(
     "M,N,K,slices",
     [
         (64, 960, 576, 6),  # SmolLM2's qkv at batch 64: 18 k-steps; 16 slices measured 45% slower than 6
         (64, 3072, 576, 6),  # gate+up
-        (64, 576, 1536, 9),  # down: 48 k-steps
-        (16, 960, 576, 12),  # a 16-row tile's partial costs a quarter: more slices pay
-        (64, 4096, 14336, 9),  # 8B down: the GPU-filling cap binds first, as before the balance rule
+        (64, 576, 1536, 8),  # down: 48 k-steps (9 by the balance; a cluster holds 8)
+        (16, 960, 576, 8),  # a 16-row tile's partial costs a quarter: more slices pay, up to a cluster's 8
+        (64, 4096, 14336, 8),  # 8B down: the GPU-filling cap (9) and the cluster's 8 bind first
         (16, 6144, 4096, 6),  # 8B qkv
     ],
 )

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ingot.runtime.engines.cuda import GPU_ARCHITECTURES, CudaEngine
+from ingot.runtime.engines.cuda import GPU_ARCHITECTURES, CudaEngine, _PassPlan
 from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
@@ -47,6 +47,7 @@ class _Recorder(Kernels):
         self.sample_smem_limit = 0  # the sampler's global-memory path: no smem opt-in to fake
         self.prefill_mma = True  # a GPU of compute capability >= 8.0: the tensor-core prefill attention
         self.matmul_mma = True  # ... and the pipelined mma.sync GEMMs (matmul2_*)
+        self.split_k_cluster = True  # ... on sm_90+: split-K slices summed in thread-block clusters
         self.calls: list[tuple[str, tuple, dict]] = []
 
     def _record(name):  # noqa: N805 - a decorator factory used in the class body
@@ -104,8 +105,8 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
     e.gemm_min_batch, e.max_pages = GEMM_MIN_BATCH, 64
     e.mask_words = (c.n_vocab + 31) // 32
     e.dev = SimpleNamespace(info=SimpleNamespace(sm_count=132))
-    for name in BUFFERS:
-        setattr(e, name, pool.alloc(4096, name))
+    for name in BUFFERS:  # addresses only: room for every offset the launch lists take into them
+        setattr(e, name, pool.alloc(1 << 20, name))
     e._all_logits = pool.alloc(4096, "all logits")
     e.step = SimpleNamespace(ptr={n: pool.alloc(64).ptr for n in _STEP_FIELDS})
     e.pre = SimpleNamespace(ptr={n: pool.alloc(64).ptr for n in _STEP_FIELDS})
@@ -193,10 +194,10 @@ def test_llama_launch_counts_are_unchanged():
     assert decode == ["embed_q8_0", *layer * c.n_layers, "rmsnorm_f32", "matvec_q8_0", "sample_f32"]
     wide = kernel_names(e._decode_launches(GEMM_MIN_BATCH))
     assert len(wide) == 1 + 8 * c.n_layers + 3 and wide.count("swiglu_f16") == c.n_layers
-    prefill = kernel_names(e._prefill_launches(((7, True),), all_logits=False))
+    prefill = kernel_names(e._prefill_launches(((7, True),), all_logits=False).launches)
     assert len(prefill) == 1 + 9 * c.n_layers + 3
     # the head over 7 rows without split-K: the 16-row tile covers them
-    assert kernel_names(e._prefill_launches(((7, False),), all_logits=True))[-2:] == [
+    assert kernel_names(e._prefill_launches(((7, False),), all_logits=True).launches)[-2:] == [
         "rmsnorm_f32",
         "matmul2_q8_0_bm16",
     ]
@@ -212,7 +213,7 @@ def test_block_follows_the_architecture(arch, path):
     e = plan_engine(c)
     k = e.k
     if path == "prefill":
-        steps = e._prefill_launches(((5, True),), all_logits=False)
+        steps = e._prefill_launches(((5, True),), all_logits=False).launches
         attn = k.of("attn_prefill")
         for i, (args, kw) in enumerate(k.of("rope_kv")):
             assert args[1] is e.rope_tables[c.layer_rope(i)]
@@ -266,7 +267,7 @@ def test_a_prefill_pass_of_several_sequences():
     sampler over 2 rows."""
     c = config_of(SHAPES["tiny-k"])
     e = plan_engine(c)
-    steps = e._prefill_launches(((5, False), (7, True), (3, True)), all_logits=False)
+    steps = e._prefill_launches(((5, False), (7, True), (3, True)), all_logits=False).launches
     assert {args[3] for args, _ in e.k.of("matmul")} == {15}  # M: every row at once
     assert [(args[2], args[8]) for args, _ in e.k.of("rope_kv")] == [(e.pre.ptr["slots"], 15)] * c.n_layers
     attn = e.k.of("attn_prefill")
@@ -283,10 +284,43 @@ def test_a_prefill_pass_of_several_sequences():
     ]
     assert steps[-1].kernel.name == "sample_f32" and steps[-1].grid == (2, 1, 1)
     # one sampling sequence whose last row ends the pass is read in place; none: no head at all
-    alone = plan_engine(c)._prefill_launches(((4, False), (6, True)), all_logits=False)
+    alone = plan_engine(c)._prefill_launches(((4, False), (6, True)), all_logits=False).launches
     assert not any(isinstance(s, Copy) for s in alone) and alone[-1].grid == (1, 1, 1)
-    silent = kernel_names(plan_engine(c)._prefill_launches(((9, False),), all_logits=False))
+    silent = kernel_names(plan_engine(c)._prefill_launches(((9, False),), all_logits=False).launches)
     assert "sample_f32" not in silent and silent.count("attn_prefill_mma_f16") == c.n_layers
+
+
+def _pointers(work) -> set[int]:
+    """The device addresses a launch or copy is given."""
+    if isinstance(work, Copy):
+        return {work.dst, work.src}
+    return {int(h) for h in work._held if h.dtype == np.uint64}
+
+
+# What the decode step owns: a prefill pass's layers run on a second stream beside the decode graph
+# (INGOT_PREFILL_STREAM), so they may touch none of it; its head waits for the decode's readback.
+DECODE_OWNED = "x xf xq xd qkv att h xh gu o logits_buf part_acc part_ml counters sample_chunks out_tokens".split()
+
+
+@pytest.mark.parametrize("shape", ["tiny-k", "tiny-gemma3", "tiny-qwen3"])
+def test_a_prefill_pass_body_touches_nothing_the_decode_step_owns(shape):
+    """The pass's layers read and write only its own buffers (px, pxh, pqkv, pgu, po, pre's inputs; the weights
+    and KV cache), no split-K scratch (prefill GEMMs are unsplit), so they may run concurrently with a decode
+    step; the decode's buffers appear only in the head (the gather into x, the LM head, the sampler)."""
+    c = config_of(SHAPES[shape])
+    e = plan_engine(c)
+    owned = {name: getattr(e, name) for name in DECODE_OWNED}
+    owned["split-K scratch"], owned["split-K counters"] = e.split_k.ws, e.split_k.counters
+    owned |= {f"step {n}": DeviceBuffer(p, 64, n) for n, p in e.step.ptr.items()}
+
+    def touched(works) -> set[str]:
+        ptrs = set().union(*(_pointers(w) for w in works))
+        return {name for name, b in owned.items() for p in ptrs if b.ptr <= p < b.ptr + b.nbytes}
+
+    plan = e._prefill_launches(((5, False), (7, True), (3, True)), all_logits=False)
+    assert plan.body and not touched(plan.body)
+    assert {"x", "logits_buf", "out_tokens"} <= touched(plan.head)
+    assert not touched(e._prefill_launches(((9, False),), all_logits=False).launches)  # samples nothing: no head
 
 
 def test_gemma3_layers_get_their_window_and_rope_base():
@@ -297,7 +331,7 @@ def test_gemma3_layers_get_their_window_and_rope_base():
     assert names.count("attn_decode_tile_f16_hd256") == c.n_layers  # head_dim 256: its own kernel
     assert names[-2:] == ["sample_prep_f32", "sample_f32"]  # 262,144 logits: the multi-block sampler pass
     assert (
-        kernel_names(e._prefill_launches(((3, True),), all_logits=False)).count("attn_prefill_mma_f16_hd256")
+        kernel_names(e._prefill_launches(((3, True),), all_logits=False).launches).count("attn_prefill_mma_f16_hd256")
         == c.n_layers
     )
     got = [(kw["window"], args[1]) for args, kw in e.k.of("attn_decode")]
@@ -376,7 +410,8 @@ def test_the_sampler_splits_large_vocabularies_only():
     """sample_prep_f32 runs over the vocabulary's chunks before sample_f32 from 65,536 logits on (decode and
     prefill's last row), and sample_f32 gets the chunk buffer and count; a small vocabulary keeps one launch."""
     gemma = plan_engine(config_of(SHAPES["gemma3-270m"]))
-    for steps, B in ((gemma._decode_launches(3), 3), (gemma._prefill_launches(((5, True),), all_logits=False), 1)):
+    prefill = gemma._prefill_launches(((5, True),), all_logits=False).launches
+    for steps, B in ((gemma._decode_launches(3), 3), (prefill, 1)):
         prep, final = steps[-2:]
         assert prep.kernel.name == "sample_prep_f32" and prep.grid == (128, B, 1) and final.grid == (B, 1, 1)
     small = plan_engine(config_of(SHAPES["tiny-k"]))
@@ -391,9 +426,8 @@ def test_every_decode_and_prefill_launch_may_use_pdl_on_sm90(arch, cc, monkeypat
     none is. Memsets (split-K) carry no flag; the launch after one is serialized by the stream (driver.Launch)."""
     monkeypatch.delenv("INGOT_PDL", raising=False)
     e = plan_engine(config_of(SHAPES[SHAPE_OF[arch]]))
-    steps = (
-        e._decode_launches(2) + e._decode_launches(GEMM_MIN_BATCH) + e._prefill_launches(((5, True),), all_logits=False)
-    )
+    prefill = e._prefill_launches(((5, True),), all_logits=False).launches
+    steps = e._decode_launches(2) + e._decode_launches(GEMM_MIN_BATCH) + prefill
     mark_pdl(e.k.k, cc)
     launches = [s for s in steps if isinstance(s, Launch)]
     assert len(launches) == len(steps), [type(s).__name__ for s in steps if not isinstance(s, Launch)]
@@ -444,9 +478,10 @@ def host_engine(prefix_cache: bool = False):
     e.max_seqs, e.max_ctx, e._seqs, e._next_id = 8, 1024, {}, 0
     e.pre = _Inputs(8, 512, e.max_pages, e.mask_words)
     e.pages = PagePool(256, 16, prefix_cache=prefix_cache)
-    e.out_host = e.stream = _Readback()
+    e.out_host = e.stream = e.side = _Readback()
+    e._decode_queued = False
     e.shapes = []
-    e._plan = lambda shape, all_logits: e.shapes.append(shape) or []
+    e._plan = lambda shape, all_logits: e.shapes.append(shape) or _PassPlan([], [])
     return e
 
 

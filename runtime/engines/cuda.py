@@ -104,6 +104,11 @@ class _PassPlan:
     body: list[Work]
     head: list[Work]
 
+    @property
+    def launches(self) -> list[Work]:
+        """Both, in order (one stream)."""
+        return [*self.body, *self.head]
+
 
 @dataclass
 class _Pass:
@@ -923,8 +928,7 @@ class CudaEngine:
             self._remember(st, chunk)
             st.pos += T
             p.upload(self.stream, "tokens", "block_table")
-            plan = self._plan(((T, False),), all_logits=True)
-            for launch in (*plan.body, *plan.head):
+            for launch in self._plan(((T, False),), all_logits=True).launches:
                 launch(self.stream)
             self.pages.append(st.pages, st.chain, chunk)
             rows = np.empty((T, self.config.n_vocab), dtype=np.float32)

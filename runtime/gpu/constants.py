@@ -27,6 +27,7 @@ SHARED: dict[str, tuple[int, str]] = {
     "MATMUL2_BN": (128, "pipelined mma matmul (matmul2_*): tile columns (output features)"),
     "MATMUL2_STAGES": (4, "pipelined mma matmul: cp.async stages of 32 along K"),
     "MATMUL2_THREADS": (256, "pipelined mma matmul: threads per block (8 warps)"),
+    "MATMUL2_SLICES": (8, "pipelined mma matmul: split-K slices at most (a thread-block cluster, portable size)"),
     "ATT_WARPS": (4, "warps per attention block"),
     "ATT_QPW": (4, "prefill attention: queries per warp"),
     "MAX_SPLITS": (32, "split-KV partials per (sequence, head): one per lane of the merging warp"),
@@ -50,6 +51,7 @@ assert SHARED["MATMUL_BM"][0] == SHARED["MATMUL_BN"][0], "kernels.py sizes matmu
 MATMUL2_BN = SHARED["MATMUL2_BN"][0]
 MATMUL2_STAGES = SHARED["MATMUL2_STAGES"][0]
 MATMUL2_THREADS = SHARED["MATMUL2_THREADS"][0]
+MATMUL2_SLICES = SHARED["MATMUL2_SLICES"][0]
 PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
 ATT_WARPS = SHARED["ATT_WARPS"][0]
 PREFILL_MMA_ROWS = 16 * ATT_WARPS  # tensor-core prefill: one m16 tile of packed query rows per warp (BQ there)
@@ -69,13 +71,15 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 5  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 6  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
 # 5: matmul2_<type>_bm{16,32,64,128}, the pipelined mma.sync GEMM (dynamic shared memory, its own grid order and
 # split-K tile size; SplitK's scratch doubled); MATMUL2_* in SHARED; matvec kernels' last argument, a word of
 # PDL_PREFETCH | PDL_LATE flags (no release carried 4, so 5 covers both)
+# 6: matmul2_<type>_bm* with ws == null are launched as clusters of a tile's split-K slices (sm_90+) and sum
+# them through distributed shared memory
 
 
 def header() -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -374,12 +375,16 @@ class Launch:
     may be scheduled while the previous kernel finishes, and its griddepcontrol.wait (INGOT_PDL_ENTRY) holds
     them until that kernel has completed. Stream capture records this as a programmatic graph edge (CUDA 12.3+),
     so a captured decode step keeps it on every replay. After anything but a kernel (Stream.after_kernel) the
-    launch is a plain cuLaunchKernel."""
+    launch is a plain cuLaunchKernel.
 
-    __slots__ = ("kernel", "grid", "block", "smem", "_held", "_params", "_config")
+    `cluster` > 1: the grid runs as thread-block clusters of (1, 1, cluster) blocks (sm_90+; grid z a multiple of
+    it), always through cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (and PDL's attribute as above)."""
 
-    def __init__(self, kernel: Kernel, grid: tuple, block: int, args: list, smem: int = 0):
+    __slots__ = ("kernel", "grid", "block", "smem", "cluster", "_held", "_params", "_configs")
+
+    def __init__(self, kernel: Kernel, grid: tuple, block: int, args: list, smem: int = 0, cluster: int = 1):
         self.kernel, self.grid, self.block, self.smem = kernel, tuple(grid) + (1,) * (3 - len(grid)), block, smem
+        self.cluster = cluster
         held = []
         for a in args:
             if isinstance(a, np.generic):
@@ -392,17 +397,20 @@ class Launch:
                 raise TypeError(f"{kernel.name}: unsupported kernel argument {a!r}")
         self._held = held
         self._params = np.array([h.ctypes.data for h in held], dtype=np.uint64)
-        self._config = None  # the cuLaunchKernelEx configuration, built on the first PDL launch
+        self._configs: dict[bool, Any] = {}  # cuLaunchKernelEx configurations (with PDL or not), built on first use
         if any(g <= 0 for g in self.grid):
             raise ValueError(f"{kernel.name}: empty grid {self.grid}")
+        if cluster < 1 or self.grid[2] % cluster:
+            raise ValueError(f"{kernel.name}: grid {self.grid} is not made of clusters of (1, 1, {cluster}) blocks")
 
     @property
     def pdl(self) -> bool:
         return self.kernel.pdl
 
     def __call__(self, stream: Stream) -> None:
-        if self.kernel.pdl and stream.after_kernel:
-            config = self._config or self._pdl_config()
+        pdl = self.kernel.pdl and stream.after_kernel
+        if pdl or self.cluster > 1:
+            config = self._configs.get(pdl) or self._ex_config(pdl)
             config.hStream = stream.handle
             _check(
                 cu.cuLaunchKernelEx(config, self.kernel.fn, self._params.ctypes.data, 0),
@@ -418,17 +426,25 @@ class Launch:
             )
         stream.after_kernel = True
 
-    def _pdl_config(self):
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
+    def _ex_config(self, pdl: bool):
+        attrs = []
+        if pdl:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
+        if self.cluster > 1:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = 1, 1, self.cluster
+            attrs.append(attr)
         config = cu.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = self.grid
         config.blockDimX, config.blockDimY, config.blockDimZ = self.block, 1, 1
         config.sharedMemBytes = self.smem
-        config.attrs = [attr]
-        config.numAttrs = 1
-        self._config = config
+        config.attrs = attrs
+        config.numAttrs = len(attrs)
+        self._configs[pdl] = config
         return config
 
 

@@ -22,6 +22,7 @@ from ingot.runtime.gpu.constants import (
     DRAW_MAX,
     GATED_MODES,
     MATMUL2_BN,
+    MATMUL2_SLICES,
     MATMUL2_STAGES,
     MATMUL2_THREADS,
     MATMUL_TILE,
@@ -136,6 +137,12 @@ def mark_pdl(kernels: dict[str, Kernel], cc: int) -> None:
 
 
 MAX_K_SLICES = 16  # split-K slices of one GEMM at most
+MAX_CLUSTER_SLICES = MATMUL2_SLICES  # matmul2's: a tile's slices may form one thread-block cluster (portable size)
+# Clusters only for grids of at most CLUSTER_GRID_PER_SM blocks per SM. A cluster's blocks wait for each other at
+# its barrier and need S free slots in one GPC at once: measured on the H200 (cuda/PERF.md v13), SmolLM2's decode
+# GEMMs (30-144 blocks on 132 SMs) are 8-21% faster as clusters, the 8B's (256-448 blocks) 0-14% slower.
+CLUSTER_GRID_PER_SM = 1.5
+CLUSTER_MIN_CC = 90  # thread-block clusters and distributed shared memory are sm_90+
 # matmul2's split-K cost, measured on the H200 (cuda/PERF.md v11; SmolLM2's decode GEMMs at M=16 and 64): a block
 # of a 64-row tile spends ~0.45 us per 32-wide k-step and the tile's last block ~0.24 us per slice it adds up
 # (a 16-row tile's partial is a quarter of that), so t(s) ~ a + 0.45 steps/s + 0.24 s (tm/64) is least at
@@ -157,6 +164,12 @@ MATMUL2_LDS = QK + 8
 def split_k_floats(sm_count: int) -> int:
     """fp32 elements of SplitK's partial-tile scratch on a GPU of sm_count SMs."""
     return SPLIT_K_TILES_PER_SM * sm_count * SPLIT_K_TILE_FLOATS
+
+
+def split_k_uses_clusters(cc: int) -> bool:
+    """Whether matmul2's split-K slices are summed in a thread-block cluster (cuda/matmul.cu) on a GPU of compute
+    capability cc: sm_90+, unless INGOT_SPLIT_K=ordered (the tile's last block sums them from global memory)."""
+    return cc >= CLUSTER_MIN_CC and settings.SPLIT_K.get() == "cluster"
 
 
 def matmul_uses_mma(cc: int) -> bool:
@@ -185,6 +198,7 @@ class GemmTiling:
     tm: int
     tn: int
     slices: int
+    cluster: bool = False  # the slices of a tile are one thread-block cluster (matmul2, sm_90+): no SplitK scratch
 
     def kernel(self, qtype: str) -> str:
         return f"matmul2_{qtype.lower()}_bm{self.tm}" if self.mma else f"matmul_{qtype.lower()}"
@@ -194,7 +208,11 @@ class GemmTiling:
         return MATMUL2_THREADS if self.mma else 128
 
     def smem(self, qtype: str) -> int:
-        return matmul2_smem(qtype, self.tm) if self.mma else 0
+        """Dynamic shared memory: the pipeline's; a cluster's slice also holds its fp32 partial tile there."""
+        if not self.mma:
+            return 0
+        pipeline = matmul2_smem(qtype, self.tm)
+        return max(pipeline, 4 * self.tm * self.tn) if self.cluster else pipeline
 
     def grid(self, M: int, N: int) -> tuple[int, int, int]:
         """matmul2: tokens along x, so the few token tiles sharing a weight tile run side by side (the weights are
@@ -203,14 +221,19 @@ class GemmTiling:
         return (tm_tiles, tn_tiles, self.slices) if self.mma else (tn_tiles, tm_tiles, self.slices)
 
 
-def matmul_geometry(M: int, N: int, K: int, sm_count: int, *, mma: bool, split: bool) -> GemmTiling:
+def matmul_geometry(
+    M: int, N: int, K: int, sm_count: int, *, mma: bool, split: bool, cluster: bool = False
+) -> GemmTiling:
     """The tiling of a GEMM (the whole matrix's N; a stack's parts take the same tiling). matmul2's tile height is
     the smallest of MATMUL2_TILE_ROWS covering M (decode batches: no multiplies wasted on padding rows); without
     split-K (prefill) a smaller one, down to MATMUL2_PREFILL_MIN_ROWS, while the larger would leave SMs idle.
     split: K is cut into slices while the tiles alone would not fill the GPU twice, as many as bring tiles x slices
     to about 2 x SMs, at most MAX_K_SLICES and K/32, and no more than SplitK's scratch holds (split_k_floats); for
     matmul2 also no more than sqrt(SPLIT_K_BALANCE x k-steps x 64 / tm), where a slice's share of the main loop
-    stops paying for its partial tile in the last block's ordered sum (SPLIT_K_BALANCE)."""
+    stops paying for its partial tile in the last block's ordered sum (SPLIT_K_BALANCE).
+    matmul2 takes at most MAX_CLUSTER_SLICES, whether its slices are summed in a thread-block cluster (`cluster`,
+    which uses no SplitK scratch; for grids of at most CLUSTER_GRID_PER_SM blocks per SM) or by the last block:
+    one geometry, so the two sums give the same bits."""
     if mma:
         tn = MATMUL2_BN
         tm = next((t for t in MATMUL2_TILE_ROWS if t >= M), MATMUL2_TILE_ROWS[-1])
@@ -224,8 +247,10 @@ def matmul_geometry(M: int, N: int, K: int, sm_count: int, *, mma: bool, split: 
         fit = split_k_floats(sm_count) // (tiles * tm * tn)
         steps = K // QK
         balance = math.isqrt(SPLIT_K_BALANCE * steps * SPLIT_K_BALANCE_ROWS // tm) if mma else MAX_K_SLICES
-        slices = max(1, min(steps, MAX_K_SLICES, -(-2 * sm_count // tiles), balance, fit))
-    return GemmTiling(mma, tm, tn, slices)
+        most = MAX_CLUSTER_SLICES if mma else MAX_K_SLICES
+        slices = max(1, min(steps, most, -(-2 * sm_count // tiles), balance, fit))
+    cluster = cluster and mma and slices > 1 and tiles * slices <= CLUSTER_GRID_PER_SM * sm_count
+    return GemmTiling(mma, tm, tn, slices, cluster=cluster)
 
 
 @dataclass(frozen=True)
@@ -424,10 +449,14 @@ class Kernels:
         # (tests flip this attribute to run both). Their shared memory passes the 48 KiB default: opted into once
         # per kernel (at most 80 KiB, under the 99 KiB of sm_86/89/120).
         self.matmul_mma = matmul_uses_mma(device.info.cc)
+        # Split-K slices summed in a thread-block cluster (sm_90+, INGOT_SPLIT_K; tests flip it too): a slice then
+        # keeps its fp32 partial tile in the pipeline's shared memory, so the opt-in covers that as well.
+        self.split_k_cluster = split_k_uses_clusters(device.info.cc)
         if device.info.cc >= 80:
             for q in GPU_QTYPES:
                 for tm in MATMUL2_TILE_ROWS:
-                    self.k[f"matmul2_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2_smem(q, tm))
+                    smem = max(matmul2_smem(q, tm), 4 * tm * MATMUL2_BN)
+                    self.k[f"matmul2_{q.lower()}_bm{tm}"].allow_dynamic_smem(smem)
         # Its shared memory grows with the head size (scalar: 80 KiB at hd 256, more than sm_75's 64 KiB opt-in;
         # mma: 99 KiB); one opt-in per head size this GPU can hold.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
@@ -570,17 +599,22 @@ class Kernels:
         """C[M, N] (op)= A[M, K] fp16 · W[N, K]^T, C fp32 with row stride ldc. Returns the steps to run.
         split_k: when the tiles alone would not fill the GPU twice over, slice K too (decode batches), with this
         scratch; the partial sums are added in a fixed order (cuda/matmul.cu), so results do not vary between runs.
-        A GpuStack gets one launch per part, writing its columns of C at the part's offset. The kernels and their
-        tiling: matmul_geometry (self.matmul_mma: the pipelined mma.sync ones, else WMMA)."""
+        With self.split_k_cluster (sm_90+) a tile's slices run as one thread-block cluster and sum through its
+        shared memory instead (the scratch unused; the same bits). A GpuStack gets one launch per part, writing
+        its columns of C at the part's offset. The kernels and their tiling: matmul_geometry (self.matmul_mma: the
+        pipelined mma.sync ones, else WMMA)."""
         if mode in GATED_MODES:
             raise ValueError("matmul has no gated epilogue: run the activation kernel on its output")
         sm = self.device.info.sm_count
-        tiling = matmul_geometry(M, W.rows, W.cols, sm, mma=self.matmul_mma, split=split_k is not None)
+        tiling = matmul_geometry(
+            M, W.rows, W.cols, sm, mma=self.matmul_mma, split=split_k is not None, cluster=self.split_k_cluster
+        )
+        scratch = None if tiling.cluster else split_k
         steps: list = []
         offset = 0
         for part in W.parts:
             grid = tiling.grid(M, part.rows)
-            if tiling.slices > 1:  # what SplitK holds (a part has at most the whole matrix's tiles)
+            if tiling.slices > 1 and not tiling.cluster:  # what SplitK holds (a part has at most the matrix's tiles)
                 tiles = grid[0] * grid[1]
                 assert tiles < 2 * sm and tiles * tiling.slices * tiling.tm * tiling.tn <= split_k_floats(sm)
             part_bias = None if bias is None else bias.at(4 * offset)
@@ -599,10 +633,11 @@ class Kernels:
                         i32(part.cols),
                         i32(ldc),
                         i32(mode),
-                        None if split_k is None else split_k.ws,
-                        None if split_k is None else split_k.counters,
+                        None if scratch is None else scratch.ws,  # null: the slices sum in their cluster
+                        None if scratch is None else scratch.counters,
                     ],
                     smem=tiling.smem(part.qtype),
+                    cluster=tiling.slices if tiling.cluster else 1,
                 )
             )
             offset += part.rows

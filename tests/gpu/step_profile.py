@@ -62,8 +62,8 @@ def main() -> None:
     eng.decode(seqs, nxt)  # builds and runs the step once: buffers hold a real step's state
     profile(eng, eng._decode_launches(a.batch), f"decode step, batch {a.batch}", a.reps)
     if a.prefill:
-        plan = eng._plan(((a.prefill, True),), False)
-        profile(eng, [*plan.body, *plan.head], f"prefill chunk of {a.prefill} tokens", max(2, a.reps // 10))
+        plan = eng._plan(((a.prefill, True),), False).launches
+        profile(eng, plan, f"prefill chunk of {a.prefill} tokens", max(2, a.reps // 10))
     eng.close()
 
 

@@ -380,6 +380,39 @@ def test_split_k_matmul_is_deterministic_and_leaves_its_counters_zero(gpu, rng, 
     assert np.array_equal(runs[0][:, N:], resid[:, N:]), "columns past N (the stride's padding) were written"
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("M,N,cols", [(13, 1037, 1000), (64, 965, 1500)])
+def test_cluster_split_k_gives_the_bits_of_the_ordered_sum(gpu, rng, qtype, M, N, cols):
+    """matmul2's two split-K sums (cuda/matmul.cu): the tile's slices as one thread-block cluster adding their
+    partials from each other's shared memory (sm_90+), and the tile's last block adding them from global memory.
+    Both add in slice order from 0, so a split decode GEMM (odd M and N, MODE_ADD onto a residual, a strided
+    output) gives the same bits either way, and numpy's product within the GEMM tests' 1e-3."""
+    if gpu.dev.info.cc < 90:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    K_, ldc = width(qtype, cols), N + 11
+    W, Wref = make_weight(gpu, rng, qtype, N, K_)
+    A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
+    resid = rng.standard_normal((M, ldc)).astype(np.float32)
+    saved = gpu.k.matmul_mma, gpu.k.split_k_cluster
+    out = {}
+    try:
+        gpu.k.matmul_mma = True
+        for cluster in (False, True):
+            gpu.k.split_k_cluster = cluster
+            C = gpu.put(resid)
+            steps = gpu.k.matmul(W, A.ptr, C.ptr, M, ldc=ldc, mode=K.MODE_ADD, split_k=gpu.split_k)
+            assert all(step.grid[2] > 1 and (step.cluster == step.grid[2]) == cluster for step in steps)
+            _run_steps(gpu, steps)
+            out[cluster] = gpu.get(C, np.float32, (M, ldc))
+    finally:
+        gpu.k.matmul_mma, gpu.k.split_k_cluster = saved
+    assert np.array_equal(out[True].view(np.uint32), out[False].view(np.uint32))
+    ref = resid.astype(np.float64)
+    ref[:, :N] += gpu.get(A, np.float16, (M, K_)).astype(np.float64) @ Wref.astype(np.float16).astype(np.float64).T
+    assert rel_err(out[True], ref) < 1e-3
+    assert np.array_equal(out[True][:, N:], resid[:, N:]), "columns past N (the stride's padding) were written"
+
+
 class _Cfg:
     """The Config fields the attention/rope kernels read."""
 
