@@ -75,7 +75,7 @@ class Engine(Protocol):
         chunks: Sequence[PrefillChunk],
     ) -> tuple[list[int], list[int | None]]:
         """decode(seqs, tokens, masks) and prefill_many(chunks) (other sequences) in one call: the server's step.
-        The GPU engine queues the prefill behind the decode step and waits once. The chunks are checked before
+        The GPU engine runs the prefill beside the decode step and waits once. The chunks are checked before
         any work, as in prefill_many."""
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:

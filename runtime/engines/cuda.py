@@ -780,8 +780,9 @@ class CudaEngine:
         chunks: Sequence[PrefillChunk],
     ) -> tuple[list[int], list[int | None]]:
         """decode(seqs, tokens, masks) and prefill_many(chunks) with one wait: the decode step's graph is launched,
-        then the prefill passes are queued behind it while it runs (their launches cost host time), and the tokens
-        of both are read back at once."""
+        then the prefill passes are queued on the side stream while it runs (their launches cost host time; their
+        layers run beside the graph, their heads after its readback: _flush), and the tokens of both are read back
+        at once."""
         states = self._check(chunks, seqs)  # the whole step checked before any work
         B = self._launch_decode(seqs, tokens, masks) if seqs else 0
         if B:

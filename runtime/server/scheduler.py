@@ -8,7 +8,7 @@ Each `step()`, one engine.decode_and_prefill call:
         (ending on KV page boundaries where the budget allows: the next chunk's prefill can then adopt
         prefix-cached pages) over several steps (the engine appends at the sequence's position, so
         consecutive chunks are one prompt; only a prompt's last chunk samples). The step's chunks of several
-        prompts are one prefill pass over the weights, queued on the GPU behind the decode, with one wait.
+        prompts are one prefill pass over the weights, run on the GPU beside the decode, with one wait.
     -> a protocol.Step: each sequence's new token ids, which ones ended (eos, length) or failed, the stats.
 So a 4,000-token prompt costs every running stream at most one chunk's prefill time per token, never the
 whole prompt's. The loop knows no text: stop strings are the front end's, which Aborts a sequence whose text
@@ -156,7 +156,7 @@ class Scheduler:
         return self._report(outputs, started, len(batch), time.perf_counter() - t0, prefilled)
 
     def _run(self, batch: list[_Seq], masks: Masks, chunks: list[tuple[_Seq, PrefillChunk]], outputs: _Outputs):
-        """The step's decode and prefill in one engine call (the GPU engine queues the prefill behind the decode
+        """The step's decode and prefill in one engine call (the GPU engine runs the prefill beside the decode
         and waits once). Bad input the engine finds before any work (UsageError: a chunk it refuses) fails only
         its own sequence: the step is then run part by part."""
         if not batch and not chunks:
