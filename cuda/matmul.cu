@@ -333,11 +333,12 @@ FOR_EACH_GENERIC_TYPE(MATMUL_KERNEL)
 // Cluster split-K (sm_90+, ws == null, launched as clusters of (1, 1, S) blocks: a tile's S slices, at most 8):
 // the same sum without the global round trip, counters or a last block. Each slice writes its partial tile into
 // its own shared memory (the pipeline's, free after the main loop: Kernels.matmul gives at least TM*128*4 bytes),
-// in the same register order; after a cluster barrier, slice r finalizes the accumulator registers q with
-// q % S == r of every thread, reading the S partials of that element from the cluster's shared memory (DSMEM) and
+// in the same register order; after a cluster barrier, slice r finalizes the r-th S-th of the tile in float4
+// groups, reading each group's S partials from the cluster's shared memory (DSMEM, all S loads in flight) and
 // adding them in slice order 0..S-1 from 0, as the last block above does: the same bits as the global path, and
 // the tile's ordered sum spread over its S blocks instead of one. A second barrier keeps every block's shared
-// memory alive until its peers have read it.
+// memory alive until its peers have read it. Only for grids of at most ~1.5 blocks per SM (kernels.py
+// CLUSTER_GRID_PER_SM: a cluster waits for its slowest block at the barrier).
 // =====================================================================================================================
 #define MM2_BN MATMUL2_BN
 #define MM2_THREADS MATMUL2_THREADS

@@ -37,6 +37,7 @@ from ingot.runtime.gpu.kernels import (
     GpuStack,
     Kernels,
     SplitK,
+    image_cc,
     layout_bytes,
     matmul2_smem,
     matmul_geometry,
@@ -297,9 +298,12 @@ def test_cluster_split_k_launches_a_tiles_slices_as_one_cluster(qtype, rows, col
 
 
 def test_split_k_sum_choice(monkeypatch):
-    """Clusters from compute capability 9.0 unless INGOT_SPLIT_K=ordered; never below 9.0."""
+    """Clusters from compute capability 9.0 unless INGOT_SPLIT_K=ordered; never below 9.0, and the image the
+    driver loads counts (Kernels takes the lower of the GPU's and its arch's: PTX of compute_80 JIT-compiled for
+    an H200 has no cluster code)."""
     monkeypatch.delenv("INGOT_SPLIT_K", raising=False)
     assert split_k_uses_clusters(90) and not split_k_uses_clusters(89)
+    assert [image_cc(a) for a in ("sm_90", "sm_90a", "compute_80", "compute_120", None)] == [90, 90, 80, 120, 0]
     monkeypatch.setenv("INGOT_SPLIT_K", "ordered")
     assert not split_k_uses_clusters(90)
 

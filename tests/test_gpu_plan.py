@@ -479,7 +479,7 @@ def host_engine(prefix_cache: bool = False):
     e.pre = _Inputs(8, 512, e.max_pages, e.mask_words)
     e.pages = PagePool(256, 16, prefix_cache=prefix_cache)
     e.out_host = e.stream = e.side = _Readback()
-    e._decode_queued = False
+    e._decode_queued, e._decode_filled, e._layers_after_decode = False, set(), False
     e.shapes = []
     e._plan = lambda shape, all_logits: e.shapes.append(shape) or _PassPlan([], [])
     return e
@@ -536,6 +536,80 @@ def test_a_prompt_sharing_pages_with_one_in_the_pass_waits_for_them():
     assert e._launch_prefill(chunks, e._check(chunks), first=0) == [0, 1]
     assert e.shapes == [((58, True),), ((20, True),)]
     assert e.pages.prefix_stats()["hit_tokens"] == 48 and e._seqs[b].pages[:3] == e._seqs[a].pages[:3]
+
+
+class _LogStream(_Readback):
+    """A stream that logs what is queued on it (waits, downloads, synchronizations) into a shared list."""
+
+    def __init__(self, name: str, log: list):
+        super().__init__()
+        self.name, self.log = name, log
+
+    def wait(self, event) -> None:
+        self.log.append(("wait", self.name))
+
+    def download(self, dst, src) -> None:
+        self.log.append(("download", self.name))
+
+    def synchronize(self) -> None:
+        self.log.append(("sync", self.name))
+
+
+def stream_engine():
+    """host_engine with the prefix cache, the decode path's inputs, and a log of what each stream is given: the
+    decode graph, the event after its readback, and each prefill pass's layers ("body") and head."""
+    e = host_engine(prefix_cache=True)
+    log: list[tuple[str, str]] = []
+    e.stream, e.side, e.out_host = _LogStream("main", log), _LogStream("side", log), _Readback()
+    e._decoded = SimpleNamespace(record=lambda stream: log.append(("record", stream.name)))
+    e.step = _Inputs(e.max_seqs, 512, e.max_pages, e.mask_words)
+    e._row_of, e._bt_signature = [None] * e.max_seqs, None
+    e._graph = lambda B: SimpleNamespace(launch=lambda stream: log.append(("decode", stream.name)))
+    e._plan = lambda shape, all_logits: _PassPlan(
+        [lambda stream: log.append(("body", stream.name))], [lambda stream: log.append(("head", stream.name))]
+    )
+    return e, log
+
+
+@pytest.mark.parametrize("adopts_the_decoded_page", [False, True])
+def test_prefill_layers_wait_for_the_decode_only_for_a_page_it_completes(adopts_the_decoded_page):
+    """Sequence a holds 31 tokens (pages of 16: one full page, cached); this step decodes its 32nd, which completes
+    its second page, cached when the step is launched but written when the graph runs. A prompt of the same step
+    that adopts that page must have its pass's layers wait for the decode (the side stream waits on the event
+    after the decode's readback); one that adopts only the first page runs its layers beside the decode, and only
+    its head (the decode's buffers) waits. Both streams are waited for before the call returns."""
+    from ingot.runtime.engines.base import PrefillChunk
+    from ingot.runtime.sampling import SamplingParams
+
+    e, log = stream_engine()
+    prompt = list(range(100, 131))
+    a = e.new_sequence(SamplingParams())
+    e.decode_and_prefill([], [], None, [PrefillChunk(a, prompt)])
+    b = e.new_sequence(SamplingParams())
+    shared = prompt + [7] if adopts_the_decoded_page else prompt[:16]
+    log.clear()
+    e.decode_and_prefill([a], [7], None, [PrefillChunk(b, shared + [1, 2])])
+    assert e._seqs[b].pages[: len(shared) // 16] == e._seqs[a].pages[: len(shared) // 16]  # adopted
+    assert e.pages.prefix_stats()["hit_tokens"] == len(shared)
+    assert log.index(("decode", "main")) < log.index(("record", "main"))
+    wait, body, head = log.index(("wait", "side")), log.index(("body", "side")), log.index(("head", "side"))
+    assert (wait < body < head) if adopts_the_decoded_page else (body < wait < head)
+    assert log.count(("wait", "side")) == 1 and {("sync", "main"), ("sync", "side")} <= set(log[head:])
+
+
+def test_a_failed_prefill_launch_leaves_nothing_queued_on_the_side_stream():
+    """An error while the passes are being queued (here the second pass's plan) waits for what the side stream
+    was given before it propagates: the next step's decode on the main stream must not run beside it."""
+    from ingot.runtime.engines.base import PrefillChunk
+    from ingot.runtime.sampling import SamplingParams
+
+    e, log = stream_engine()
+    plans = iter([_PassPlan([lambda stream: log.append(("body", stream.name))], [])])
+    e._plan = lambda shape, all_logits: next(plans)  # the second pass raises StopIteration
+    a, b = e.new_sequence(SamplingParams()), e.new_sequence(SamplingParams())
+    with pytest.raises(StopIteration):
+        e.decode_and_prefill([], [], None, [PrefillChunk(a, [1] * 500), PrefillChunk(b, [2] * 40)])
+    assert ("body", "side") in log and log[-1] == ("sync", "side")
 
 
 def test_a_step_is_checked_whole_before_any_work():

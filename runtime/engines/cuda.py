@@ -29,6 +29,7 @@ built once per shape (its sequences' token counts, which of them sample) and rep
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -478,10 +479,14 @@ class CudaEngine:
         self.stream = Stream()
         # Prefill passes run on a stream of their own, beside the decode graph: their layers touch only the
         # pass's buffers; their head (x, logits, out_tokens, the sampler's scratch: the decode's) waits for
-        # the decode step's readback (`_decoded`). INGOT_PREFILL_STREAM=0: one stream, the passes behind the step.
+        # the decode step's readback (`_decoded`), and so do their layers when a prompt adopts a cached page the
+        # decode completes (`_decode_filled`: it writes the page's last slot). INGOT_PREFILL_STREAM=0: one
+        # stream, the passes behind the step.
         self.side = Stream() if settings.PREFILL_STREAM.get() else self.stream
         self._decoded = Event()
-        self._decode_queued = False
+        self._decode_queued = False  # this step's decode is queued and the side stream has not waited for it
+        self._decode_filled: set[int] = set()  # the pages this step's decode completes (registered at launch)
+        self._layers_after_decode = False  # a prompt of this step adopted one of them
         self.pool = DevicePool()
         try:
             self.k = Kernels(self.dev, kernels if kernels is not None else kernel_images())
@@ -784,11 +789,18 @@ class CudaEngine:
         layers run beside the graph, their heads after its readback: _flush), and the tokens of both are read back
         at once."""
         states = self._check(chunks, seqs)  # the whole step checked before any work
+        self._decode_filled.clear()
+        self._layers_after_decode = False
         B = self._launch_decode(seqs, tokens, masks) if seqs else 0
         if B:
             self._decoded.record(self.stream)  # after its readback: the prefill heads may use its buffers
         self._decode_queued = bool(B)
-        sampled = self._launch_prefill(chunks, states, first=B)
+        try:
+            sampled = self._launch_prefill(chunks, states, first=B)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (the error raised is the first one)
+                self.side.synchronize()  # nothing it queued may outlive the call: the next step's decode would race it
+            raise
         if not B and not sampled and not chunks:
             return [], [None] * len(chunks)
         self.stream.synchronize()
@@ -817,7 +829,10 @@ class CudaEngine:
             if ps.pending and not st.chain.tail and set(self.pages.page_hashes(st.chain, tokens[:P])) & ps.pending:
                 sampled += self._flush(ps, first + len(sampled))
                 ps = _Pass()
+            held = len(st.pages)
             rest = tokens[self._adopt(st, tokens, sample=c.last) :]  # a last chunk always computes its last token
+            if self._decode_filled and not self._decode_filled.isdisjoint(st.pages[held:]):
+                self._layers_after_decode = True  # this pass and the later ones read a page the decode completes
             if not rest:
                 continue
             self._reserve(st, len(rest))
@@ -866,21 +881,28 @@ class CudaEngine:
         """Queue the pass: its inputs' upload, its launch list (built once per shape), the registration of the
         pages it fills, and the readback of its sampled tokens into out_host[row..]. Returns ps.sampled."""
         side = self.side
+        if self._layers_after_decode:
+            self._behind_decode()
         self.pre.upload(side, "tokens", "mask" if ps.masked else "block_table")
         plan = self._plan(tuple(ps.shape), all_logits=False)
         for launch in plan.body:
             launch(side)
         if plan.head:
-            if self._decode_queued:  # the head uses the decode step's buffers: after its readback
-                side.wait(self._decoded)
-                self._decode_queued = False
+            self._behind_decode()  # the head uses the decode step's buffers
             for launch in plan.head:
                 launch(side)
         for st, piece in ps.written:
-            self.pages.append(st.pages, st.chain, piece)  # registers the pages it filled (stream-ordered)
+            self.pages.append(st.pages, st.chain, piece)  # registers the pages it filled (side-stream ordered)
         if ps.sampled:
             side.download(self.out_host.view(np.int32, 4 * row, len(ps.sampled)), self.out_tokens.ptr)
         return ps.sampled
+
+    def _behind_decode(self) -> None:
+        """Order what is queued next on the side stream after this step's decode and its readback (a wait once
+        a step: later side work is behind it too)."""
+        if self._decode_queued:
+            self.side.wait(self._decoded)
+            self._decode_queued = False
 
     def _check(self, chunks: Sequence[PrefillChunk], decoding: Sequence[int] = ()) -> list[_Seq]:
         """Every chunk's sequence, after checking the whole step before any work, so that a refused step changed
@@ -1010,10 +1032,12 @@ class CudaEngine:
         s.upload(self.stream, "tokens", last)
         self._graph(B).launch(self.stream)
         self.stream.download(self.out_host.view(np.int32, 0, B), self.out_tokens.ptr)
-        append = self.pages.append
+        append, filled = self.pages.append, self._decode_filled
         for st, tok in zip(states, tokens, strict=True):
             st.pos += 1
-            append(st.pages, st.chain, (tok,))
+            registered = append(st.pages, st.chain, (tok,))
+            if registered:  # a page this step completes: cached now, written when the graph runs (_flush)
+                filled.update(page for _, page in registered)
         return B
 
     def _graph(self, B: int) -> Graph:

@@ -8,6 +8,7 @@ or capture it into a CUDA graph. Shapes are given per method; all activations ar
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 from ingot.runtime import settings
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.archs import installed_kernel_dir
+from ingot.runtime.gpu.compat import decide, driver_from_cuda_int
 from ingot.runtime.gpu.constants import (
     ATT_WARPS,
     CAND_SLOTS,
@@ -164,6 +166,12 @@ MATMUL2_LDS = QK + 8
 def split_k_floats(sm_count: int) -> int:
     """fp32 elements of SplitK's partial-tile scratch on a GPU of sm_count SMs."""
     return SPLIT_K_TILES_PER_SM * sm_count * SPLIT_K_TILE_FLOATS
+
+
+def image_cc(arch: str | None) -> int:
+    """The compute capability of a fatbin image's arch as compat.Decision names it: "sm_90a" -> 90,
+    "compute_120" -> 120 (None, no image: 0)."""
+    return int(re.sub(r"\D", "", arch)) if arch else 0
 
 
 def split_k_uses_clusters(cc: int) -> bool:
@@ -454,8 +462,15 @@ class Kernels:
         # per kernel (at most 80 KiB, under the 99 KiB of sm_86/89/120).
         self.matmul_mma = matmul_uses_mma(device.info.cc)
         # Split-K slices summed in a thread-block cluster (sm_90+, INGOT_SPLIT_K; tests flip it too): a slice then
-        # keeps its fp32 partial tile in the pipeline's shared memory, so the opt-in covers that as well.
-        self.split_k_cluster = split_k_uses_clusters(device.info.cc)
+        # keeps its fp32 partial tile in the pipeline's shared memory, so the opt-in covers that as well. That path
+        # is sm_90 code, so the matmul image the driver loads must be one too (compute_80 PTX JIT-compiled for an
+        # H200 holds the older code, whose cluster branch traps).
+        loaded = decide(
+            parse_fatbin(images["matmul"], "matmul"),
+            device.info.cc,
+            driver_from_cuda_int(None, device.info.driver_cuda),
+        )
+        self.split_k_cluster = split_k_uses_clusters(min(device.info.cc, image_cc(loaded.image)))
         if device.info.cc >= 80:
             for q in GPU_QTYPES:
                 for tm in MATMUL2_TILE_ROWS:

@@ -215,7 +215,7 @@ def test_prefill_many_equals_one_at_a_time(engines):
 
 
 def test_decode_and_prefill_equals_a_decode_then_a_prefill(engines):
-    """The server's step (a decode graph with prefill passes queued behind it, one readback) gives what a decode
+    """The server's step (a decode graph with prefill passes beside it on the side stream, one wait) gives what a decode
     and then a prefill give: the decode's tokens, and each new prompt's first token under its own mask (two
     sampling rows with different allowed sets), then the same continuation for all five sequences."""
     model, _, gpu = engines
