@@ -350,6 +350,8 @@ def test_matmul2_shared_memory_fits_every_arch_with_mma(qtype, tm):
     """The opt-in limit of sm_86/89/120 is 99 KiB (sm_80/90/100: more), less the kernel's 16 static bytes; and the
     numbers are those of cuda/matmul.cu's layout (mm2_smem_bytes), worked out by hand for two types."""
     assert matmul2_smem(qtype, tm) + 16 <= 99 * 1024
+    cluster = matmul2_smem(qtype, tm, cluster=True)  # what Kernels opts every matmul2 kernel into
+    assert cluster == max(matmul2_smem(qtype, tm), 4 * tm * constants.MATMUL2_BN) and cluster + 16 <= 99 * 1024
     assert matmul2_smem("Q4_0", 128) == 4 * 128 * 80 + 2 * 128 * 80 + 4 * 128 * (16 + 4)
     assert matmul2_smem("F16", 32) == 4 * 32 * 80 + 4 * 128 * 80
 

@@ -186,16 +186,18 @@ def matmul_uses_mma(cc: int) -> bool:
     return cc >= 80 and settings.MATMUL.get() == "mma"
 
 
-def matmul2_smem(qtype: str, tm: int) -> int:
+def matmul2_smem(qtype: str, tm: int, cluster: bool = False) -> int:
     """Dynamic shared memory of matmul2_<qtype>_bm<tm> (cuda/matmul.cu mm2_smem_bytes; the kernel traps if given
     less): A stages [STAGES][tm][40] fp16, the dequantized tile [2][128][40] fp16 (F16 multiplies its raw stage in
-    place: none), raw weight stages [STAGES][128][RAW_ROW] bytes."""
+    place: none), raw weight stages [STAGES][128][RAW_ROW] bytes. cluster: a slice of a cluster split-K also keeps
+    its fp32 partial tile [tm][128] there once the main loop is done (the larger of the two)."""
     direct = qtype == "F16"
-    return (
+    pipeline = (
         MATMUL2_STAGES * tm * MATMUL2_LDS * 2
         + (0 if direct else 2 * MATMUL2_BN * MATMUL2_LDS * 2)
         + MATMUL2_STAGES * MATMUL2_BN * MATMUL2_RAW_ROW.get(qtype, 0)
     )
+    return max(pipeline, 4 * tm * MATMUL2_BN) if cluster else pipeline
 
 
 @dataclass(frozen=True)
@@ -216,11 +218,7 @@ class GemmTiling:
         return MATMUL2_THREADS if self.mma else 128
 
     def smem(self, qtype: str) -> int:
-        """Dynamic shared memory: the pipeline's; a cluster's slice also holds its fp32 partial tile there."""
-        if not self.mma:
-            return 0
-        pipeline = matmul2_smem(qtype, self.tm)
-        return max(pipeline, 4 * self.tm * self.tn) if self.cluster else pipeline
+        return matmul2_smem(qtype, self.tm, self.cluster) if self.mma else 0
 
     def grid(self, M: int, N: int) -> tuple[int, int, int]:
         """matmul2: tokens along x, so the few token tiles sharing a weight tile run side by side (the weights are
@@ -448,10 +446,12 @@ class Kernels:
         self.device = device
         self.modules = []
         self.k: dict[str, Kernel] = {}
+        fatbins = {}
         for name in MODULES:
             if name not in images:
                 raise IncompatibleError(f"kernel module {name}.fatbin missing", hint="rebuild with `ingot build`")
-            mod = Module(images[name], f"{name}.fatbin", list(parse_fatbin(images[name], name).kernels), device)
+            fatbins[name] = parse_fatbin(images[name], name)
+            mod = Module(images[name], f"{name}.fatbin", list(fatbins[name].kernels), device)
             self.modules.append(mod)
             self.k.update(mod.kernels)
         # Prefill attention: the tensor-core kernel (cuda/attention_prefill.cu) from compute capability 8.0 (its
@@ -465,17 +465,12 @@ class Kernels:
         # keeps its fp32 partial tile in the pipeline's shared memory, so the opt-in covers that as well. That path
         # is sm_90 code, so the matmul image the driver loads must be one too (compute_80 PTX JIT-compiled for an
         # H200 holds the older code, whose cluster branch traps).
-        loaded = decide(
-            parse_fatbin(images["matmul"], "matmul"),
-            device.info.cc,
-            driver_from_cuda_int(None, device.info.driver_cuda),
-        )
+        loaded = decide(fatbins["matmul"], device.info.cc, driver_from_cuda_int(None, device.info.driver_cuda))
         self.split_k_cluster = split_k_uses_clusters(min(device.info.cc, image_cc(loaded.image)))
         if device.info.cc >= 80:
             for q in GPU_QTYPES:
                 for tm in MATMUL2_TILE_ROWS:
-                    smem = max(matmul2_smem(q, tm), 4 * tm * MATMUL2_BN)
-                    self.k[f"matmul2_{q.lower()}_bm{tm}"].allow_dynamic_smem(smem)
+                    self.k[f"matmul2_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2_smem(q, tm, cluster=True))
         # Its shared memory grows with the head size (scalar: 80 KiB at hd 256, more than sm_75's 64 KiB opt-in;
         # mma: 99 KiB); one opt-in per head size this GPU can hold.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
