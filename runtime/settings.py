@@ -193,6 +193,15 @@ PREFILL_STREAM = Setting(
     "1 or 0",
     "The GPU engine runs prefill passes on a second stream, concurrent with the decode step; 0 queues them behind it.",
 )
+# The server's step loop launches step n+1 before it reads step n's tokens (runtime/server/scheduler.py): the host's
+# work between two steps (the scheduler's books, the core's messages, the engine's step inputs) hides behind the GPU.
+ASYNC_STEPS = Setting(
+    "INGOT_ASYNC_STEPS",
+    True,
+    _flag,
+    "1 or 0",
+    "The server launches each step before it reads the previous step's tokens; 0 waits for each step first.",
+)
 # How a decode GEMM's split-K slices are summed (cuda/matmul.cu, cuda/PERF.md v13): by the tile's S blocks as one
 # thread-block cluster through distributed shared memory (sm_90+), or by the tile's last block from global memory.
 # Both add in slice order: the same bits either way.

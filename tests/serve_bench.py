@@ -114,17 +114,26 @@ class StandIn:
         masks: Sequence[np.ndarray | None] | None,
         chunks: Sequence[PrefillChunk],
     ) -> tuple[list[int], list[int | None]]:
+        return self.collect(self.launch(seqs, tokens, masks, chunks))
+
+    def launch(
+        self,
+        seqs: Sequence[int],
+        tokens: Sequence[int],
+        masks: Sequence[np.ndarray | None] | None,
+        chunks: Sequence[PrefillChunk],
+    ) -> tuple[list[int], list[int | None], float]:
         """The GPU's time of the step: a decode (step_s, when there are sequences) then the prefill (prefill_s
-        per prompt token), one after the other as on one stream."""
-        t0 = time.perf_counter()
+        per prompt token), one after the other as on one stream, starting when the step before it ends (or
+        now, if that was earlier: the time between is a gap, the GPU idle while the core works)."""
+        now = time.perf_counter()
+        start = now if self._last_end is None else max(now, self._last_end)
         if seqs and self._last_end is not None:
-            self.gaps.append(t0 - self._last_end)
+            self.gaps.append(start - self._last_end)
         wait = (self.step_s if seqs else 0.0) + self.prefill_s * sum(len(c.tokens) for c in chunks)
-        if wait:
-            time.sleep(wait)
         if seqs:
-            self._last_end = time.perf_counter()
-            self.busy.append(self._last_end - t0)
+            self.busy.append(wait)
+        self._last_end = start + wait
         out = []
         for q in seqs:
             self._len[q] += 1
@@ -133,6 +142,11 @@ class StandIn:
         for c in chunks:
             self._len[c.seq] += len(c.tokens)
             firsts.append(self._token(c.seq) if c.last else None)
+        return out, firsts, start + wait
+
+    def collect(self, launched: tuple[list[int], list[int | None], float]) -> tuple[list[int], list[int | None]]:
+        out, firsts, end = launched
+        time.sleep(max(0.0, end - time.perf_counter()))
         return out, firsts
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:

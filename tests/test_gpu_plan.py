@@ -469,6 +469,9 @@ class _Readback:
     def download(self, dst, src):
         pass
 
+    def copy(self, dst, src, nbytes):
+        pass
+
 
 def host_engine(prefix_cache: bool = False):
     from ingot.runtime.engines.kvcache import PagePool
@@ -478,7 +481,8 @@ def host_engine(prefix_cache: bool = False):
     e.max_seqs, e.max_ctx, e._seqs, e._next_id = 8, 1024, {}, 0
     e.pre = _Inputs(8, 512, e.max_pages, e.mask_words)
     e.pages = PagePool(256, 16, prefix_cache=prefix_cache)
-    e.out_host = e.stream = e.side = _Readback()
+    e.stream = e.side = _Readback()
+    e._slot = SimpleNamespace(out_host=_Readback(), out_dev=0)
     e._decode_queued, e._decode_filled, e._layers_after_decode = False, set(), False
     e.shapes = []
     e._plan = lambda shape, all_logits: e.shapes.append(shape) or _PassPlan([], [])
@@ -504,7 +508,7 @@ def test_a_prefill_call_fills_passes_rows_and_sampling_rows():
     sampled = e._launch_prefill(chunks, e._check(chunks), first=3)
     assert sampled == [1, 2, 3]
     assert e.shapes == [((40, False), (300, True), (172, False)), ((78, True), (5, True))]
-    assert e.out_host.views == [(4 * 3, 1), (4 * 4, 2)]  # bytes: after the decode's 3 tokens, then the next 2
+    assert e._slot.out_host.views == [(4 * 3, 1), (4 * 4, 2)]  # bytes: after the decode's 3 tokens, then the next 2
     (last1, one), (last2, two) = e.pre.sent
     assert last1 == last2 == "mask"  # a masked row in each pass: the masks travel
     assert one["slots"][:512].tolist() == [0] * 40 + [1] * 300 + [2] * 172
@@ -554,14 +558,37 @@ class _LogStream(_Readback):
     def synchronize(self) -> None:
         self.log.append(("sync", self.name))
 
+    def copy(self, dst, src, nbytes) -> None:
+        self.log.append(("copy", self.name, dst, src, nbytes))
+
+
+class _LogEvent:
+    """An event that logs its records, and its synchronizations as a sync of the stream it was recorded on."""
+
+    def __init__(self, log: list):
+        self.log, self.stream = log, "none"
+
+    def record(self, stream) -> None:
+        self.log.append(("record", stream.name))
+        self.stream = stream.name
+
+    def synchronize(self) -> None:
+        self.log.append(("sync", self.stream))
+
 
 def stream_engine():
     """host_engine with the prefix cache, the decode path's inputs, and a log of what each stream is given: the
     decode graph, the event after its readback, and each prefill pass's layers ("body") and head."""
     e = host_engine(prefix_cache=True)
     log: list[tuple[str, str]] = []
-    e.stream, e.side, e.out_host = _LogStream("main", log), _LogStream("side", log), _Readback()
-    e._decoded = SimpleNamespace(record=lambda stream: log.append(("record", stream.name)))
+    e.stream, e.side = _LogStream("main", log), _LogStream("side", log)
+    e._slots = [
+        SimpleNamespace(
+            out_host=_Readback(), out_dev=0, decoded=_LogEvent(log), finished=_LogEvent(log), side_done=_LogEvent(log)
+        )
+        for _ in range(2)
+    ]
+    e._flight = []
     e.step = _Inputs(e.max_seqs, 512, e.max_pages, e.mask_words)
     e._row_of, e._bt_signature = [None] * e.max_seqs, None
     e._graph = lambda B: SimpleNamespace(launch=lambda stream: log.append(("decode", stream.name)))
@@ -597,6 +624,46 @@ def test_prefill_layers_wait_for_the_decode_only_for_a_page_it_completes(adopts_
     assert log.count(("wait", "side")) == 1 and {("sync", "main"), ("sync", "side")} <= set(log[head:])
 
 
+def test_a_step_launched_ahead_copies_its_tokens_on_the_device_and_registers_their_pages_once_read():
+    """Step 2 is launched while step 1 is in flight, feeding both sequences the tokens step 1 samples
+    (FROM_DEVICE), in the other order: each is copied on the device from step 1's output row into its own input
+    row (two runs: the rows are not consecutive in the same order), after the upload and before the decode
+    graph, and the side stream first waits for step 1's decode. Sequence a's token completes its second KV page:
+    that page is hashed and cached only when step 1 is collected and the token is known."""
+    from ingot.runtime.engines.base import FROM_DEVICE, PrefillChunk
+    from ingot.runtime.errors import UsageError
+    from ingot.runtime.sampling import SamplingParams
+
+    e, log = stream_engine()
+    e.step.ptr = {"tokens": 1000}
+    e._slots[0].out_dev, e._slots[1].out_dev = 5000, 6000
+    a, b, c = (e.new_sequence(SamplingParams()) for _ in range(3))
+    e.decode_and_prefill([], [], None, [PrefillChunk(a, list(range(100, 130))), PrefillChunk(b, [5] * 40)])
+    one = e.launch([a, b], [7, 8], None, [])  # a: position 30 -> 31
+    log.clear()
+    two = e.launch([b, a], [FROM_DEVICE, FROM_DEVICE], None, [])  # a's token at position 31 fills page 2
+    copies = [x for x in log if x[0] == "copy"]
+    assert copies[:2] == [("copy", "main", 1000, 5004, 4), ("copy", "main", 1004, 5000, 4)]
+    assert log[0] == ("wait", "side") and log.index(copies[1]) < log.index(("decode", "main"))
+    assert copies[2] == ("copy", "main", 6000, e.out_tokens.ptr, 8)  # step 2's tokens, for a step 3
+    assert len(e._seqs[a].chain.hashes) == 1 and e._seqs[a].pos == 32
+    with pytest.raises(RuntimeError, match="in flight"):
+        e.launch([a], [FROM_DEVICE], None, [])
+    with pytest.raises(RuntimeError, match="order"):
+        e.collect(two)
+    e.collect(one)
+    assert len(e._seqs[a].chain.hashes) == 2  # registered with the token step 1 sampled
+    e.collect(two)
+    with pytest.raises(UsageError, match="no sampled token"):
+        e.launch([c], [FROM_DEVICE], None, [])  # c never sampled
+
+
+def test_copy_runs_are_one_copy_per_run_of_consecutive_rows():
+    e, log = stream_engine()
+    e._copy_runs(100, 200, [(0, 0), (1, 1), (2, 3), (3, 4), (5, 5)])
+    assert log == [("copy", "main", 100, 200, 8), ("copy", "main", 108, 212, 8), ("copy", "main", 120, 220, 4)]
+
+
 def test_a_failed_prefill_launch_leaves_nothing_queued_on_the_side_stream():
     """An error while the passes are being queued (here the second pass's plan) waits for what the side stream
     was given before it propagates: the next step's decode on the main stream must not run beside it."""
@@ -610,6 +677,7 @@ def test_a_failed_prefill_launch_leaves_nothing_queued_on_the_side_stream():
     with pytest.raises(StopIteration):
         e.decode_and_prefill([], [], None, [PrefillChunk(a, [1] * 500), PrefillChunk(b, [2] * 40)])
     assert ("body", "side") in log and log[-1] == ("sync", "side")
+    assert not e._flight  # nothing to collect
 
 
 def test_a_step_is_checked_whole_before_any_work():

@@ -25,6 +25,14 @@ from ingot.runtime.server.server import SSE_PING
 from ingot.runtime.structured import json_schema
 
 
+@pytest.fixture(autouse=True, params=["async", "sync"])
+def step_mode(request, monkeypatch) -> bool:
+    """Every test here in both step loops: steps launched one ahead of their readback (the default), and each
+    step waited for (INGOT_ASYNC_STEPS=0). Their outputs must be the same."""
+    monkeypatch.setenv("INGOT_ASYNC_STEPS", "1" if request.param == "async" else "0")
+    return request.param == "async"
+
+
 class Spy:
     """A CpuEngine that records how many sequences are alive at each decode, each prefill chunk's length and how
     many chunks each prefill_many call took, optionally with a smaller KV capacity (a page pool's size and page
@@ -32,6 +40,7 @@ class Spy:
 
     def __init__(self, engine: CpuEngine, pages: PagePool | None = None, fail_decode: bool = False):
         self.engine, self.fail_decode, self.widest, self.prefills = engine, fail_decode, 0, []
+        self.rows = 0  # decode rows computed
         self.prefill_calls: list[int] = []
         self.max_seqs, self.max_ctx = engine.max_seqs, engine.max_ctx
         if pages is not None:
@@ -40,14 +49,14 @@ class Spy:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def decode_and_prefill(self, seqs, tokens, masks, chunks):
+    def launch(self, seqs, tokens, masks, chunks):  # the scheduler's step (collect: the engine's)
         if self.fail_decode and seqs:
             raise RuntimeError("device lost")
-        self.widest = max(self.widest, len(seqs))
+        self.widest, self.rows = max(self.widest, len(seqs)), self.rows + len(seqs)
         if chunks:
             self.prefills += [len(c.tokens) for c in chunks]
             self.prefill_calls.append(len(chunks))
-        return self.engine.decode_and_prefill(seqs, tokens, masks, chunks)
+        return self.engine.launch(seqs, tokens, masks, chunks)
 
     def decode(self, seqs, tokens, masks=None):  # the scheduler's fallback when a step's input was refused
         if self.fail_decode:
@@ -236,7 +245,8 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_runs(tiny_model, tiny
         steps.append(scheduler.step())
     firsts = [i for i, s in enumerate(steps) if any(o.id == 1 and o.tokens for o in s.outputs)]
     during = steps[2 : firsts[0] + 1]  # from the long prompt's arrival to its first token
-    assert len(during) == -(-200 // 16)  # one chunk per step
+    # one chunk per step; its first token is read a step after the step that samples it when steps overlap
+    assert len(during) == -(-200 // 16) + scheduler.async_steps
     assert all(any(o.id == 0 and len(o.tokens) == 1 for o in s.outputs) for s in during)  # the stream advanced
     assert max(spy.prefills[1:]) <= 16 and sum(spy.prefills[1:]) == 200
     # the chunked prompt's output equals one-at-a-time generation's (greedy)
@@ -260,11 +270,11 @@ class MaskSpy(Spy):
         self.prefill_masks: list[bool] = []
         self.decode_masks: list[int | None] = []
 
-    def decode_and_prefill(self, seqs, tokens, masks, chunks):
+    def launch(self, seqs, tokens, masks, chunks):
         if seqs:
             self.decode_masks.append(None if masks is None else sum(m is not None for m in masks))
         self.prefill_masks += [c.mask is not None for c in chunks]
-        return self.engine.decode_and_prefill(seqs, tokens, masks, chunks)
+        return self.engine.launch(seqs, tokens, masks, chunks)
 
 
 def test_constrained_sequence_gets_masks_and_a_schema_instance(tiny_model, tiny_tokenizer):
@@ -404,3 +414,39 @@ def test_a_full_context_ends_the_sequence_with_length(tiny_model, tiny_tokenizer
         # prefill samples the first token; each decode feeds one and samples the next, until 64 are held
         assert len(tokens) == 64 - len(long.prompt_tokens) + 1
         assert engine.kv_pages_used() == 0
+
+
+def test_an_end_token_read_a_step_late_ends_the_sequence_there(tiny_model, tiny_tokenizer, step_mode):
+    """End of generation is known only once a step is read. With steps launched ahead, the sequence has already
+    been decoded once more when its end token is read: that extra token is dropped. Its tokens stop at the end
+    token, exactly as with steps waited for, its batch-mate's are unchanged, and no sequence or page is left.
+    The end by length is known ahead: the batch-mate is decoded exactly once per token after its first."""
+    free, ending = _request(tiny_tokenizer, "hello world", 20), _request(tiny_tokenizer, "the people of", 20)
+    engine = CpuEngine(tiny_model, max_seqs=2)
+    greedy = list(generate_ids(engine, ending.prompt_tokens, 20))
+    end = greedy[4]  # made an end-of-generation token for this request: it ends on its first occurrence
+    spy = Spy(CpuEngine(tiny_model, max_seqs=2))
+    scheduler = Scheduler(spy, 512)
+    scheduler.add(_add(0, tiny_tokenizer, free))
+    scheduler.add(Add(1, list(ending.prompt_tokens), ending.params, 20, [end]))
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    finish = {}
+    while scheduler.has_work():
+        for out in scheduler.step().outputs:
+            tokens[out.id] += out.tokens
+            if out.finish:
+                finish[out.id] = out.finish
+    assert tokens[1] == greedy[: greedy.index(end) + 1] and finish[1] == "eos"
+    assert tokens[0] == list(generate_ids(engine, free.prompt_tokens, 20)) and finish[0] == "length"
+    assert spy.live == 0 and spy.kv_pages_used() == 0
+    assert spy.rows == len(tokens[0]) - 1 + len(tokens[1]) - 1 + step_mode  # the one row dropped ahead
+
+
+def generate_ids(engine, prompt, n: int) -> list[int]:
+    """Greedy token ids of one sequence alone, no end token."""
+    q = engine.new_sequence(SamplingParams())
+    out = [engine.prefill(q, prompt)]
+    while len(out) < n:
+        out += engine.decode([q], [out[-1]])
+    engine.release(q)
+    return out

@@ -15,6 +15,14 @@ of up to PREFILL_CHUNK tokens, attention per sequence). A chunk that is not its 
 False) samples nothing, and the prefix cache may adopt all of its full pages: only a prompt's last token must
 be computed (its logits sample the next token). `decode_and_prefill` is a step of both at once.
 
+A step may also be launched and collected apart (`launch`, then `collect`), so that the server's step loop
+plans and launches step n+1 while the GPU still computes step n, and reads step n's tokens afterwards (as vLLM's
+async scheduling does): the host's work between two steps then hides behind the GPU's. Step n+1 cannot know the
+tokens step n samples, so a decode token may be FROM_DEVICE, "the token this sequence's last step sampled": the
+GPU engine copies it on the device from that step's output into the next step's input. At most two launched
+steps are uncollected at once, and they are collected in launch order. `decode_and_prefill` is
+`collect(launch(...))`.
+
 Constrained decoding (runtime/structured.py) reaches an engine as token masks: a bitmask row, np.uint32
 [ceil(V/32)] with bit t % 32 of word t // 32 set when token t may be sampled, for the token prefill samples
 and for each sequence of a decode step (None: unconstrained). Masked tokens are out before every sampling
@@ -41,6 +49,9 @@ class PrefillChunk:
     tokens: Sequence[int]
     last: bool = True  # the prompt's last chunk: its last token's logits sample the sequence's next token
     mask: np.ndarray | None = None  # the allowed tokens of that sample (constrained decoding); last chunks only
+
+
+FROM_DEVICE = -1  # a decode token: the one the sequence's last step sampled, which may not be on the host yet
 
 
 class Engine(Protocol):
@@ -77,6 +88,21 @@ class Engine(Protocol):
         """decode(seqs, tokens, masks) and prefill_many(chunks) (other sequences) in one call: the server's step.
         The GPU engine runs the prefill beside the decode step and waits once. The chunks are checked before
         any work, as in prefill_many."""
+
+    def launch(
+        self,
+        seqs: Sequence[int],
+        tokens: Sequence[int],
+        masks: Sequence[np.ndarray | None] | None,
+        chunks: Sequence[PrefillChunk],
+    ) -> Any:
+        """decode_and_prefill queued, not waited for: returns the handle collect() takes. A decode token may be
+        FROM_DEVICE (the module's docstring); a sequence whose sampling keeps a penalty window, or whose mask
+        depends on its last token, needs its token on the host and is refused one (UsageError). Checked whole
+        before any work, as decode_and_prefill."""
+
+    def collect(self, launched: Any) -> tuple[list[int], list[int | None]]:
+        """Wait for a launched step (the oldest uncollected one) and return what decode_and_prefill returns."""
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         """Append tokens; return float32 logits [len(tokens), n_vocab], one row per position."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ingot.runtime import settings
-from ingot.runtime.engines.base import PrefillChunk, pages_for
+from ingot.runtime.engines.base import FROM_DEVICE, PrefillChunk, pages_for
 from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IngotError, UsageError
 from ingot.runtime.model.gguf import Model, expected_shapes
@@ -73,6 +73,7 @@ class _Sequence:
     tokens: list[int]
     pages: list[int] = field(default_factory=list)  # page ids booked in the engine's PagePool
     chain: PrefixChain = field(default_factory=PrefixChain)
+    last: int | None = None  # the token it sampled last (what a FROM_DEVICE decode token means)
 
 
 class CpuEngine:
@@ -157,8 +158,26 @@ class CpuEngine:
         masks: Sequence[np.ndarray | None] | None,
         chunks: Sequence[PrefillChunk],
     ) -> tuple[list[int], list[int | None]]:
+        return self.collect(self.launch(seqs, tokens, masks, chunks))
+
+    def launch(
+        self,
+        seqs: Sequence[int],
+        tokens: Sequence[int],
+        masks: Sequence[np.ndarray | None] | None,
+        chunks: Sequence[PrefillChunk],
+    ) -> tuple[list[int], list[int | None]]:
+        """The step, computed now (the reference has nothing to overlap): the handle is its result. A
+        FROM_DEVICE token is the sequence's last sampled one."""
+        fed = [self._get(q).last if t == FROM_DEVICE else t for q, t in zip(seqs, tokens, strict=False)]
+        if None in fed:
+            raise UsageError("a decode token is FROM_DEVICE for a sequence that has sampled none")
+        tokens = [t for t in fed if t is not None]
         self._check_step(seqs, tokens, chunks)  # the whole step checked before any work
         return self.decode(seqs, tokens, masks) if seqs else [], self.prefill_many(chunks) if chunks else []
+
+    def collect(self, launched: tuple[list[int], list[int | None]]) -> tuple[list[int], list[int | None]]:
+        return launched
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         s = self._admit(seq, tokens)
@@ -279,4 +298,5 @@ class CpuEngine:
         the GPU sampler's seed + counter): a sequence prefilled in chunks, whose earlier chunks' samples are
         discarded by the scheduler, draws the same as one prefilled at once."""
         rng = np.random.default_rng((s.seed, len(s.tokens)))
-        return sample(row, s.params, rng, s.tokens, mask)
+        s.last = sample(row, s.params, rng, s.tokens, mask)
+        return s.last

@@ -40,7 +40,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from ingot.runtime import settings
-from ingot.runtime.engines.base import PrefillChunk
+from ingot.runtime.engines.base import FROM_DEVICE, PrefillChunk
 from ingot.runtime.engines.cuda_weights import LayerWeights, upload_weights
 from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
@@ -91,10 +91,44 @@ class _Seq:
     recent: list[int] = field(default_factory=list)  # last `window` tokens (prompt included)
     chain: PrefixChain = field(default_factory=PrefixChain)  # hashes of its full pages (the prefix cache)
     window: int = field(init=False)  # repetition-penalty window kept (0: no penalty, nothing kept)
+    # Its last sampled token (what a FROM_DEVICE decode token means): on the host once its step is collected,
+    # until then the step that samples it and its row in that step's output
+    token: int | None = None
+    sampler: tuple[_Launched, int] | None = None
 
     def __post_init__(self) -> None:
         p = self.params
         self.window = min(p.repeat_last_n, HIST_CAP) if p.repetition_penalty != 1.0 else 0
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step queued by launch() and not collected yet: what collect() reads back and books."""
+
+    slot: _Slot
+    decoded: list[tuple[int, _Seq]]  # (sequence id, state) of each decode row
+    fed: list[tuple[int, _Seq, int]]  # decode rows whose token the previous step samples: (id, state, its row there)
+    sampled: list[int] = field(default_factory=list)  # the chunks that sample, in row order (rows B.. of the output)
+    samplers: list[tuple[int, _Seq]] = field(default_factory=list)  # their (sequence id, state)
+    chunks: int = 0
+    side: bool = False  # work was queued on the side stream (slot.side_done is recorded after it)
+
+
+@dataclass
+class _Slot:
+    """What each of the two steps that may be in flight at once owns (they alternate): its sampled tokens (the
+    decode's B rows, then its prefills' sampled rows) on the host and on the device (the next step copies the
+    tokens it feeds from there), and the events that order and finish it."""
+
+    out_host: PinnedBuffer  # [2 max_seqs] int32
+    out_dev: int  # [2 max_seqs] int32, device
+    decoded: Event  # main stream, after the decode's readback
+    finished: Event  # main stream, after all of the step's work there
+    side_done: Event  # side stream, after all of the step's work there
+
+    def close(self) -> None:
+        for x in (self.out_host, self.decoded, self.finished, self.side_done):
+            x.close()
 
 
 @dataclass(frozen=True)
@@ -479,11 +513,10 @@ class CudaEngine:
         self.stream = Stream()
         # Prefill passes run on a stream of their own, beside the decode graph: their layers touch only the
         # pass's buffers; their head (x, logits, out_tokens, the sampler's scratch: the decode's) waits for
-        # the decode step's readback (`_decoded`), and so do their layers when a prompt adopts a cached page the
+        # the decode step's readback (`_Slot.decoded`), and so do their layers when a prompt adopts a cached page the
         # decode completes (`_decode_filled`: it writes the page's last slot). INGOT_PREFILL_STREAM=0: one
         # stream, the passes behind the step.
         self.side = Stream() if settings.PREFILL_STREAM.get() else self.stream
-        self._decoded = Event()
         self._decode_queued = False  # this step's decode is queued and the side stream has not waited for it
         self._decode_filled: set[int] = set()  # the pages this step's decode completes (registered at launch)
         self._layers_after_decode = False  # a prompt of this step adopted one of them
@@ -510,6 +543,8 @@ class CudaEngine:
         self._prefill_plans: dict[tuple[PassShape, bool], _PassPlan] = {}
         self._bt_signature: tuple | None = None
         self._row_of: list[_Seq | None] = [None] * self.max_seqs  # whose sampling fields each decode row holds
+        self._flight: list[_Launched] = []  # launched, not collected (at most 2), oldest first
+        self._slot = self._slots[0]  # the slot of the step being launched
 
     # --- memory ----------------------------------------------------------------------------------
 
@@ -553,7 +588,11 @@ class CudaEngine:
         self.step = _HostDevice(self.pool, self._input_fields(B))
         self.step.host["slots"][:] = np.arange(B)
         self.out_tokens = a(4 * B, "sampled tokens")
-        self.out_host = PinnedBuffer(4 * 2 * B)  # a step's decoded tokens, then its prefills' sampled ones
+        out_dev = a(2 * 4 * 2 * B, "sampled tokens of the last two steps")
+        self._slots = [
+            _Slot(PinnedBuffer(4 * 2 * B), out_dev.ptr + i * 4 * 2 * B, *(Event(timing=False) for _ in range(3)))
+            for i in range(2)
+        ]
         self.x = a(4 * B * D, "x")
         self.xf = a(4 * B * widest, "x fp32 normed")
         self.xq = a(2 * B * widest, "x q8x2")  # two int8 levels per value
@@ -613,11 +652,12 @@ class CudaEngine:
         for g in getattr(self, "_graphs", {}).values():
             g.close()
         self._graphs = {}
-        for name in ("step", "pre", "out_host"):
+        for name in ("step", "pre"):
             if hasattr(self, name):
                 getattr(self, name).close()
-        if hasattr(self, "_decoded"):
-            self._decoded.close()
+        for slot in getattr(self, "_slots", []):
+            slot.close()
+        self._slots = []
         if hasattr(self, "side") and self.side is not self.stream:
             self.side.close()
         for name in ("k", "pool", "stream"):
@@ -788,28 +828,81 @@ class CudaEngine:
         then the prefill passes are queued on the side stream while it runs (their launches cost host time; their
         layers run beside the graph, their heads after its readback: _flush), and the tokens of both are read back
         at once."""
+        return self.collect(self.launch(seqs, tokens, masks, chunks))
+
+    def launch(
+        self,
+        seqs: Sequence[int],
+        tokens: Sequence[int],
+        masks: Sequence[np.ndarray | None] | None,
+        chunks: Sequence[PrefillChunk],
+    ) -> _Launched:
+        """Queue a step (decode_and_prefill without the wait). With a step n still in flight, this step n + 1 is
+        ordered behind it stream by stream: its decode after step n's prefill heads (they use the decode's
+        buffers, and sampled tokens this step may feed), its prefill passes after step n's decode (a page that
+        decode completes may be adopted now). A FROM_DEVICE token of a sequence step n samples is copied on the
+        device from step n's output (_launch_decode); the pages it completes are registered when step n is
+        collected, once the token is known."""
+        if len(self._flight) >= 2:
+            raise RuntimeError("two steps are in flight: collect the older one first")
         states = self._check(chunks, seqs)  # the whole step checked before any work
+        prev = self._flight[-1] if self._flight else None
+        slot = self._slot = self._slots[1] if prev is not None and prev.slot is self._slots[0] else self._slots[0]
+        if prev is not None:
+            if prev.side:
+                self.stream.wait(prev.slot.side_done)
+            if prev.decoded and self.side is not self.stream:
+                self.side.wait(prev.slot.decoded)
         self._decode_filled.clear()
         self._layers_after_decode = False
-        B = self._launch_decode(seqs, tokens, masks) if seqs else 0
+        h = _Launched(slot, [], [])
+        B = self._launch_decode(seqs, tokens, masks, h, prev) if seqs else 0
         if B:
-            self._decoded.record(self.stream)  # after its readback: the prefill heads may use its buffers
+            slot.decoded.record(self.stream)  # after its readback: the prefill heads may use its buffers
         self._decode_queued = bool(B)
         try:
-            sampled = self._launch_prefill(chunks, states, first=B)
+            h.sampled = self._launch_prefill(chunks, states, first=B)
         except BaseException:
             with contextlib.suppress(Exception):  # (the error raised is the first one)
+                self.stream.synchronize()
                 self.side.synchronize()  # nothing it queued may outlive the call: the next step's decode would race it
             raise
-        if not B and not sampled and not chunks:
-            return [], [None] * len(chunks)
-        self.stream.synchronize()
-        self.side.synchronize()
-        got = self.out_host.view(np.int32, 0, B + len(sampled))
-        out: list[int | None] = [None] * len(chunks)
-        for i, token in zip(sampled, got[B:], strict=True):
-            out[i] = int(token)
-        return [int(t) for t in got[:B]], out
+        h.chunks = len(chunks)
+        for k, i in enumerate(h.sampled):
+            st = states[i]
+            h.samplers.append((chunks[i].seq, st))
+            st.token, st.sampler = None, (h, B + k)
+        slot.finished.record(self.stream)
+        if self.side is not self.stream and chunks:
+            slot.side_done.record(self.side)
+            h.side = True
+        self._flight.append(h)
+        return h
+
+    def collect(self, launched: _Launched) -> tuple[list[int], list[int | None]]:
+        """Wait for the oldest launched step; its decode's tokens and each chunk's sampled token (None for a chunk
+        that samples none). The books it settles: each sampling sequence's token, and the prefix-cache pages that
+        the next launched step's device-fed tokens complete."""
+        h = launched
+        if not self._flight or h is not self._flight[0]:
+            raise RuntimeError("steps are collected in the order they were launched")
+        self._flight.pop(0)
+        h.slot.finished.synchronize()
+        if h.side:
+            h.slot.side_done.synchronize()
+        B, got = len(h.decoded), h.slot.out_host.view(np.int32, 0, len(h.decoded) + len(h.sampled)).tolist()
+        for (_, st), token in zip([*h.decoded, *h.samplers], got, strict=True):
+            if st.sampler is not None and st.sampler[0] is h:
+                st.token, st.sampler = token, None
+        nxt = self._flight[0] if self._flight else None
+        if nxt is not None:
+            for q, st, row in nxt.fed:
+                if self._seqs.get(q) is st:  # (not released since)
+                    self.pages.append(st.pages, st.chain, (got[row],))  # written by nxt's decode, which runs first
+        out: list[int | None] = [None] * h.chunks
+        for i, token in zip(h.sampled, got[B:], strict=True):
+            out[i] = token
+        return got[:B], out
 
     def _launch_prefill(self, chunks: Sequence[PrefillChunk], states: list[_Seq], first: int) -> list[int]:
         """Queue the chunks' tokens in passes of up to PREFILL_CHUNK tokens, several sequences per pass (a chunk
@@ -894,14 +987,16 @@ class CudaEngine:
         for st, piece in ps.written:
             self.pages.append(st.pages, st.chain, piece)  # registers the pages it filled (side-stream ordered)
         if ps.sampled:
-            side.download(self.out_host.view(np.int32, 4 * row, len(ps.sampled)), self.out_tokens.ptr)
+            n, slot = len(ps.sampled), self._slot
+            side.copy(slot.out_dev + 4 * row, self.out_tokens.ptr, 4 * n)
+            side.download(slot.out_host.view(np.int32, 4 * row, n), slot.out_dev + 4 * row)
         return ps.sampled
 
     def _behind_decode(self) -> None:
         """Order what is queued next on the side stream after this step's decode and its readback (a wait once
         a step: later side work is behind it too)."""
         if self._decode_queued:
-            self.side.wait(self._decoded)
+            self.side.wait(self._slot.decoded)
             self._decode_queued = False
 
     def _check(self, chunks: Sequence[PrefillChunk], decoding: Sequence[int] = ()) -> list[_Seq]:
@@ -984,21 +1079,43 @@ class CudaEngine:
         return self.decode_and_prefill(seqs, tokens, masks, [])[0]
 
     def _launch_decode(
-        self, seqs: Sequence[int], tokens: Sequence[int], masks: Sequence[np.ndarray | None] | None
+        self,
+        seqs: Sequence[int],
+        tokens: Sequence[int],
+        masks: Sequence[np.ndarray | None] | None,
+        h: _Launched,
+        prev: _Launched | None,
     ) -> int:
         """Queue one decode step of B = len(seqs) sequences (its graph, captured on first use per B) and the
-        readback of its tokens into out_host[:B]; returns B. The sequences' books (positions, pages) are updated
-        here: nothing reads them before the step's tokens are waited for."""
+        readback of its tokens into the slot's out_host[:B] and out_dev[:B]; returns B. The sequences' books
+        (positions, pages) are updated here: nothing reads them before the step's tokens are waited for. A
+        FROM_DEVICE token that `prev` (the step in flight) samples is copied from prev's out_dev into this step's
+        inputs after their upload, and its page registration waits for collect(prev)."""
         B = len(seqs)
         self.step.wait_copied()  # the last step's upload has read the host arrays (an exception may have cut it)
         if B > self.max_seqs or len(tokens) != B:
             raise UsageError(f"decode of {B} sequences with {len(tokens)} tokens (max {self.max_seqs})")
+        states = [self._seqs[q] for q in seqs]
+        fed: list[tuple[int, int]] = []  # (row here, row in prev's output) of the tokens prev samples
+        if FROM_DEVICE in tokens:
+            tokens = list(tokens)
+            for b, (st, tok) in enumerate(zip(states, tokens, strict=True)):
+                if tok != FROM_DEVICE:
+                    continue
+                if st.token is not None:
+                    tokens[b] = st.token
+                elif st.sampler is None or st.sampler[0] is not prev:
+                    raise UsageError(f"sequence {seqs[b]} has no sampled token to feed")
+                elif st.window:
+                    raise UsageError("a sequence with a repetition penalty needs its last token on the host")
+                else:
+                    fed.append((b, st.sampler[1]))
+                    tokens[b] = 0  # a placeholder the copy overwrites
         # What runs here runs for every sequence at every step before the GPU starts it (~10 us a sequence
         # written plainly, 640 us of a 3 ms step at B = 64 on the H200): the rows' sampling fields are written
         # only when a sequence takes a row, positions and tokens as vectors, a page taken only when the token
         # starts one. _check has seen the room in the context and the pages.
-        s, h, P, rows = self.step, self.step.host, self.kv_page_size, self._row_of
-        states = [self._seqs[q] for q in seqs]
+        s, host, P, rows = self.step, self.step.host, self.kv_page_size, self._row_of
         grew, penalized = False, False
         for b, (st, tok) in enumerate(zip(states, tokens, strict=True)):
             if st.pos >= len(st.pages) * P:
@@ -1010,35 +1127,56 @@ class CudaEngine:
                 self._fill_sampling(s, b, st)
                 rows[b] = st
         positions = [st.pos for st in states]
-        h["tokens"][:B] = tokens
-        h["pos"][:B] = positions
-        h["counter"][:B] = positions  # the sampler's counter: the position of the token it samples after
+        host["tokens"][:B] = tokens
+        host["pos"][:B] = positions
+        host["counter"][:B] = positions  # the sampler's counter: the position of the token it samples after
         # One copy per step: the small per-sequence fields, then the penalty window and the block tables only
         # when they are needed (fields are laid out in this order, see _alloc_buffers).
         last = "hist" if penalized else "seed"
         signature = tuple((q, len(st.pages)) for q, st in zip(seqs, states, strict=True))
         if grew or signature != self._bt_signature:
             for b, st in enumerate(states):
-                h["block_table"][b * self.max_pages : b * self.max_pages + len(st.pages)] = st.pages
+                host["block_table"][b * self.max_pages : b * self.max_pages + len(st.pages)] = st.pages
             last = "block_table"
             self._bt_signature = signature
-        h["masked"][:B] = [m is not None for m in masks] if masks is not None else 0
+        host["masked"][:B] = [m is not None for m in masks] if masks is not None else 0
         if masks is not None and any(m is not None for m in masks):
             W = self.mask_words
             for b, m in enumerate(masks):
                 if m is not None:
-                    h["mask"][b * W : (b + 1) * W] = m
+                    host["mask"][b * W : (b + 1) * W] = m
             last = "mask"  # the block tables ride along (their host copy is current)
         s.upload(self.stream, "tokens", last)
+        if fed:
+            assert prev is not None
+            self._copy_runs(s.ptr["tokens"], prev.slot.out_dev, fed)
         self._graph(B).launch(self.stream)
-        self.stream.download(self.out_host.view(np.int32, 0, B), self.out_tokens.ptr)
+        slot = self._slot
+        self.stream.copy(slot.out_dev, self.out_tokens.ptr, 4 * B)
+        self.stream.download(slot.out_host.view(np.int32, 0, B), slot.out_dev)
         append, filled = self.pages.append, self._decode_filled
-        for st, tok in zip(states, tokens, strict=True):
+        deferred = {b for b, _ in fed}
+        for b, (q, st, tok) in enumerate(zip(seqs, states, tokens, strict=True)):
             st.pos += 1
+            h.decoded.append((q, st))
+            st.token, st.sampler = None, (h, b)
+            if b in deferred:
+                continue
             registered = append(st.pages, st.chain, (tok,))
             if registered:  # a page this step completes: cached now, written when the graph runs (_flush)
                 filled.update(page for _, page in registered)
+        h.fed = [(seqs[b], states[b], row) for b, row in fed]
         return B
+
+    def _copy_runs(self, dst: int, src: int, rows: list[tuple[int, int]]) -> None:
+        """dst[i] = src[j] (int32) for each (i, j), one device copy per run of consecutive pairs: a batch that
+        keeps its order is one copy, a sequence leaving it adds one."""
+        start = 0
+        for k in range(1, len(rows) + 1):
+            if k == len(rows) or rows[k] != (rows[k - 1][0] + 1, rows[k - 1][1] + 1):
+                (i, j), n = rows[start], k - start
+                self.stream.copy(dst + 4 * i, src + 4 * j, 4 * n)
+                start = k
 
     def _graph(self, B: int) -> Graph:
         """The decode step's CUDA graph for B sequences, captured on first use."""

@@ -335,6 +335,11 @@ class Stream:
         self.after_kernel = False
         _check(cu.cuMemsetD8Async(dst, value, nbytes, self.handle), "cuMemsetD8Async")
 
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Device -> device, ordered on this stream."""
+        self.after_kernel = False
+        _check(cu.cuMemcpyDtoDAsync(dst, src, nbytes, self.handle), "cuMemcpyDtoDAsync")
+
     def close(self) -> None:
         if self.handle is not None:
             _check(cu.cuStreamDestroy(self.handle), "cuStreamDestroy")
@@ -342,8 +347,10 @@ class Stream:
 
 
 class Event:
-    def __init__(self):
-        self.handle = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
+    def __init__(self, timing: bool = True):
+        """timing=False: an event only waited on, never timed (cheaper to record)."""
+        flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = _check(cu.cuEventCreate(flags), "cuEventCreate")
 
     def record(self, stream: Stream) -> None:
         stream.after_kernel = False
@@ -470,8 +477,7 @@ class Copy:
         self.dst, self.src, self.nbytes = int(dst), int(src), nbytes
 
     def __call__(self, stream: Stream) -> None:
-        stream.after_kernel = False
-        _check(cu.cuMemcpyDtoDAsync(self.dst, self.src, self.nbytes, stream.handle), "cuMemcpyDtoDAsync")
+        stream.copy(self.dst, self.src, self.nbytes)
 
 
 class Graph:

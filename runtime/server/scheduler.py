@@ -14,6 +14,13 @@ So a 4,000-token prompt costs every running stream at most one chunk's prefill t
 whole prompt's. The loop knows no text: stop strings are the front end's, which Aborts a sequence whose text
 matched one. Nothing here blocks or does I/O; core.py feeds it messages and sends its steps.
 
+Steps overlap (INGOT_ASYNC_STEPS, default on): step() plans and launches step n+1, then reads step n's tokens
+(engine.launch / engine.collect), so the host's work between two steps hides behind the GPU's. The books are
+one step behind: a sequence whose token step n samples is fed FROM_DEVICE in step n+1 (the engine copies it on
+the device), and if that token ends it (end of generation), step n+1's token for it is dropped. A sequence that
+step n's token ends by length is left out of step n+1. What needs the last token on the host (a grammar's mask,
+the repetition penalty's window) makes step() read step n first.
+
 KV admission reserves a request's worst case, pages for min(prompt + max_tokens, context) tokens, so a
 running sequence can always grow to its end. The GPU engine has a page pool (runtime/engines/kvcache.py); the CPU
 engine keeps a whole-context cache per sequence, which is counted here in pages of the same size.
@@ -37,7 +44,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ingot.runtime.engines.base import Engine, PrefillChunk, pages_for
+from ingot.runtime import settings
+from ingot.runtime.engines.base import FROM_DEVICE, Engine, PrefillChunk, pages_for
 from ingot.runtime.errors import UsageError
 from ingot.runtime.model.tokenizer import Tokenizer
 from ingot.runtime.server.protocol import Add, Output, Stats, Step
@@ -60,7 +68,8 @@ class _Seq:
     eog: frozenset[int] = frozenset()
     constraint: bytes | None = None  # Add.constraint: a Constraint's JSON (see the docstring)
     matcher: Matcher | None = None  # built when its prompt's last chunk is prefilled
-    ctx_room: int = 0  # context minus the prompt: fewer generated tokens than this cannot fill the context
+    ctx_room: int = 0  # context minus the prompt: more generated tokens than this fill the context
+    in_flight: int = 0  # launched steps that sample a token for it, not read yet (0 or 1)
 
     @property
     def live_seq(self) -> int:
@@ -72,6 +81,30 @@ class _Seq:
     @property
     def decoding(self) -> bool:
         return self.seq is not None and self.prefilled == len(self.req.prompt)
+
+    @property
+    def alive(self) -> bool:
+        return self.seq is not None
+
+    def ends_in_flight(self) -> bool:
+        """Whether the token in flight ends it by length (max_tokens, or a full context): then it is not decoded
+        again."""
+        n = self.n_generated + self.in_flight
+        return self.in_flight > 0 and (n >= self.req.max_tokens or n > self.ctx_room)
+
+    @property
+    def needs_token(self) -> bool:
+        """Its next step needs its last token on the host: a grammar's mask, or the repetition penalty's window."""
+        return self.matcher is not None or self.req.params.repetition_penalty != 1.0
+
+
+@dataclass
+class _Launched:
+    """A step launched and not read yet."""
+
+    handle: object  # the engine's (Engine.launch)
+    batch: list[_Seq]
+    chunks: list[tuple[_Seq, PrefillChunk]]
 
 
 @dataclass
@@ -108,6 +141,8 @@ class Scheduler:
         self._by_id: dict[int, _Seq] = {}
         self._reserved = 0  # KV pages reserved by running sequences
         self._kv_total = engine.kv_pages_total
+        self.async_steps = settings.ASYNC_STEPS.get()
+        self._flight: _Launched | None = None  # the step launched last, while it is not read
 
     # --- messages ----------------------------------------------------------------------------------
 
@@ -129,11 +164,14 @@ class Scheduler:
                 self._release(s)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._flight)
 
     def end_all(self, status: int = SHUTDOWN_STATUS, message: str = SHUTDOWN_MESSAGE) -> Step:
-        """Fail every queued and running request (shutdown) and report it."""
+        """Fail every queued and running request (shutdown) and report it (with what the step in flight
+        finished)."""
         outputs = _Outputs()
+        if self._flight is not None:
+            self._collect(outputs)
         for s in list(self._waiting) + list(self._running):
             self._end(s, outputs, "error", status, message)
         self._waiting.clear()
@@ -146,36 +184,77 @@ class Scheduler:
     # --- the step ----------------------------------------------------------------------------------
 
     def step(self) -> Step:
+        """Launch the next step, then read the one in flight (or, with INGOT_ASYNC_STEPS=0, this one): the
+        Step reports the tokens read."""
         outputs = _Outputs()
-        batch, masks = self._masks([s for s in self._running if s.decoding], outputs)
+        if self._flight is not None and any(s.in_flight and s.needs_token for s in self._running):
+            self._collect(outputs)
+        decoding = [s for s in self._running if s.decoding and not s.ends_in_flight()]
+        batch, masks = self._masks(decoding, outputs)
         started: list[tuple[int, int]] = []
         plan, prefilled = self._plan_prefill(outputs, started)
         chunks = self._chunks(plan, outputs)
         t0 = time.perf_counter()
-        self._run(batch, masks, chunks, outputs)
+        launched = self._launch(batch, masks, chunks, outputs)
+        if self._flight is not None:
+            self._collect(outputs)
+        self._flight = launched
+        if not self.async_steps and launched is not None:
+            self._collect(outputs)
         return self._report(outputs, started, len(batch), time.perf_counter() - t0, prefilled)
 
-    def _run(self, batch: list[_Seq], masks: Masks, chunks: list[tuple[_Seq, PrefillChunk]], outputs: _Outputs):
-        """The step's decode and prefill in one engine call (the GPU engine runs the prefill beside the decode
-        and waits once). Bad input the engine finds before any work (UsageError: a chunk it refuses) fails only
-        its own sequence: the step is then run part by part."""
+    def _launch(
+        self, batch: list[_Seq], masks: Masks, chunks: list[tuple[_Seq, PrefillChunk]], outputs: _Outputs
+    ) -> _Launched | None:
+        """The step's decode and prefill as one engine launch (the GPU engine runs the prefill beside the decode).
+        Bad input the engine finds before any work (UsageError: a chunk it refuses) fails only its own
+        sequence: the step is then run part by part, after the step in flight is read."""
         if not batch and not chunks:
-            return
+            return None
         try:
-            seqs, last = [s.live_seq for s in batch], [s.last_token for s in batch]
-            tokens, firsts = self.engine.decode_and_prefill(seqs, last, masks, [c for _, c in chunks])
+            seqs = [s.live_seq for s in batch]
+            last = [FROM_DEVICE if s.in_flight else s.last_token for s in batch]
+            handle = self.engine.launch(seqs, last, masks, [c for _, c in chunks])
         except UsageError:
-            self._decode(batch, masks, outputs)
+            if self._flight is not None:
+                self._collect(outputs)
+            kept = [(s, m) for s, m in zip(batch, masks or [None] * len(batch), strict=True) if s.alive]
+            self._decode([s for s, _ in kept], [m for _, m in kept] if masks else None, outputs)
             for s, c in chunks:
                 self._prefill_one(s, c, outputs)
-            return
+            return None
         except Exception as e:
             for s in [*batch, *(s for s, _ in chunks)]:
                 self._fail(s, e, outputs)
+            return None
+        for s in batch:
+            s.in_flight += 1
+        for s, c in chunks:
+            s.prefilled += len(c.tokens)
+            s.in_flight += c.last
+        return _Launched(handle, batch, chunks)
+
+    def _collect(self, outputs: _Outputs) -> None:
+        """Read the step in flight and accept its tokens (a sequence ended since gets none)."""
+        f, self._flight = self._flight, None
+        assert f is not None
+        try:
+            tokens, firsts = self.engine.collect(f.handle)
+        except Exception as e:
+            for s in [*f.batch, *(s for s, _ in f.chunks)]:
+                if s.alive:
+                    self._fail(s, e, outputs)
             return
-        for s, token in zip(batch, tokens, strict=True):
-            self._accept(s, token, outputs)
-        self._prefilled(chunks, firsts, outputs)
+        for s, token in zip(f.batch, tokens, strict=True):
+            s.in_flight -= 1
+            if s.alive:
+                self._accept(s, token, outputs)
+        for (s, c), first in zip(f.chunks, firsts, strict=True):
+            if c.last:
+                s.in_flight -= 1
+                if s.alive:
+                    assert first is not None  # a last chunk samples
+                    self._accept(s, first, outputs)
 
     def _decode(self, batch: list[_Seq], masks: Masks, outputs: _Outputs) -> None:
         if not batch:
@@ -296,11 +375,9 @@ class Scheduler:
             self._end(s, outputs, "eos")
             return
         s.n_generated += 1
-        # The engine holds at most prompt + generated tokens, so below that the context cannot be full: the
-        # engine is asked only near its end (this runs once per token).
-        if s.n_generated >= s.req.max_tokens or (
-            s.n_generated >= s.ctx_room and self.engine.seq_len(s.live_seq) >= self.engine.max_ctx
-        ):
+        # The engine holds the prompt and every generated token but this one: prompt + n_generated - 1 tokens,
+        # which fill the context once n_generated > ctx_room (this token has no room to be fed).
+        if s.n_generated >= s.req.max_tokens or s.n_generated > s.ctx_room:
             self._end(s, outputs, "length")
 
     # Constrained decoding: masks before a step, matchers advanced in _accept. Sequences without a constraint

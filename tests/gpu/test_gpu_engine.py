@@ -252,6 +252,74 @@ def test_decode_and_prefill_equals_a_decode_then_a_prefill(engines):
     assert all(t in a for t, a in zip(together[1], allowed, strict=True))  # each under its own mask
 
 
+def test_steps_launched_ahead_feed_their_tokens_on_the_device(engines):
+    """The server's overlapped steps (launch step n+1, then collect step n): decode tokens FROM_DEVICE, copied on
+    the GPU from the step in flight's output (its decode rows and a prefill's sampled rows), give the tokens that
+    steps waited for one by one with host tokens give. The batch is as wide as the engine (the GEMM decode), a
+    sequence is released while a step that decodes it is in flight, and the rows after it move up one (the
+    copies come in runs); then a third launch before a collect, or a collect out of order, is refused."""
+    from ingot.runtime.engines.base import FROM_DEVICE
+
+    model, _, gpu = engines
+    running = [_prompt(model, 9 + 3 * i, seed=800 + i) for i in range(gpu.max_seqs - 2)]
+    new = [_prompt(model, n, seed=900 + n) for n in (21, 130)]
+    STEPS, DROP, AT = 6, 1, 3  # sequence DROP leaves after the step that AT steps' decodes
+
+    def run(ahead: bool) -> list[list[int]]:
+        seqs = [gpu.new_sequence(SamplingParams()) for _ in running]
+        last = [gpu.prefill(q, p) for q, p in zip(seqs, running, strict=True)]
+        fresh = [gpu.new_sequence(SamplingParams()) for _ in new]
+        every = seqs + fresh
+        out: dict[int, list[int]] = {q: [] for q in every}
+        chunks = [PrefillChunk(q, p) for q, p in zip(fresh, new, strict=True)]
+        batches = [every if k < AT else [q for q in every if q != every[DROP]] for k in range(STEPS)]
+        if not ahead:
+            decoded, firsts = gpu.decode_and_prefill(seqs, last, None, chunks)
+            for q, t in zip(every, decoded + firsts, strict=True):
+                out[q].append(t)
+            for k, batch in enumerate(batches):
+                for q, t in zip(batch, gpu.decode(batch, [out[q][-1] for q in batch]), strict=True):
+                    out[q].append(t)
+                if k == AT - 1:
+                    gpu.release(every[DROP])
+        else:
+            flight = [(every, gpu.launch(seqs, last, None, chunks))]
+            for k, batch in enumerate(batches):
+                flight.append((batch, gpu.launch(batch, [FROM_DEVICE] * len(batch), None, [])))
+                if k == AT - 1:
+                    gpu.release(every[DROP])  # while its last step is in flight
+                done, h = flight.pop(0)
+                decoded, firsts = gpu.collect(h)
+                for q, t in zip(done, decoded + [t for t in firsts if t is not None], strict=True):
+                    out[q].append(t)
+            done, h = flight.pop(0)
+            for q, t in zip(done, gpu.collect(h)[0], strict=True):
+                out[q].append(t)
+        for q in every:
+            gpu.release(q)
+        return [out[q] for q in every]
+
+    cache, gpu.pages.prefix_cache = gpu.pages.prefix_cache, False  # the second run computes, not adopts
+    try:
+        waited, ahead = run(ahead=False), run(ahead=True)
+    finally:
+        gpu.pages.prefix_cache = cache
+    assert ahead == waited
+    assert len(waited[DROP]) == AT + 1 and len(waited[0]) == STEPS + 1
+    q = gpu.new_sequence(SamplingParams())
+    try:
+        first = gpu.prefill(q, new[0])
+        a = gpu.launch([q], [first], None, [])
+        b = gpu.launch([q], [FROM_DEVICE], None, [])
+        with pytest.raises(RuntimeError, match="in flight"):
+            gpu.launch([q], [FROM_DEVICE], None, [])
+        with pytest.raises(RuntimeError, match="order"):
+            gpu.collect(b)
+        gpu.collect(a), gpu.collect(b)
+    finally:
+        gpu.release(q)
+
+
 def test_wide_batch_decode_matches_cpu(engines):
     """Batches of >= GEMM_MIN_BATCH sequences take the tensor-core path; each sequence still matches the CPU: on
     the synthetic models within TOL, on real ones within TOL or the fp16 budget of the run
