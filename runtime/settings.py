@@ -202,6 +202,15 @@ ASYNC_STEPS = Setting(
     "1 or 0",
     "The server launches each step before it reads the previous step's tokens; 0 waits for each step first.",
 )
+# Prefill passes' GEMMs cut K too (cuda/PERF.md v14): at SmolLM2's size a 512-row pass's GEMMs fill ~1 block per SM
+# and each block runs the whole K loop; slices chosen for a full pass (runtime/gpu/kernels.py matmul_geometry).
+PREFILL_SPLIT_K = Setting(
+    "INGOT_PREFILL_SPLIT_K",
+    True,
+    _flag,
+    "1 or 0",
+    "Prefill GEMMs that would leave the GPU half idle split K into slices (the same for every pass); 0: they do not.",
+)
 # How a decode GEMM's split-K slices are summed (cuda/matmul.cu, cuda/PERF.md v13): by the tile's S blocks as one
 # thread-block cluster through distributed shared memory (sm_90+), or by the tile's last block from global memory.
 # Both add in slice order: the same bits either way.

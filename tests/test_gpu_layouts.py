@@ -323,6 +323,34 @@ def test_matmul2_split_k_balances_the_main_loop_and_the_ordered_sum(M, N, K, sli
     assert matmul_geometry(M, N, K, 132, mma=True, split=True).slices == slices
 
 
+@pytest.mark.parametrize("shape", ["smollm2-135m", "gemma3-270m", "llama3-8b"])
+@pytest.mark.parametrize("sm_count", [132, 46])
+def test_prefill_passes_slice_k_alike_whatever_their_rows(shape, sm_count):
+    """A prefill pass's GEMMs (slice_rows = PREFILL_CHUNK) cut K in the same slices for every row count, so a row's
+    result does not depend on the pass it was in; each grid is one the kernel and the scratch can take (ordered
+    sums: fewer tiles than 2 x SMs, partial tiles within SplitK's floats). SmolLM2's full pass splits K (its
+    GEMMs' tiles alone fill about one block per SM)."""
+    from ingot.runtime.engines.cuda import PREFILL_CHUNK
+    from ingot.runtime.model.synth import SHAPES, config_of
+
+    c = config_of(SHAPES[shape])
+    qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    gemms = {"qkv": (qkv, c.dim), "o": (c.dim, c.n_heads * c.head_dim), "gu": (2 * c.ffn_dim, c.dim)}
+    gemms["down"] = (c.dim, c.ffn_dim)
+    for name, (N, K) in gemms.items():
+        tilings = {
+            M: matmul_geometry(M, N, K, sm_count, mma=True, split=True, cluster=True, slice_rows=PREFILL_CHUNK)
+            for M in (1, 7, 16, 33, 100, 128, 255, 300, 480, 500, 511, 512)
+        }
+        assert len({t.slices for t in tilings.values()}) == 1, (name, tilings)
+        for M, t in tilings.items():
+            tiles = -(-M // t.tm) * -(-N // t.tn)
+            if t.slices > 1 and not t.cluster:
+                assert tiles < 2 * sm_count and tiles * t.slices * t.tm * t.tn <= split_k_floats(sm_count)
+        if shape == "smollm2-135m" and sm_count == 132:
+            assert tilings[512].slices > 1, name
+
+
 @pytest.mark.parametrize(
     "M,N,split,tm",
     [

@@ -111,6 +111,7 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
     e.step = SimpleNamespace(ptr={n: pool.alloc(64).ptr for n in _STEP_FIELDS})
     e.pre = SimpleNamespace(ptr={n: pool.alloc(64).ptr for n in _STEP_FIELDS})
     e.split_k = SplitK(pool.alloc(4096, "split-K partial tiles"), pool.alloc(4096, "split-K tile counters"))
+    e.prefill_split_k = SplitK(pool.alloc(4096, "prefill split-K partials"), pool.alloc(4096, "prefill counters"))
     e.k_cache = [pool.alloc(64) for _ in range(c.n_layers)]
     e.v_cache = [pool.alloc(64) for _ in range(c.n_layers)]
     e.rope_tables = {c.layer_rope(i): pool.alloc(64, f"rope {c.layer_rope(i)}") for i in range(c.n_layers)}
@@ -304,9 +305,9 @@ DECODE_OWNED = "x xf xq xd qkv att h xh gu o logits_buf part_acc part_ml counter
 
 @pytest.mark.parametrize("shape", ["tiny-k", "tiny-gemma3", "tiny-qwen3"])
 def test_a_prefill_pass_body_touches_nothing_the_decode_step_owns(shape):
-    """The pass's layers read and write only its own buffers (px, pxh, pqkv, pgu, po, pre's inputs; the weights
-    and KV cache), no split-K scratch (prefill GEMMs are unsplit), so they may run concurrently with a decode
-    step; the decode's buffers appear only in the head (the gather into x, the LM head, the sampler)."""
+    """The pass's layers read and write only its own buffers (px, pxh, pqkv, pgu, po, pre's inputs and split-K
+    scratch; the weights and KV cache), so they may run concurrently with a decode step; the decode's buffers
+    appear only in the head (the gather into x, the LM head, the sampler)."""
     c = config_of(SHAPES[shape])
     e = plan_engine(c)
     owned = {name: getattr(e, name) for name in DECODE_OWNED}
@@ -321,6 +322,23 @@ def test_a_prefill_pass_body_touches_nothing_the_decode_step_owns(shape):
     assert plan.body and not touched(plan.body)
     assert {"x", "logits_buf", "out_tokens"} <= touched(plan.head)
     assert not touched(e._prefill_launches(((9, False),), all_logits=False).launches)  # samples nothing: no head
+
+
+def test_a_full_prefill_pass_of_smollm2_splits_k_in_the_prefill_scratch():
+    """SmolLM2's 512-row pass: its GEMMs' tiles fill about one block per SM, so they split K, in the prefill's own
+    scratch (the decode's would race the decode graph beside it), with the same slices as a pass of fewer rows
+    (whose small grids sum them in clusters instead)."""
+    c = config_of(SHAPES["smollm2-135m"])
+    e = plan_engine(c)
+    scratch = {e.prefill_split_k.ws.ptr, e.prefill_split_k.counters.ptr}
+
+    def gemms(rows: int) -> list:
+        return [w for w in e._prefill_launches(((rows, True),), all_logits=False).body if "matmul" in w.kernel.name]
+
+    full = gemms(512)
+    assert all(w.grid[2] > 1 and scratch <= _pointers(w) for w in full[:4])  # a layer's four
+    for rows in (7, 130, 300):
+        assert [w.grid[2] for w in gemms(rows)] == [w.grid[2] for w in full], rows
 
 
 def test_gemma3_layers_get_their_window_and_rope_base():

@@ -350,21 +350,27 @@ class _GemmOps(_Ops):
         gu: int,
         o: int,
         split_k: SplitK | None,
+        slice_rows: int | None = None,
     ):
         super().__init__(e, n, x, tokens)
         self.xh, self.qkv, self.gu, self.o, self.split_k = xh, qkv, gu, o, split_k
+        self.slice_rows = slice_rows  # K sliced as for this many rows, whatever n (Kernels.matmul)
 
     def norm_outs(self, W) -> tuple[dict, Act]:
         return {"yh": self.xh}, self.xh
 
     def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
         assert isinstance(xin, int)
-        self.L += self.k.matmul(W, xin, out, self.n, ldc=ld, bias=bias, split_k=self.split_k)
+        self.L += self.k.matmul(
+            W, xin, out, self.n, ldc=ld, bias=bias, split_k=self.split_k, slice_rows=self.slice_rows
+        )
 
     def project(self, W, xin: Act, mode: int) -> None:
         assert isinstance(xin, int)
         out = self.x if mode == MODE_ADD else self.o
-        self.L += self.k.matmul(W, xin, out, self.n, ldc=self.c.dim, mode=mode, split_k=self.split_k)
+        self.L += self.k.matmul(
+            W, xin, out, self.n, ldc=self.c.dim, mode=mode, split_k=self.split_k, slice_rows=self.slice_rows
+        )
 
     def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
         F = self.c.ffn_dim
@@ -391,7 +397,9 @@ class _GemmDecodeOps(_GemmOps):
 class _PrefillOps(_GemmOps):
     """A prefill pass: up to PREFILL_CHUNK tokens of one or more sequences, `lengths[r]` consecutive rows of
     sequence r (block-table row r of the prefill inputs). [q/k norms,] rope and the cache write for all tokens
-    (pre.slots names each token's row), then flash attention per sequence on its rows."""
+    (pre.slots names each token's row), then flash attention per sequence on its rows. GEMMs split K as for a
+    full pass of PREFILL_CHUNK rows whatever the pass's rows (INGOT_PREFILL_SPLIT_K; their own scratch, as the
+    pass runs beside the decode step): a row's result does not depend on the pass it was in."""
 
     def __init__(self, e: CudaEngine, lengths: tuple[int, ...]):
         super().__init__(
@@ -403,7 +411,8 @@ class _PrefillOps(_GemmOps):
             qkv=e.pqkv.ptr,
             gu=e.pgu.ptr,
             o=e.po.ptr,
-            split_k=None,
+            split_k=e.prefill_split_k,
+            slice_rows=PREFILL_CHUNK,
         )
         self.lengths = lengths
 
@@ -608,6 +617,8 @@ class CudaEngine:
         self.part_ml = a(8 * B * c.n_heads * MAX_SPLITS, "attention partial m,l")
         self.counters = a(4 * B * c.n_kv_heads, "attention split counters")  # zero between launches
         self.split_k = self.k.split_k(self.pool, self.stream)  # wide-batch decode's GEMM scratch
+        # the prefill passes' own (they run on the side stream, beside the decode graph): None, no split-K
+        self.prefill_split_k = self.k.split_k(self.pool, self.stream) if settings.PREFILL_SPLIT_K.get() else None
         # sample_prep_f32's per-chunk results (decode's B rows; prefill's one row reuses row 0, stream-ordered)
         self.sample_chunks = a(sample_chunk_bytes(V, B), "sampler chunk results")
         self.stream.memset(self.counters.ptr, 0, self.counters.nbytes)

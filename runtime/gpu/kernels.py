@@ -228,7 +228,15 @@ class GemmTiling:
 
 
 def matmul_geometry(
-    M: int, N: int, K: int, sm_count: int, *, mma: bool, split: bool, cluster: bool = False
+    M: int,
+    N: int,
+    K: int,
+    sm_count: int,
+    *,
+    mma: bool,
+    split: bool,
+    cluster: bool = False,
+    slice_rows: int | None = None,
 ) -> GemmTiling:
     """The tiling of a GEMM (the whole matrix's N; a stack's parts take the same tiling). matmul2's tile height is
     the smallest of MATMUL2_TILE_ROWS covering M (decode batches: no multiplies wasted on padding rows); without
@@ -241,26 +249,47 @@ def matmul_geometry(
     which uses no SplitK scratch; for grids of at most CLUSTER_GRID_PER_SM blocks per SM) or by the last block:
     one geometry, so the two sums give the same bits. A grid of 1 to CLUSTER_GRID_PER_SM blocks per SM takes fewer
     slices, down to one block per SM: a cluster waits for its slowest block, and a block sharing an SM is that
-    (SmolLM2's gate+up at 64 rows: 24 tiles x 6 slices on 132 SMs 12.1 us, x 4 slices 10.4 us)."""
+    (SmolLM2's gate+up at 64 rows: 24 tiles x 6 slices on 132 SMs 12.1 us, x 4 slices 10.4 us).
+    slice_rows (prefill passes, split): the tile height follows the rule without split-K for M, and K is cut as it
+    would be for a pass of slice_rows rows, whatever M. Every pass then sums a matrix's K in the same slices, so a
+    row's result does not depend on the rows beside it (a prompt's tokens and the prefix cache's pages are the
+    same however the passes were composed); a pass whose own tiles would fill the GPU twice takes none."""
     if mma:
         tn = MATMUL2_BN
-        tm = next((t for t in MATMUL2_TILE_ROWS if t >= M), MATMUL2_TILE_ROWS[-1])
-        while not split and tm > MATMUL2_PREFILL_MIN_ROWS and -(-M // tm) * -(-N // tn) < sm_count:
-            tm //= 2
+        tm = _tile_rows(M, N, sm_count, shrink=not split or slice_rows is not None)
     else:
         tm = tn = MATMUL_TILE
     tiles = -(-M // tm) * -(-N // tn)
     slices = 1
     if split and tiles < 2 * sm_count:
-        fit = split_k_floats(sm_count) // (tiles * tm * tn)
-        steps = K // QK
-        balance = math.isqrt(SPLIT_K_BALANCE * steps * SPLIT_K_BALANCE_ROWS // tm) if mma else MAX_K_SLICES
-        most = MAX_CLUSTER_SLICES if mma else MAX_K_SLICES
-        slices = max(1, min(steps, most, -(-2 * sm_count // tiles), balance, fit))
-        if mma and sm_count < tiles * slices <= CLUSTER_GRID_PER_SM * sm_count:
-            slices = max(1, sm_count // tiles)  # a grid this small: a block per SM (none waits on a shared one)
+        if slice_rows is None:
+            slices = _k_slices(tiles, tm, tn, K, sm_count, mma)
+        else:
+            tm_pass = _tile_rows(slice_rows, N, sm_count, shrink=True) if mma else tm
+            slices = _k_slices(-(-slice_rows // tm_pass) * -(-N // tn), tm_pass, tn, K, sm_count, mma)
     cluster = cluster and mma and slices > 1 and tiles * slices <= CLUSTER_GRID_PER_SM * sm_count
     return GemmTiling(mma, tm, tn, slices, cluster=cluster)
+
+
+def _tile_rows(M: int, N: int, sm_count: int, *, shrink: bool) -> int:
+    """matmul2's tile height for M rows: the smallest tile covering M; shrink (no split-K to fill the GPU with): a
+    smaller one, down to MATMUL2_PREFILL_MIN_ROWS, while the larger would leave SMs idle."""
+    tm = next((t for t in MATMUL2_TILE_ROWS if t >= M), MATMUL2_TILE_ROWS[-1])
+    while shrink and tm > MATMUL2_PREFILL_MIN_ROWS and -(-M // tm) * -(-N // MATMUL2_BN) < sm_count:
+        tm //= 2
+    return tm
+
+
+def _k_slices(tiles: int, tm: int, tn: int, K: int, sm_count: int, mma: bool) -> int:
+    """Split-K slices for a grid of `tiles` tiles of tm x tn (fewer than 2 x SMs): matmul_geometry's rule."""
+    fit = split_k_floats(sm_count) // (tiles * tm * tn)
+    steps = K // QK
+    balance = math.isqrt(SPLIT_K_BALANCE * steps * SPLIT_K_BALANCE_ROWS // tm) if mma else MAX_K_SLICES
+    most = MAX_CLUSTER_SLICES if mma else MAX_K_SLICES
+    slices = max(1, min(steps, most, -(-2 * sm_count // tiles), balance, fit))
+    if mma and sm_count < tiles * slices <= CLUSTER_GRID_PER_SM * sm_count:
+        slices = max(1, sm_count // tiles)  # a grid this small: a block per SM (none waits on a shared one)
+    return slices
 
 
 @dataclass(frozen=True)
@@ -609,10 +638,12 @@ class Kernels:
         mode: int = MODE_STORE,
         bias: DeviceBuffer | None = None,
         split_k: SplitK | None = None,
+        slice_rows: int | None = None,
     ) -> list:
         """C[M, N] (op)= A[M, K] fp16 · W[N, K]^T, C fp32 with row stride ldc. Returns the steps to run.
         split_k: when the tiles alone would not fill the GPU twice over, slice K too (decode batches), with this
         scratch; the partial sums are added in a fixed order (cuda/matmul.cu), so results do not vary between runs.
+        slice_rows: K sliced as for that many rows, whatever M (prefill passes: matmul_geometry).
         With self.split_k_cluster (sm_90+) a tile's slices run as one thread-block cluster and sum through its
         shared memory instead (the scratch unused; the same bits). A GpuStack gets one launch per part, writing
         its columns of C at the part's offset. The kernels and their tiling: matmul_geometry (self.matmul_mma: the
@@ -621,7 +652,14 @@ class Kernels:
             raise ValueError("matmul has no gated epilogue: run the activation kernel on its output")
         sm = self.device.info.sm_count
         tiling = matmul_geometry(
-            M, W.rows, W.cols, sm, mma=self.matmul_mma, split=split_k is not None, cluster=self.split_k_cluster
+            M,
+            W.rows,
+            W.cols,
+            sm,
+            mma=self.matmul_mma,
+            split=split_k is not None,
+            cluster=self.split_k_cluster,
+            slice_rows=slice_rows,
         )
         scratch = None if tiling.cluster else split_k
         steps: list = []
