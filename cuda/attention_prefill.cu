@@ -12,7 +12,11 @@
 // GQA packing: the G = H/Hkv query heads of one kv head share every key, so a block takes BQ = 64 "packed rows"
 // R = t*G + g (token t, head kvh*G + g) of one kv head, and each K/V tile it loads serves all G heads at once
 // (G times less K/V traffic, and a block spans BQ/G token positions, so the causal triangle wastes less).
-// Block = 4 warps, each owning 16 packed rows (one m16 tile); grid (ceil(T*G / BQ), Hkv).
+// Block = 4 warps, each owning 16 packed rows (one m16 tile); grid (ceil(T*G / BQ), Hkv). The varlen entry
+// point takes the chunks of several sequences of a prefill pass in one launch, grid (ceil(max T*G / BQ), Hkv,
+// sequences): block z runs sequence z's rows exactly as a launch of its own would (same tiles, same order of
+// work: the same bits), and the blocks past its last tile return at once. A pass of four 128-token prompts was
+// four launches of 18 blocks (SmolLM2) on 132 SMs: 7 us each, one after the other.
 //
 // Per block: Q (fp32 rows * scale -> fp16) into shared memory; then the key tiles of one page each (PAGE = 32
 // keys) from the first any of its queries can see (window) to the last (causal), double-buffered with cp.async
@@ -48,7 +52,7 @@ __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ qkv, 
                                                  const __half* __restrict__ k_cache,
                                                  const __half* __restrict__ v_cache, const int* __restrict__ block_row,
                                                  int start, int T, __half* __restrict__ out, int H, int Hkv,
-                                                 float scale, int window, float softcap) {
+                                                 float scale, int window, float softcap, int tile) {
     constexpr int LD = HD + SPAD;      // shared row stride in halfs ((HD + 8) * 2 bytes: a multiple of 16)
     constexpr int NT = PAGE / 8;       // 8-key n-tiles of S per key tile
     constexpr int DT = HD / 8;         // 8-dim n-tiles of O
@@ -62,9 +66,9 @@ __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ qkv, 
     __half* sK = sQ + BQ * LD;                          // [2][PAGE][LD]
     __half* sV = sK + 2 * PAGE * LD;                    // [2][PAGE][LD]
 
-    // Blocks in launch order take the last rows first: they see the most keys (causal), and starting the
-    // longest blocks first keeps the last wave short.
-    const int kvh = blockIdx.y, G = H / Hkv, rows = T * G, R0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    // The block's tile of BQ packed rows; the callers give blocks in launch order the last rows first: they see
+    // the most keys (causal), and starting the longest blocks first keeps the last wave short.
+    const int kvh = blockIdx.y, G = H / Hkv, rows = T * G, R0 = tile * BQ;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
 
     // Keys this block needs: tiles tile0..tile1 (one page each). Packed rows past T*G (the last block's
@@ -228,9 +232,21 @@ __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ qkv, 
 
 #define ATTN_PREFILL_MMA(HD)                                                                                     \
     attn_prefill_mma<HD>(qkv, ldqkv, k_cache, v_cache, block_row, tok_pos[0], T, out, H, Hkv, scale, window, \
-                         softcap)
+                         softcap, gridDim.x - 1 - blockIdx.x)
+// Sequence z = blockIdx.z of a varlen launch: its rows starts[z]..starts[z+1]-1 of the pass, its block-table row
+// z; blocks past its tiles return (before any barrier, so the whole block leaves together).
+#define ATTN_PREFILL_MMA_VARLEN(HD)                                                                              \
+    do {                                                                                                         \
+        const int z = blockIdx.z, r0 = starts[z], T = starts[z + 1] - r0;                                       \
+        const int tiles = (T * (H / Hkv) + BQ - 1) / BQ;                                                         \
+        if ((int)blockIdx.x >= tiles) return;                                                                    \
+        attn_prefill_mma<HD>(qkv + (size_t)r0 * ldqkv, ldqkv, k_cache, v_cache, block_table + (size_t)z * max_pages, \
+                             tok_pos[r0], T, out + (size_t)r0 * H * HD, H, Hkv, scale, window, softcap,          \
+                             tiles - 1 - blockIdx.x);                                                            \
+    } while (0)
 #else
 #define ATTN_PREFILL_MMA(HD) // sm_75: never launched (the host picks attention.cu's attn_prefill_f16 there)
+#define ATTN_PREFILL_MMA_VARLEN(HD)
 #endif
 
 // grid (ceil(T*G / 64), Hkv), 128 threads, Kernels.prefill_mma_smem(hd) bytes of dynamic shared memory (past the
@@ -254,4 +270,25 @@ attn_prefill_mma_f16_hd256(const float* qkv, int ldqkv, const __half* k_cache, c
     INGOT_PDL_ENTRY();
     ATTN_PREFILL_MMA(256);
 }
+
+// The chunks of S sequences in one launch, grid (ceil(max T*G / 64), Hkv, S): qkv [rows, ldqkv] and out [rows,
+// H*hd] hold the pass's rows, sequence z's at starts[z]..starts[z+1]-1 (int32 [S+1]); block_table [S, max_pages]
+// its pages (row z); tok_pos [rows] the rows' positions (each sequence's contiguous). Otherwise as above.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+attn_prefill_mma_varlen_f16(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache,
+                            const int* block_table, int max_pages, const int* tok_pos, const int* starts,
+                            __half* out, int H, int Hkv, int hd, float scale, int window, float softcap) {
+    INGOT_PDL_ENTRY();
+    if (hd == 64) ATTN_PREFILL_MMA_VARLEN(64);
+    else ATTN_PREFILL_MMA_VARLEN(128);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+attn_prefill_mma_varlen_f16_hd256(const float* qkv, int ldqkv, const __half* k_cache, const __half* v_cache,
+                                  const int* block_table, int max_pages, const int* tok_pos, const int* starts,
+                                  __half* out, int H, int Hkv, int hd, float scale, int window, float softcap) {
+    INGOT_PDL_ENTRY();
+    ATTN_PREFILL_MMA_VARLEN(256);
+}
 #undef ATTN_PREFILL_MMA
+#undef ATTN_PREFILL_MMA_VARLEN

@@ -62,6 +62,7 @@ class _Recorder(Kernels):
     matmul = _record("matmul")
     attn_decode = _record("attn_decode")
     attn_prefill = _record("attn_prefill")
+    attn_prefill_varlen = _record("attn_prefill_varlen")
     rope_kv = _record("rope_kv")
     gated_act = _record("gated_act")
     add_rmsnorm = _record("add_rmsnorm")
@@ -143,7 +144,7 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
 
 
 _STEP_FIELDS = (
-    "tokens pos slots top_k hist_len counter temperature top_p min_p penalty seed hist block_table masked mask"
+    "tokens pos slots starts top_k hist_len counter temperature top_p min_p penalty seed hist block_table masked mask"
 ).split()
 
 
@@ -215,7 +216,7 @@ def test_block_follows_the_architecture(arch, path):
     k = e.k
     if path == "prefill":
         steps = e._prefill_launches(((5, True),), all_logits=False).launches
-        attn = k.of("attn_prefill")
+        attn = k.of("attn_prefill_varlen")
         for i, (args, kw) in enumerate(k.of("rope_kv")):
             assert args[1] is e.rope_tables[c.layer_rope(i)]
             assert kw["q_norm"] is e.w.layers[i].q_norm and kw["k_norm"] is e.w.layers[i].k_norm
@@ -261,24 +262,38 @@ def test_block_follows_the_architecture(arch, path):
         assert [kw["w_next"] for _, kw in post] == [w for pair in following for w in pair]
 
 
-def test_a_prefill_pass_of_several_sequences():
+@pytest.mark.parametrize("mma", [True, False])
+def test_a_prefill_pass_of_several_sequences(mma):
     """A pass of three sequences (5 rows that sample nothing, then 7 and 3 that sample): one GEMM per product over
-    all 15 rows, the cache write over all of them, flash attention per sequence on its own rows, positions,
-    block-table row and output rows; the two sampled rows (11 and 14) gathered into x for the head and the
+    all 15 rows, the cache write over all of them, flash attention on each sequence's own rows, positions,
+    block-table row and output rows (the tensor-core kernel: one launch per layer, a grid plane per sequence; the
+    scalar one: a launch per sequence); the two sampled rows (11 and 14) gathered into x for the head and the
     sampler over 2 rows."""
     c = config_of(SHAPES["tiny-k"])
     e = plan_engine(c)
+    e.k.prefill_mma = mma
     steps = e._prefill_launches(((5, False), (7, True), (3, True)), all_logits=False).launches
     assert {args[3] for args, _ in e.k.of("matmul")} == {15}  # M: every row at once
     assert [(args[2], args[8]) for args, _ in e.k.of("rope_kv")] == [(e.pre.ptr["slots"], 15)] * c.n_layers
-    attn = e.k.of("attn_prefill")
-    assert len(attn) == 3 * c.n_layers
     pre, H = e.pre.ptr, c.n_heads * c.head_dim
-    for (args, _), (r, start, n) in zip(attn, [(0, 0, 5), (1, 5, 7), (2, 12, 3)] * c.n_layers, strict=True):
-        qkv, ld, _, _, block_row, pos, T, out, _ = args
-        assert qkv == e.pqkv.ptr + 4 * start * e.qkv_dim and ld == e.qkv_dim
-        assert block_row == pre["block_table"] + 4 * r * e.max_pages and pos == pre["pos"] + 4 * start
-        assert T == n and out == e.pxh.ptr + 2 * start * H
+    if mma:
+        attn = e.k.of("attn_prefill_varlen")
+        assert not e.k.of("attn_prefill") and len(attn) == c.n_layers
+        for args, _ in attn:
+            qkv, ld, _, _, table, max_pages, pos, starts, lengths, out, _ = args
+            assert (qkv, ld, out) == (e.pqkv.ptr, e.qkv_dim, e.pxh.ptr) and lengths == (5, 7, 3)
+            assert (table, max_pages, pos, starts) == (pre["block_table"], e.max_pages, pre["pos"], pre["starts"])
+        G = c.n_heads // c.n_kv_heads
+        varlen = [s for s in steps if isinstance(s, Launch) and s.kernel.name == "attn_prefill_mma_varlen_f16"]
+        assert {s.grid for s in varlen} == {(-(-7 * G // 64), c.n_kv_heads, 3)}  # the longest sequence's tiles
+    else:
+        attn = e.k.of("attn_prefill")
+        assert len(attn) == 3 * c.n_layers
+        for (args, _), (r, start, n) in zip(attn, [(0, 0, 5), (1, 5, 7), (2, 12, 3)] * c.n_layers, strict=True):
+            qkv, ld, _, _, block_row, pos, T, out, _ = args
+            assert qkv == e.pqkv.ptr + 4 * start * e.qkv_dim and ld == e.qkv_dim
+            assert block_row == pre["block_table"] + 4 * r * e.max_pages and pos == pre["pos"] + 4 * start
+            assert T == n and out == e.pxh.ptr + 2 * start * H
     copies = [s for s in steps if isinstance(s, Copy)]
     assert [(s.dst, s.src, s.nbytes) for s in copies] == [
         (e.x.ptr + 4 * c.dim * j, e.px.ptr + 4 * c.dim * row, 4 * c.dim) for j, row in enumerate((11, 14))
@@ -288,7 +303,7 @@ def test_a_prefill_pass_of_several_sequences():
     alone = plan_engine(c)._prefill_launches(((4, False), (6, True)), all_logits=False).launches
     assert not any(isinstance(s, Copy) for s in alone) and alone[-1].grid == (1, 1, 1)
     silent = kernel_names(plan_engine(c)._prefill_launches(((9, False),), all_logits=False).launches)
-    assert "sample_f32" not in silent and silent.count("attn_prefill_mma_f16") == c.n_layers
+    assert "sample_f32" not in silent and silent.count("attn_prefill_mma_varlen_f16") == c.n_layers
 
 
 def _pointers(work) -> set[int]:
@@ -349,7 +364,9 @@ def test_gemma3_layers_get_their_window_and_rope_base():
     assert names.count("attn_decode_tile_f16_hd256") == c.n_layers  # head_dim 256: its own kernel
     assert names[-2:] == ["sample_prep_f32", "sample_f32"]  # 262,144 logits: the multi-block sampler pass
     assert (
-        kernel_names(e._prefill_launches(((3, True),), all_logits=False).launches).count("attn_prefill_mma_f16_hd256")
+        kernel_names(e._prefill_launches(((3, True),), all_logits=False).launches).count(
+            "attn_prefill_mma_varlen_f16_hd256"
+        )
         == c.n_layers
     )
     got = [(kw["window"], args[1]) for args, kw in e.k.of("attn_decode")]
@@ -461,7 +478,8 @@ class _Inputs:
 
     def __init__(self, B: int, T: int, max_pages: int, mask_words: int):
         ints = ("tokens", "pos", "slots", "top_k", "hist_len", "counter", "masked")
-        self.host = {n: np.zeros(T if n in ("tokens", "pos", "slots") else B, np.int32) for n in ints}
+        self.host = {"starts": np.zeros(B + 1, np.int32)}
+        self.host |= {n: np.zeros(T if n in ("tokens", "pos", "slots") else B, np.int32) for n in ints}
         self.host |= {n: np.zeros(B, np.float32) for n in ("temperature", "top_p", "min_p", "penalty")}
         self.host |= {"seed": np.zeros(B, np.uint64), "hist": np.zeros(B * 256, np.int32)}
         self.host |= {"block_table": np.full(B * max_pages, -1, np.int32), "mask": np.zeros(B * mask_words, np.uint32)}
@@ -531,6 +549,7 @@ def test_a_prefill_call_fills_passes_rows_and_sampling_rows():
     assert last1 == last2 == "mask"  # a masked row in each pass: the masks travel
     assert one["slots"][:512].tolist() == [0] * 40 + [1] * 300 + [2] * 172
     assert two["slots"][:83].tolist() == [0] * 78 + [1] * 5
+    assert one["starts"][:4].tolist() == [0, 40, 340, 512] and two["starts"][:3].tolist() == [0, 78, 83]
     assert one["pos"][340:512].tolist() == list(range(172)) and two["pos"][:78].tolist() == list(range(172, 250))
     M = e.max_pages
     for sent, rows in ((one, seqs[:3]), (two, seqs[2:])):

@@ -397,7 +397,8 @@ class _GemmDecodeOps(_GemmOps):
 class _PrefillOps(_GemmOps):
     """A prefill pass: up to PREFILL_CHUNK tokens of one or more sequences, `lengths[r]` consecutive rows of
     sequence r (block-table row r of the prefill inputs). [q/k norms,] rope and the cache write for all tokens
-    (pre.slots names each token's row), then flash attention per sequence on its rows. GEMMs split K as for a
+    (pre.slots names each token's row), then flash attention on each sequence's rows (one launch for all of them
+    with the tensor-core kernel: pre.starts holds where each sequence's rows start). GEMMs split K as for a
     full pass of PREFILL_CHUNK rows whatever the pass's rows (INGOT_PREFILL_SPLIT_K; their own scratch, as the
     pass runs beside the decode step): a row's result does not depend on the pass it was in."""
 
@@ -437,6 +438,26 @@ class _PrefillOps(_GemmOps):
                 eps=c.norm_eps,
             )
         )
+        if k.prefill_mma:
+            self.L.append(
+                k.attn_prefill_varlen(
+                    self.qkv,
+                    e.qkv_dim,
+                    kc,
+                    vc,
+                    p.ptr["block_table"],
+                    e.max_pages,
+                    p.ptr["pos"],
+                    p.ptr["starts"],
+                    self.lengths,
+                    self.xh,
+                    c,
+                    scale=c.attn_scale,
+                    window=c.layer_window(layer),
+                    softcap=c.attn_softcap,
+                )
+            )
+            return self.xh
         start = 0
         for r, n in enumerate(self.lengths):  # rows [start, start + n): sequence r's tokens, in position order
             self.L.append(
@@ -644,6 +665,7 @@ class CudaEngine:
             ("tokens", np.int32, rows),
             ("pos", np.int32, rows),
             ("slots", np.int32, rows),
+            ("starts", np.int32, B + 1),  # prefill: where each sequence's rows start, then the pass's rows
             ("top_k", np.int32, B),
             ("hist_len", np.int32, B),
             ("counter", np.int32, B),
@@ -964,6 +986,7 @@ class CudaEngine:
         p.host["tokens"][T : T + n] = piece
         p.host["pos"][T : T + n] = np.arange(st.pos, st.pos + n)
         p.host["slots"][T : T + n] = r
+        p.host["starts"][r : r + 2] = (T, T + n)
         p.host["block_table"][r * M : r * M + len(st.pages)] = st.pages
         self._remember(st, piece)
         st.pos += n
@@ -1054,6 +1077,7 @@ class CudaEngine:
             p.host["tokens"][:T] = chunk
             p.host["pos"][:T] = np.arange(st.pos, st.pos + T)
             p.host["slots"][:T] = 0
+            p.host["starts"][:2] = (0, T)
             self._remember(st, chunk)
             st.pos += T
             p.upload(self.stream, "tokens", "block_table")

@@ -71,7 +71,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 6  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 7  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -80,6 +80,7 @@ KERNEL_ABI = 6  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token
 # PDL_PREFETCH | PDL_LATE flags (no release carried 4, so 5 covers both)
 # 6: matmul2_<type>_bm* with ws == null are launched as clusters of a tile's split-K slices (sm_90+) and sum
 # them through distributed shared memory
+# 7: attn_prefill_mma_varlen_f16{,_hd256}: a prefill pass's sequences in one attention launch
 
 
 def header() -> str:

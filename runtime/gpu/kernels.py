@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +120,8 @@ PDL_KERNELS = frozenset(
         "attn_decode_tile_f16_hd256",
         "attn_prefill_mma_f16",
         "attn_prefill_mma_f16_hd256",
+        "attn_prefill_mma_varlen_f16",
+        "attn_prefill_mma_varlen_f16_hd256",
         "sample_prep_f32",
         "sample_f32",
     }
@@ -506,6 +509,8 @@ class Kernels:
         mark_pdl(self.k, device.info.cc)
         for hd in self.prefill_head_dims:
             self.k[self._prefill_kernel(hd)].allow_dynamic_smem(self.prefill_bytes(hd))
+            if self.prefill_mma:  # the several-sequence launch of the same kernel (attn_prefill_varlen)
+                self.k[self._attn_kernel("attn_prefill_mma_varlen_f16", hd)].allow_dynamic_smem(self.prefill_bytes(hd))
         # the staged logits share the block's shared memory with the kernel's own static arrays
         self.sample_smem_limit = device.info.max_smem_optin - self.k["sample_f32"].static_smem
 
@@ -892,6 +897,53 @@ class Kernels:
                 f32(softcap),
             ],
             smem=self.prefill_bytes(cfg.head_dim),
+        )
+
+    def attn_prefill_varlen(
+        self,
+        qkv: int,
+        ldqkv: int,
+        k_cache: int,
+        v_cache: int,
+        block_table: int,
+        max_pages: int,
+        tok_pos: int,
+        starts: int,
+        lengths: Sequence[int],
+        out: int,
+        cfg,
+        *,
+        scale: float = 0.0,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> Launch:
+        """attn_prefill for the chunks of several sequences in one launch (the mma kernel only: prefill_mma):
+        sequence z's lengths[z] rows at starts[z] (device int32 [S+1], its running sums) of qkv, tok_pos and out,
+        its pages at row z of block_table [S, max_pages]. The same bits as a launch per sequence."""
+        G = cfg.n_heads // cfg.n_kv_heads
+        tiles = (max(lengths) * G + PREFILL_MMA_ROWS - 1) // PREFILL_MMA_ROWS
+        return Launch(
+            self.k[self._attn_kernel("attn_prefill_mma_varlen_f16", cfg.head_dim)],
+            (tiles, cfg.n_kv_heads, len(lengths)),
+            ATT_WARPS * 32,
+            [
+                qkv,
+                i32(ldqkv),
+                k_cache,
+                v_cache,
+                block_table,
+                i32(max_pages),
+                tok_pos,
+                starts,
+                out,
+                i32(cfg.n_heads),
+                i32(cfg.n_kv_heads),
+                i32(cfg.head_dim),
+                f32(scale or cfg.head_dim**-0.5),
+                i32(window),
+                f32(softcap),
+            ],
+            smem=self.prefill_mma_smem(cfg.head_dim),
         )
 
     def gated_act(self, activation: str, gu: int, F: int, n: int, *, hh: int | None = None, hf: int | None = None):

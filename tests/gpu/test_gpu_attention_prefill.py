@@ -111,3 +111,76 @@ def test_prefill_attention_scalar_and_mma_agree(gpu, rng, hd, H, Hkv):
     b, _ = _prefill(gpu, np.random.default_rng(seed), hd, H, Hkv, 37, 100, window=512, softcap=30.0, mma=False)
     assert rel_err(a, ref) < TOL and rel_err(b, ref) < TOL
     assert rel_err(a, b) < 2 * TOL
+
+
+@pytest.mark.parametrize("hd,H,Hkv", [(64, 9, 3), (128, 12, 3), (256, 4, 1)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (512, 30.0)])
+def test_prefill_attention_varlen_gives_the_bits_of_a_launch_per_sequence(gpu, rng, hd, H, Hkv, window, softcap):
+    """One launch for a pass's three sequences (after cached prefixes of 0, 37 and 700 tokens, chunks of 7, 130
+    and 65 rows, each with its own pages and stale NaN/Inf slots past its last position): every sequence's rows
+    are bit-identical to a launch of its own, and within TOL of the reference."""
+    if gpu.dev.info.cc < 80:
+        pytest.skip("the tensor-core prefill kernel needs compute capability 8.0")
+    seqs = [(0, 7), (37, 130), (700, 65)]  # (cached tokens before the chunk, the chunk's rows)
+    cfg, ld = _Cfg(H, Hkv, hd), (H + 2 * Hkv) * hd
+    max_pages = max(-(-(s + T) // K.PAGE) for s, T in seqs)
+    n_pages = sum(-(-(s + T) // K.PAGE) for s, T in seqs) + 5
+    kh = rng.standard_normal((n_pages, Hkv, K.PAGE, hd)).astype(np.float16)
+    vh = rng.standard_normal((n_pages, Hkv, K.PAGE, hd)).astype(np.float16)
+    pages = iter(rng.permutation(n_pages).tolist())
+    table = np.full((len(seqs), max_pages), -1, np.int32)
+    for z, (s, T) in enumerate(seqs):
+        n = -(-(s + T) // K.PAGE)
+        table[z, :n] = [next(pages) for _ in range(n)]
+        last, used = table[z, n - 1], (s + T - 1) % K.PAGE + 1
+        kh[last, :, used:], vh[last, :, used:] = np.nan, np.inf
+    rows = sum(T for _, T in seqs)
+    qkv = rng.standard_normal((rows, ld)).astype(np.float32)
+    pos = np.concatenate([np.arange(s, s + T) for s, T in seqs]).astype(np.int32)
+    starts = np.cumsum([0] + [T for _, T in seqs]).astype(np.int32)
+    dq, dk, dv, dt, dp = gpu.put(qkv), gpu.put(kh), gpu.put(vh), gpu.put(table), gpu.put(pos)
+    kw = {"scale": 0.0, "window": window, "softcap": softcap}
+    together, apart = gpu.empty(2 * rows * H * hd), gpu.empty(2 * rows * H * hd)
+    with _kernel(gpu, True):
+        gpu.run(
+            gpu.k.attn_prefill_varlen(
+                dq.ptr,
+                ld,
+                dk.ptr,
+                dv.ptr,
+                dt.ptr,
+                max_pages,
+                dp.ptr,
+                gpu.put(starts).ptr,
+                [T for _, T in seqs],
+                together.ptr,
+                cfg,
+                **kw,
+            )
+        )
+        for z, (_, T) in enumerate(seqs):
+            r0 = int(starts[z])
+            gpu.run(
+                gpu.k.attn_prefill(
+                    dq.ptr + 4 * r0 * ld,
+                    ld,
+                    dk.ptr,
+                    dv.ptr,
+                    dt.ptr + 4 * z * max_pages,
+                    dp.ptr + 4 * r0,
+                    T,
+                    apart.ptr + 2 * r0 * H * hd,
+                    cfg,
+                    **kw,
+                )
+            )
+    got = gpu.get(together, np.float16, (rows, H * hd))
+    assert np.array_equal(got, gpu.get(apart, np.float16, (rows, H * hd)))
+    for z, (s, T) in enumerate(seqs):
+        n = -(-(s + T) // K.PAGE)
+        k = kh[table[z, :n]].transpose(0, 2, 1, 3).reshape(-1, Hkv, hd)[: s + T].astype(np.float32)
+        v = vh[table[z, :n]].transpose(0, 2, 1, 3).reshape(-1, Hkv, hd)[: s + T].astype(np.float32)
+        q = qkv[starts[z] : starts[z + 1], : H * hd].reshape(T, H, hd)
+        ref = attention(q, k, v, s, window=window, softcap=softcap)
+        mine = got[starts[z] : starts[z + 1]]
+        assert all(rel_err(mine[t], ref[t]) < TOL for t in range(T)), z
