@@ -688,6 +688,8 @@ def test_a_step_launched_ahead_copies_its_tokens_on_the_device_and_registers_the
         e.launch([a], [FROM_DEVICE], None, [])
     with pytest.raises(RuntimeError, match="order"):
         e.collect(two)
+    with pytest.raises(RuntimeError, match="not collected"):  # a call that waits for its own step
+        e.decode_and_prefill([c], [1], None, [])
     e.collect(one)
     assert len(e._seqs[a].chain.hashes) == 2  # registered with the token step 1 sampled
     e.collect(two)

@@ -97,8 +97,9 @@ class Engine(Protocol):
         chunks: Sequence[PrefillChunk],
     ) -> Any:
         """decode_and_prefill queued, not waited for: returns the handle collect() takes. A decode token may be
-        FROM_DEVICE (the module's docstring); a sequence whose sampling keeps a penalty window, or whose mask
-        depends on its last token, needs its token on the host and is refused one (UsageError). Checked whole
+        FROM_DEVICE (the module's docstring); a sequence with a repetition penalty needs its token on the host
+        (its penalty window) and is refused one (UsageError). A row's mask is the caller's, computed from the
+        tokens it knows: a caller whose masks depend on the last token collects that step first. Checked whole
         before any work, as decode_and_prefill."""
 
     def collect(self, launched: Any) -> tuple[list[int], list[int | None]]:

@@ -654,6 +654,9 @@ class CudaEngine:
         # Every row's logits (logits(): perplexity, tests), [T, V] fp32: allocated on first use, as it is large for
         # big vocabularies (512 x 262,144 x 4 bytes = 512 MiB for Gemma 3) and serving never needs it.
         self._all_logits: DeviceBuffer | None = None
+        # The memsets above (split-K counters) ran on the main stream; the prefill's are first used on the side
+        # stream, which waits on nothing before a server's first step.
+        self.stream.synchronize()
 
     def _input_fields(self, rows: int) -> list[tuple[str, type, int]]:
         """The inputs of a decode step (rows = B sequences) or a prefill pass (rows = T tokens): per row its token,
@@ -861,7 +864,15 @@ class CudaEngine:
         then the prefill passes are queued on the side stream while it runs (their launches cost host time; their
         layers run beside the graph, their heads after its readback: _flush), and the tokens of both are read back
         at once."""
+        self._none_in_flight()
         return self.collect(self.launch(seqs, tokens, masks, chunks))
+
+    def _none_in_flight(self) -> None:
+        """The calls that wait for their own work (decode_and_prefill and the calls made of it, logits) run with
+        no launched step uncollected: theirs would be collected out of order, and logits() reuses the prefill
+        buffers a pass in flight may still read."""
+        if self._flight:
+            raise RuntimeError("a launched step is not collected yet: collect it first")
 
     def launch(
         self,
@@ -889,16 +900,16 @@ class CudaEngine:
         self._decode_filled.clear()
         self._layers_after_decode = False
         h = _Launched(slot, [], [])
-        B = self._launch_decode(seqs, tokens, masks, h, prev) if seqs else 0
-        if B:
-            slot.decoded.record(self.stream)  # after its readback: the prefill heads may use its buffers
-        self._decode_queued = bool(B)
         try:
+            B = self._launch_decode(seqs, tokens, masks, h, prev) if seqs else 0
+            if B:
+                slot.decoded.record(self.stream)  # after its readback: the prefill heads may use its buffers
+            self._decode_queued = bool(B)
             h.sampled = self._launch_prefill(chunks, states, first=B)
         except BaseException:
             with contextlib.suppress(Exception):  # (the error raised is the first one)
                 self.stream.synchronize()
-                self.side.synchronize()  # nothing it queued may outlive the call: the next step's decode would race it
+                self.side.synchronize()  # nothing queued may outlive the call (its sequences' pages go back)
             raise
         h.chunks = len(chunks)
         for k, i in enumerate(h.sampled):
@@ -1065,6 +1076,7 @@ class CudaEngine:
 
     def logits(self, seq: int, tokens: Sequence[int]) -> np.ndarray:
         """Every row's logits: one sequence, passes of PREFILL_CHUNK tokens, each read back."""
+        self._none_in_flight()
         (st,) = self._check([PrefillChunk(seq, tokens, False)])
         tokens = [int(t) for t in tokens]
         self._reserve(st, len(tokens))
