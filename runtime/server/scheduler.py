@@ -1,6 +1,6 @@
 """Continuous batching with chunked prefill: the step loop that owns the engine, inside the engine core process.
 
-Each `step()`, one engine.decode_and_prefill call:
+Each `step()`, one engine step (engine.launch, read back by engine.collect; see "Steps overlap" below):
     a decode of every sequence whose prompt is in (their last tokens)
     and prompt tokens, at most `prefill_chunk` of them (INGOT_PREFILL_CHUNK), for the sequences still being
         prefilled, oldest first, admitting waiting requests in arrival order while a sequence slot (max_seqs)
