@@ -106,12 +106,18 @@ class _Launched:
     """A step queued by launch() and not collected yet: what collect() reads back and books."""
 
     slot: _Slot
-    decoded: list[tuple[int, _Seq]]  # (sequence id, state) of each decode row
-    fed: list[tuple[int, _Seq, int]]  # decode rows whose token the previous step samples: (id, state, its row there)
-    sampled: list[int] = field(default_factory=list)  # the chunks that sample, in row order (rows B.. of the output)
-    samplers: list[tuple[int, _Seq]] = field(default_factory=list)  # their (sequence id, state)
+    B: int = 0  # decode rows: the output's first B rows, then a row per chunk that samples
+    rows: list[tuple[int, _Seq]] = field(default_factory=list)  # (sequence id, state) of each output row
+    # the decode rows whose token the previous step samples: (sequence id, state, its row in that step's output)
+    fed: list[tuple[int, _Seq, int]] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)  # the chunks that sample, in row order (rows B..)
     chunks: int = 0
     side: bool = False  # work was queued on the side stream (slot.side_done is recorded after it)
+
+    def samples(self, q: int, st: _Seq) -> None:
+        """The output's next row is sequence q's next token: FROM_DEVICE means that row until collect()."""
+        st.token, st.sampler = None, (self, len(self.rows))
+        self.rows.append((q, st))
 
 
 @dataclass
@@ -895,11 +901,11 @@ class CudaEngine:
         if prev is not None:
             if prev.side:
                 self.stream.wait(prev.slot.side_done)
-            if prev.decoded and self.side is not self.stream:
+            if prev.B and self.side is not self.stream:
                 self.side.wait(prev.slot.decoded)
         self._decode_filled.clear()
         self._layers_after_decode = False
-        h = _Launched(slot, [], [])
+        h = _Launched(slot)
         try:
             B = self._launch_decode(seqs, tokens, masks, h, prev) if seqs else 0
             if B:
@@ -912,10 +918,8 @@ class CudaEngine:
                 self.side.synchronize()  # nothing queued may outlive the call (its sequences' pages go back)
             raise
         h.chunks = len(chunks)
-        for k, i in enumerate(h.sampled):
-            st = states[i]
-            h.samplers.append((chunks[i].seq, st))
-            st.token, st.sampler = None, (h, B + k)
+        for i in h.sampled:
+            h.samples(chunks[i].seq, states[i])
         slot.finished.record(self.stream)
         if self.side is not self.stream and chunks:
             slot.side_done.record(self.side)
@@ -934,8 +938,8 @@ class CudaEngine:
         h.slot.finished.synchronize()
         if h.side:
             h.slot.side_done.synchronize()
-        B, got = len(h.decoded), h.slot.out_host.view(np.int32, 0, len(h.decoded) + len(h.sampled)).tolist()
-        for (_, st), token in zip([*h.decoded, *h.samplers], got, strict=True):
+        B, got = h.B, h.slot.out_host.view(np.int32, 0, len(h.rows)).tolist()
+        for (_, st), token in zip(h.rows, got, strict=True):
             if st.sampler is not None and st.sampler[0] is h:
                 st.token, st.sampler = token, None
         nxt = self._flight[0] if self._flight else None
@@ -1032,10 +1036,15 @@ class CudaEngine:
         for st, piece in ps.written:
             self.pages.append(st.pages, st.chain, piece)  # registers the pages it filled (side-stream ordered)
         if ps.sampled:
-            n, slot = len(ps.sampled), self._slot
-            side.copy(slot.out_dev + 4 * row, self.out_tokens.ptr, 4 * n)
-            side.download(slot.out_host.view(np.int32, 4 * row, n), slot.out_dev + 4 * row)
+            self._read_back(side, row, len(ps.sampled))
         return ps.sampled
+
+    def _read_back(self, stream: Stream, row: int, n: int) -> None:
+        """The n tokens a sampler just wrote (out_tokens) into rows row.. of this step's output: on the device
+        (a later step may feed them, _copy_runs) and, from there, on the host (collect)."""
+        slot = self._slot
+        stream.copy(slot.out_dev + 4 * row, self.out_tokens.ptr, 4 * n)
+        stream.download(slot.out_host.view(np.int32, 4 * row, n), slot.out_dev + 4 * row)
 
     def _behind_decode(self) -> None:
         """Order what is queued next on the side stream after this step's decode and its readback (a wait once
@@ -1198,15 +1207,13 @@ class CudaEngine:
             assert prev is not None
             self._copy_runs(s.ptr["tokens"], prev.slot.out_dev, fed)
         self._graph(B).launch(self.stream)
-        slot = self._slot
-        self.stream.copy(slot.out_dev, self.out_tokens.ptr, 4 * B)
-        self.stream.download(slot.out_host.view(np.int32, 0, B), slot.out_dev)
+        self._read_back(self.stream, 0, B)
         append, filled = self.pages.append, self._decode_filled
         deferred = {b for b, _ in fed}
+        h.B = B
         for b, (q, st, tok) in enumerate(zip(seqs, states, tokens, strict=True)):
             st.pos += 1
-            h.decoded.append((q, st))
-            st.token, st.sampler = None, (h, b)
+            h.samples(q, st)
             if b in deferred:
                 continue
             registered = append(st.pages, st.chain, (tok,))

@@ -274,6 +274,18 @@ def matmul_geometry(
     return GemmTiling(mma, tm, tn, slices, cluster=cluster)
 
 
+def _attn_prefill_heads(cfg, scale: float, window: int, softcap: float) -> list:
+    """The prefill attention kernels' last arguments (both entry points): H, Hkv, hd, scale, window, softcap."""
+    return [
+        i32(cfg.n_heads),
+        i32(cfg.n_kv_heads),
+        i32(cfg.head_dim),
+        f32(scale or cfg.head_dim**-0.5),
+        i32(window),
+        f32(softcap),
+    ]
+
+
 def _tile_rows(M: int, N: int, sm_count: int, *, shrink: bool) -> int:
     """matmul2's tile height for M rows: the smallest tile covering M; shrink (no split-K to fill the GPU with): a
     smaller one, down to MATMUL2_PREFILL_MIN_ROWS, while the larger would leave SMs idle."""
@@ -889,12 +901,7 @@ class Kernels:
                 tok_pos,
                 i32(T),
                 out,
-                i32(cfg.n_heads),
-                i32(cfg.n_kv_heads),
-                i32(cfg.head_dim),
-                f32(scale or cfg.head_dim**-0.5),
-                i32(window),
-                f32(softcap),
+                *_attn_prefill_heads(cfg, scale, window, softcap),
             ],
             smem=self.prefill_bytes(cfg.head_dim),
         )
@@ -936,12 +943,7 @@ class Kernels:
                 tok_pos,
                 starts,
                 out,
-                i32(cfg.n_heads),
-                i32(cfg.n_kv_heads),
-                i32(cfg.head_dim),
-                f32(scale or cfg.head_dim**-0.5),
-                i32(window),
-                f32(softcap),
+                *_attn_prefill_heads(cfg, scale, window, softcap),
             ],
             smem=self.prefill_mma_smem(cfg.head_dim),
         )

@@ -86,11 +86,15 @@ class _Seq:
     def alive(self) -> bool:
         return self.seq is not None
 
+    def ends_by_length(self, generated: int) -> bool:
+        """Whether `generated` tokens end it by length: max_tokens, or a full context (the engine holds the prompt
+        and every generated token but the last: prompt + generated - 1 tokens, which fill the context once
+        generated > ctx_room, and the last token has no room to be fed)."""
+        return generated >= self.req.max_tokens or generated > self.ctx_room
+
     def ends_in_flight(self) -> bool:
-        """Whether the token in flight ends it by length (max_tokens, or a full context): then it is not decoded
-        again."""
-        n = self.n_generated + self.in_flight
-        return self.in_flight > 0 and (n >= self.req.max_tokens or n > self.ctx_room)
+        """Whether the token in flight ends it by length: then it is not decoded again."""
+        return self.in_flight > 0 and self.ends_by_length(self.n_generated + self.in_flight)
 
     @property
     def needs_token(self) -> bool:
@@ -375,9 +379,7 @@ class Scheduler:
             self._end(s, outputs, "eos")
             return
         s.n_generated += 1
-        # The engine holds the prompt and every generated token but this one: prompt + n_generated - 1 tokens,
-        # which fill the context once n_generated > ctx_room (this token has no room to be fed).
-        if s.n_generated >= s.req.max_tokens or s.n_generated > s.ctx_room:
+        if s.ends_by_length(s.n_generated):
             self._end(s, outputs, "length")
 
     # Constrained decoding: masks before a step, matchers advanced in _accept. Sequences without a constraint
