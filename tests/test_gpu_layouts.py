@@ -42,6 +42,7 @@ from ingot.runtime.gpu.kernels import (
     matmul2_smem,
     matmul_geometry,
     matmul_uses_mma,
+    prefill_split_k_need,
     split_k_floats,
     split_k_uses_clusters,
 )
@@ -327,9 +328,9 @@ def test_matmul2_split_k_balances_the_main_loop_and_the_ordered_sum(M, N, K, sli
 @pytest.mark.parametrize("sm_count", [132, 46])
 def test_prefill_passes_slice_k_alike_whatever_their_rows(shape, sm_count):
     """A prefill pass's GEMMs (slice_rows = PREFILL_CHUNK) cut K in the same slices for every row count, so a row's
-    result does not depend on the pass it was in; each grid is one the kernel and the scratch can take (ordered
-    sums: fewer tiles than 2 x SMs, partial tiles within SplitK's floats). SmolLM2's full pass splits K (its
-    GEMMs' tiles alone fill about one block per SM)."""
+    result does not depend on the pass it was in; each grid is one the kernel and the passes' scratch (sized by
+    prefill_split_k_need for the model's matrices) can take. SmolLM2's full pass splits K (its GEMMs' tiles
+    alone fill about one block per SM)."""
     from ingot.runtime.engines.cuda import PREFILL_CHUNK
     from ingot.runtime.model.synth import SHAPES, config_of
 
@@ -337,6 +338,7 @@ def test_prefill_passes_slice_k_alike_whatever_their_rows(shape, sm_count):
     qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     gemms = {"qkv": (qkv, c.dim), "o": (c.dim, c.n_heads * c.head_dim), "gu": (2 * c.ffn_dim, c.dim)}
     gemms["down"] = (c.dim, c.ffn_dim)
+    need_floats, need_tiles = prefill_split_k_need(gemms.values(), sm_count, PREFILL_CHUNK)
     for name, (N, K) in gemms.items():
         tilings = {
             M: matmul_geometry(M, N, K, sm_count, mma=True, split=True, cluster=True, slice_rows=PREFILL_CHUNK)
@@ -346,9 +348,31 @@ def test_prefill_passes_slice_k_alike_whatever_their_rows(shape, sm_count):
         for M, t in tilings.items():
             tiles = -(-M // t.tm) * -(-N // t.tn)
             if t.slices > 1 and not t.cluster:
-                assert tiles < 2 * sm_count and tiles * t.slices * t.tm * t.tn <= split_k_floats(sm_count)
+                assert tiles < 2 * sm_count and tiles <= max(2 * sm_count, need_tiles)
+                assert tiles * t.slices * t.tm * t.tn <= max(split_k_floats(sm_count), need_floats), (name, M)
         if shape == "smollm2-135m" and sm_count == 132:
             assert tilings[512].slices > 1, name
+
+
+@pytest.mark.parametrize(
+    "N,K,tm,slices,measured",
+    [
+        (6144, 4096, 128, 4, "137 us; v14's 128 rows, 1 slice: 153"),  # the 8B's qkv
+        (4096, 4096, 128, 2, "88 us; v14's 64 rows, 2 slices: 121"),  # o
+        (28672, 4096, 128, 1, "543 us, as v14"),  # gate+up: 896 tiles fill the GPU 3.4 times
+        (4096, 14336, 128, 2, "265 us; v14's 64 rows, 2 slices: 384"),  # down
+        # SmolLM2's, under PREFILL_MODEL_MIN_US: v14's rule, as its whole pass measured faster
+        (960, 576, 32, 3, "14.5 us alone (64 rows, 2 slices: 13.0); pp512 140.6k against 130.8k"),  # qkv
+        (576, 1536, 32, 4, "20.0 us alone (64 rows, 3 slices: 16.2)"),  # down
+    ],
+)
+def test_a_full_prefill_pass_takes_the_tiling_measured_fastest_on_the_h200(N, K, tm, slices, measured):
+    """The prefill cost model (MATMUL2_STEP_US ...) against the H200 sweep it was fitted on (cuda/PERF.md v15: every
+    tile height of 32-128 rows with 1-8 slices at 512 rows): for the 8B's four matrices it picks the fastest
+    measured tiling. SmolLM2's GEMMs are outside its range and keep v14's tiling, which their whole pass ran
+    faster with, though each alone was slower."""
+    t = matmul_geometry(512, N, K, 132, mma=True, split=True, cluster=True, slice_rows=512)
+    assert (t.tm, t.slices, t.cluster) == (tm, slices, False), measured
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ingot.runtime.engines.cuda import GPU_ARCHITECTURES, CudaEngine, _PassPlan
+from ingot.runtime.engines.cuda import GPU_ARCHITECTURES, PREFILL_CHUNK, CudaEngine, _PassPlan
 from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
@@ -112,7 +112,6 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
     e.step = SimpleNamespace(ptr={n: pool.alloc(64).ptr for n in _STEP_FIELDS})
     e.pre = SimpleNamespace(ptr={n: pool.alloc(64).ptr for n in _STEP_FIELDS})
     e.split_k = SplitK(pool.alloc(4096, "split-K partial tiles"), pool.alloc(4096, "split-K tile counters"))
-    e.prefill_split_k = SplitK(pool.alloc(4096, "prefill split-K partials"), pool.alloc(4096, "prefill counters"))
     e.k_cache = [pool.alloc(64) for _ in range(c.n_layers)]
     e.v_cache = [pool.alloc(64) for _ in range(c.n_layers)]
     e.rope_tables = {c.layer_rope(i): pool.alloc(64, f"rope {c.layer_rope(i)}") for i in range(c.n_layers)}
@@ -140,6 +139,8 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
     embed = _matrix(pool, qtype, c.n_vocab, D)
     head = embed if c.tied_embeddings else _matrix(pool, qtype, c.n_vocab, D)
     e.w = GpuWeights(embed=embed, layers=layers, out_norm=vec(D), head=head, nbytes=0)
+    floats, tiles = e.k.split_k_size(e.w.shapes(), PREFILL_CHUNK)  # as CudaEngine sizes the passes' scratch
+    e.prefill_split_k = SplitK(pool.alloc(4 * floats, "prefill split-K partials"), pool.alloc(4 * tiles, "counters"))
     return e
 
 

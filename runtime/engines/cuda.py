@@ -645,7 +645,11 @@ class CudaEngine:
         self.counters = a(4 * B * c.n_kv_heads, "attention split counters")  # zero between launches
         self.split_k = self.k.split_k(self.pool, self.stream)  # wide-batch decode's GEMM scratch
         # the prefill passes' own (they run on the side stream, beside the decode graph): None, no split-K
-        self.prefill_split_k = self.k.split_k(self.pool, self.stream) if settings.PREFILL_SPLIT_K.get() else None
+        self.prefill_split_k = (
+            self.k.split_k(self.pool, self.stream, self.w.shapes(), PREFILL_CHUNK)
+            if settings.PREFILL_SPLIT_K.get()
+            else None
+        )
         # sample_prep_f32's per-chunk results (decode's B rows; prefill's one row reuses row 0, stream-ordered)
         self.sample_chunks = a(sample_chunk_bytes(V, B), "sampler chunk results")
         self.stream.memset(self.counters.ptr, 0, self.counters.nbytes)

@@ -48,6 +48,11 @@ class GpuWeights:
     head: GpuMatrix
     nbytes: int
 
+    def shapes(self) -> set[tuple[int, int]]:
+        """(rows, cols) of every matrix a forward pass multiplies: what the prefill's split-K scratch is sized for."""
+        mats = [W for lw in self.layers for W in (lw.wqkv, lw.wo, lw.wgu, lw.wdown)] + [self.head]
+        return {(W.rows, W.cols) for W in mats}
+
 
 def _alloc_matrix(pool: DevicePool, qtype: str, rows: int, cols: int, name: str) -> GpuMatrix:
     """A [rows, cols] matrix's soa-v2 arrays (F32/BF16 sources get the F16 layout they are converted to)."""

@@ -159,6 +159,23 @@ SPLIT_K_TILES_PER_SM = 4  # partial tiles of SPLIT_K_TILE_FLOATS that SplitK hol
 # half). matmul_geometry caps the slices so that a grid's partial tiles fit.
 SPLIT_K_TILE_FLOATS = 64 * 128
 
+# matmul2's prefill tiling (matmul_geometry with slice_rows): a cost model fitted on the H200 (cuda/PERF.md v15: every
+# tile height of 32-128 rows with 1-8 slices, at 512 rows of the 8B's and SmolLM2's four matrices). An SM runs up to
+# MATMUL2_BLOCKS_PER_SM[tm] blocks at once (the kernels' __launch_bounds__ minimum; registers and shared memory
+# allow no more at 128 rows), so the busiest SM's rounds of blocks, each the k-steps of its slice at
+# ~MATMUL2_STEP_US[tm] a step, set the time, and each slice past the first adds ~MATMUL2_SLICE_US (its partial tile,
+# the ordered sum, a block's start). Its picks are the measured best for the 8B's four: its o runs as 4 x 32 tiles
+# of 128 rows in 2 slices, one round, 88 us, where v14's rule (64-row tiles, taken to give 132 SMs a tile each, and
+# 2 slices) took 121.
+MATMUL2_BLOCKS_PER_SM = {16: 4, 32: 3, 64: 3, 128: 2}
+MATMUL2_STEP_US = {16: 0.9, 32: 0.9, 64: 0.9, 128: 1.0}
+MATMUL2_SLICE_US = 4.0
+# ... where the main loop dominates: a matrix whose full pass the model puts at PREFILL_MODEL_MIN_US or more (the
+# 8B's four: 68-512 us). SmolLM2's (10-25 us) are set by per-launch latencies the model leaves out, and its picks,
+# faster alone (63.8 us a layer against 69.9), made the whole pass slower: pp512 130.8k against v14's 140.6k
+# (PERF.md v15); those keep v14's rule.
+PREFILL_MODEL_MIN_US = 40.0
+
 # The pipelined tensor-core GEMM (cuda/matmul.cu, matmul2_<type>_bm<TM>, compute capability >= 8.0): the bytes of
 # one weight row in a raw cp.async stage (its Mm2* structs' RAW_ROW; the weights.cuh types load from global memory
 # and have none), and its shared-memory rows of 32 + 8 halfs. Its tile heights: MATMUL2_TILE_ROWS (above).
@@ -253,10 +270,17 @@ def matmul_geometry(
     one geometry, so the two sums give the same bits. A grid of 1 to CLUSTER_GRID_PER_SM blocks per SM takes fewer
     slices, down to one block per SM: a cluster waits for its slowest block, and a block sharing an SM is that
     (SmolLM2's gate+up at 64 rows: 24 tiles x 6 slices on 132 SMs 12.1 us, x 4 slices 10.4 us).
-    slice_rows (prefill passes, split): the tile height follows the rule without split-K for M, and K is cut as it
-    would be for a pass of slice_rows rows, whatever M. Every pass then sums a matrix's K in the same slices, so a
-    row's result does not depend on the rows beside it (a prompt's tokens and the prefix cache's pages are the
-    same however the passes were composed); a pass whose own tiles would fill the GPU twice takes none."""
+    slice_rows (prefill passes, split): K is cut as it would be for a pass of slice_rows rows, whatever M, so every
+    pass sums a matrix's K in the same slices and a row's result does not depend on the rows beside it (a
+    prompt's tokens and the prefix cache's pages are the same however the passes were composed). The cut: the
+    cost model's (_prefill_tiling, with the tile height its best for M at those slices) for a matrix whose full
+    pass it estimates at PREFILL_MODEL_MIN_US or more; below that, the tile height follows the rule without
+    split-K for M, and the slices _k_slices's for a full pass (v14's rule)."""
+    modeled = _prefill_tiling(M, N, K, sm_count, slice_rows) if mma and split and slice_rows is not None else None
+    if modeled is not None:
+        # the slices sum through the scratch (Kernels.split_k sizes it for them): as clusters, the 8B's 512-row
+        # GEMMs in their best tilings ran 6-19% slower (PERF.md v15), and the bits are the same
+        return GemmTiling(mma, modeled[0], MATMUL2_BN, modeled[1])
     if mma:
         tn = MATMUL2_BN
         tm = _tile_rows(M, N, sm_count, shrink=not split or slice_rows is not None)
@@ -272,6 +296,63 @@ def matmul_geometry(
             slices = _k_slices(-(-slice_rows // tm_pass) * -(-N // tn), tm_pass, tn, K, sm_count, mma)
     cluster = cluster and mma and slices > 1 and tiles * slices <= CLUSTER_GRID_PER_SM * sm_count
     return GemmTiling(mma, tm, tn, slices, cluster=cluster)
+
+
+def _prefill_heights(rows: int) -> list[int]:
+    """Tile heights a prefill pass of `rows` rows may take, tallest first: the smallest covering them, and those
+    below it down to MATMUL2_PREFILL_MIN_ROWS."""
+    cover = next((t for t in MATMUL2_TILE_ROWS if t >= rows), MATMUL2_TILE_ROWS[-1])
+    return [t for t in reversed(MATMUL2_TILE_ROWS) if t <= cover and (t >= MATMUL2_PREFILL_MIN_ROWS or t == cover)]
+
+
+def _prefill_cost(M: int, N: int, K: int, tm: int, slices: int, sm_count: int) -> float:
+    """Estimated microseconds of matmul2 on M rows in tm-row tiles and `slices` slices of K (the model above): the
+    busiest SM's rounds of MATMUL2_BLOCKS_PER_SM[tm] blocks, each the k-steps of its slice."""
+    per_sm = -(-(-(-M // tm) * -(-N // MATMUL2_BN) * slices) // sm_count)
+    rounds = -(-per_sm // MATMUL2_BLOCKS_PER_SM[tm])
+    return rounds * -(-(K // QK) // slices) * MATMUL2_STEP_US[tm] + (slices - 1) * MATMUL2_SLICE_US
+
+
+def _prefill_plan(rows: int, N: int, K: int, sm_count: int) -> tuple[int, int]:
+    """(tile height, slices) of least estimated time for a pass of `rows` rows; ties go to taller tiles and fewer
+    slices. No split once the tiles alone fill the GPU twice (the counters' bound, as _k_slices), and at most
+    MAX_CLUSTER_SLICES (a cluster's portable size: a pass small enough for clusters sums the same slices there)."""
+    best: tuple[float, int, int] | None = None
+    for tm in _prefill_heights(rows):
+        tiles = -(-rows // tm) * -(-N // MATMUL2_BN)
+        most = min(K // QK, MAX_CLUSTER_SLICES) if tiles < 2 * sm_count else 1
+        for slices in range(1, most + 1):
+            cost = _prefill_cost(rows, N, K, tm, slices, sm_count)
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, tm, slices)
+    assert best is not None
+    return best[1], best[2]
+
+
+def _prefill_tiling(M: int, N: int, K: int, sm_count: int, slice_rows: int) -> tuple[int, int] | None:
+    """A prefill pass of M <= slice_rows rows: the slices of a full pass (_prefill_plan(slice_rows)), and the tile
+    height the model prefers for M at those slices, among those giving no more tiles than the full pass (the
+    scratch and counters Kernels.split_k sizes for it). None for a matrix outside the model's range (below)."""
+    tm_full, slices = _prefill_plan(slice_rows, N, K, sm_count)
+    if _prefill_cost(slice_rows, N, K, tm_full, slices, sm_count) < PREFILL_MODEL_MIN_US:
+        return None
+    n_tiles = -(-N // MATMUL2_BN)
+    most_tiles = -(-slice_rows // tm_full) * n_tiles
+    fits = [tm for tm in _prefill_heights(M) if -(-M // tm) * n_tiles <= most_tiles]
+    costs = [_prefill_cost(M, N, K, tm, slices, sm_count) for tm in fits]
+    return fits[costs.index(min(costs))], slices  # ties: the taller tile
+
+
+def prefill_split_k_need(shapes, sm_count: int, slice_rows: int) -> tuple[int, int]:
+    """fp32 elements of partial tiles and tile counters that prefill passes of up to slice_rows rows need for the
+    matrices `shapes` ((N, K) each) under the prefill tiling: Kernels.split_k sizes the passes' scratch with it."""
+    floats = tiles = 0
+    for N, K in shapes:
+        tm, slices = _prefill_plan(slice_rows, N, K, sm_count)
+        if slices > 1 and _prefill_tiling(slice_rows, N, K, sm_count, slice_rows) is not None:
+            n = -(-slice_rows // tm) * -(-N // MATMUL2_BN)
+            floats, tiles = max(floats, n * slices * tm * MATMUL2_BN), max(tiles, n)
+    return floats, tiles
 
 
 def _attn_prefill_heads(cfg, scale: float, window: int, softcap: float) -> list:
@@ -634,13 +715,22 @@ class Kernels:
         nblocks = n_values // QK
         return Launch(self.k["quantize_q8x2"], ((nblocks + 3) // 4,), 128, [x, xq, xd, i64(nblocks)])
 
-    def split_k(self, pool, stream) -> SplitK:
-        """The split-K GEMM's scratch for this GPU, from `pool`: slices' partial tiles and per-tile counters (zeroed
-        here once; every launch leaves them zero). Slices are only added while tiles < 2 x SMs (the counters), and
-        matmul_geometry caps them so that tiles x slices x the tile's floats fit split_k_floats (the partials)."""
+    def split_k_size(self, prefill_shapes=(), prefill_rows: int = 0) -> tuple[int, int]:
+        """fp32 elements of partial tiles and int32 tile counters a split-K scratch holds. Decode: slices are only
+        added while tiles < 2 x SMs (the counters), and matmul_geometry caps them so that tiles x slices x the
+        tile's floats fit split_k_floats. prefill_shapes ((N, K) of the model's matrices) and prefill_rows (a
+        pass's most rows): a prefill passes' scratch, also as large as their tiling needs (prefill_split_k_need:
+        50 MB for the 8B's qkv in 4 slices of 128-row tiles)."""
         sm = self.device.info.sm_count
-        ws = pool.alloc(4 * split_k_floats(sm), "split-K partial tiles")
-        counters = pool.alloc(4 * 2 * sm, "split-K tile counters")
+        floats, tiles = prefill_split_k_need(prefill_shapes, sm, prefill_rows) if self.matmul_mma else (0, 0)
+        return max(split_k_floats(sm), floats), max(2 * sm, tiles)
+
+    def split_k(self, pool, stream, prefill_shapes=(), prefill_rows: int = 0) -> SplitK:
+        """The split-K GEMM's scratch for this GPU, from `pool`: slices' partial tiles and per-tile counters (zeroed
+        here once; every launch leaves them zero), as split_k_size says."""
+        floats, tiles = self.split_k_size(prefill_shapes, prefill_rows)
+        ws = pool.alloc(4 * floats, "split-K partial tiles")
+        counters = pool.alloc(4 * tiles, "split-K tile counters")
         stream.memset(counters.ptr, 0, counters.nbytes)
         return SplitK(ws, counters)
 
@@ -684,8 +774,13 @@ class Kernels:
         for part in W.parts:
             grid = tiling.grid(M, part.rows)
             if tiling.slices > 1 and not tiling.cluster:  # what SplitK holds (a part has at most the matrix's tiles)
+                assert scratch is not None
                 tiles = grid[0] * grid[1]
-                assert tiles < 2 * sm and tiles * tiling.slices * tiling.tm * tiling.tn <= split_k_floats(sm)
+                if slice_rows is None:
+                    most_floats, most_tiles = split_k_floats(sm), 2 * sm - 1
+                else:  # a prefill pass: as sized by split_k(prefill_shapes=...)
+                    most_floats, most_tiles = scratch.ws.nbytes // 4, scratch.counters.nbytes // 4
+                assert tiles <= most_tiles and tiles * tiling.slices * tiling.tm * tiling.tn <= most_floats
             part_bias = None if bias is None else bias.at(4 * offset)
             steps.append(
                 Launch(
