@@ -74,10 +74,16 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     const int lane = tid % WARP, warp = tid / WARP;
     // The keys this token sees are [lo, p], on pages first_page .. first_page + npages - 1; split s takes pages
     // [first_page + s*per_split, +per_split). Every page of a split holds at least one visible key.
+    // Before the PDL wait (INGOT_PDL_READ_AHEAD, common.cuh) the block reads only what no kernel of the step
+    // writes: the position and block table (uploaded by the host), the split's first page of earlier steps' keys
+    // and values, the RoPE row and the norm weights. The qkv product's output waits for it.
     const int p = pos[b], len = p + 1, lo = window > 0 ? max(0, p - window + 1) : 0;
     const int first_page = lo / PAGE, npages = p / PAGE - first_page + 1;
     const int per_split = (npages + S - 1) / S, active = (npages + per_split - 1) / per_split;
-    if (split >= active) return;                  // (block-uniform: before any barrier)
+    if (split >= active) {                        // (block-uniform: before any barrier)
+        INGOT_PDL_ENTRY();                        // the chain stays transitive: every block waits (common.cuh)
+        return;
+    }
     const int page_begin = first_page + split * per_split;
     const int page_end = min(page_begin + per_split, first_page + npages);
     const int k_begin = max(lo, page_begin * PAGE), k_end = min(page_end * PAGE, len);
@@ -101,7 +107,11 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
             }
         }
     };
-    fetch(page_begin);
+    fetch(page_begin);                            // the row at p, not written yet, is replaced from sk, sv below
+    for (int i = tid; i < rope_dim / 2; i += NT) scs[i] = cs[i];
+    if (q_norm) for (int d = tid; d < HD; d += NT) { snq[d] = q_norm[d]; snk[d] = k_norm[d]; }
+    if (tid < GMAX) { sm[tid] = NEG_BIG; sl[tid] = 0.0f; }
+    INGOT_PDL_ENTRY();
 
     // 1. q heads (normed, rotated, scaled) into shared memory; the last split writes k, v to the cache
     for (int i = tid; i < G * HD; i += NT) sq[i] = row[(size_t)kvh * G * HD + i];
@@ -111,9 +121,6 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
             sv[d] = row[(size_t)(H + Hkv + kvh) * HD + d];
         }
     }
-    for (int i = tid; i < rope_dim / 2; i += NT) scs[i] = cs[i];
-    if (q_norm) for (int d = tid; d < HD; d += NT) { snq[d] = q_norm[d]; snk[d] = k_norm[d]; }
-    if (tid < GMAX) { sm[tid] = NEG_BIG; sl[tid] = 0.0f; }
     __syncthreads();
     if (q_norm) {                                 // one warp per head: the G q heads, then k (if written here)
         for (int g = warp; g < G + (owns_new ? 1 : 0); g += ATT_WARPS)
@@ -282,7 +289,7 @@ attn_decode_tile_f16(const float* qkv, const float2* rope, int rope_dim, int neo
                      float2* part_ml, int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H,
                      int Hkv, int hd, int S, float scale, const float* q_norm, const float* k_norm, float eps,
                      int window, float softcap) {
-    INGOT_PDL_ENTRY();
+    INGOT_PDL_READ_AHEAD();                       // the wait is in attn_decode_tile, after its reads ahead
 #define ATTN_DECODE_TILE(HD)                                                                                     \
     attn_decode_tile<HD>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc,    \
                          part_ml, counters, out, outq, outd, outh, H, Hkv, S, scale, q_norm, k_norm, eps, window, \
@@ -300,7 +307,7 @@ attn_decode_tile_f16_hd256(const float* qkv, const float2* rope, int rope_dim, i
                            float* part_acc, float2* part_ml, int* counters, float* out, int8_t* outq,
                            float4* outd, __half* outh, int H, int Hkv, int hd, int S, float scale,
                            const float* q_norm, const float* k_norm, float eps, int window, float softcap) {
-    INGOT_PDL_ENTRY();
+    INGOT_PDL_READ_AHEAD();
     ATTN_DECODE_TILE(256);
 #undef ATTN_DECODE_TILE
 }

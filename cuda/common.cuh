@@ -75,6 +75,14 @@
 //                                         the 8B). Triggered after the main loop, the next grid launches while
 //                                         this one writes its results, when most slots are free.
 //                                         A block that exits without triggering counts as triggered.
+//   INGOT_PDL_READ_AHEAD()                the first statement instead, declaring that the kernel READS (loads
+//                                         only: no store, atomic or return) before its INGOT_PDL_ENTRY what no
+//                                         kernel of a step writes: weights, the step's host-uploaded inputs
+//                                         (positions, block tables) and KV-cache rows of earlier steps. Their
+//                                         round trips then overlap the previous kernel's tail (norm.cu,
+//                                         attention_decode.cu). It expands to nothing; tests/test_pdl.py lets
+//                                         these kernels' PTX load, and only load, before the wait.
+#define INGOT_PDL_READ_AHEAD() ((void)0)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define INGOT_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #define INGOT_PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")

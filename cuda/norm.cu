@@ -39,14 +39,18 @@ __device__ __forceinline__ void write_normed(const float* xr, float ss, const fl
 #define NORM_REGS 8
 
 // 1024 threads at most (kernels.py: min(1024, dim)): the bound keeps the register form within 64 per thread.
+// The norm weights are read before the PDL wait (INGOT_PDL_READ_AHEAD, common.cuh): no kernel of a step writes
+// them, so their round trip to DRAM (a decode step streams the whole model through L2) overlaps the previous
+// kernel's tail instead of following it; only x waits.
 extern "C" __global__ void __launch_bounds__(1024)
 rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int8_t* __restrict__ yq,
             float4* __restrict__ yd, __half* __restrict__ yh, int dim, float eps) {
-    INGOT_PDL_ENTRY();
+    INGOT_PDL_READ_AHEAD();
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nwarps = blockDim.x / WARP, nb = dim / QK;
     if (nb > NORM_REGS * nwarps) {                // (block-uniform) a row too wide for the registers
+        INGOT_PDL_ENTRY();
         float ss = 0.0f;
         for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
         write_normed(xr, block_sum(ss, scratch), w, blockIdx.x, y, yq, yd, yh, dim, eps);
@@ -56,7 +60,13 @@ rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w, float* __r
 #pragma unroll
     for (int k = 0; k < NORM_REGS; k++) {
         const int b = warp + k * nwarps;
-        if (b < nb) { xv[k] = xr[b * QK + lane]; wv[k] = w[b * QK + lane]; }
+        if (b < nb) wv[k] = w[b * QK + lane];
+    }
+    INGOT_PDL_ENTRY();
+#pragma unroll
+    for (int k = 0; k < NORM_REGS; k++) {
+        const int b = warp + k * nwarps;
+        if (b < nb) xv[k] = xr[b * QK + lane];
     }
 #pragma unroll
     for (int k = 0; k < NORM_REGS; k++)
@@ -77,12 +87,13 @@ extern "C" __global__ void __launch_bounds__(1024)
 add_rmsnorm_f32(float* x, const float* __restrict__ o, const float* __restrict__ w, const float* __restrict__ w_next,
                 float* __restrict__ y, int8_t* __restrict__ yq, float4* __restrict__ yd, __half* __restrict__ yh,
                 int dim, float eps) {
-    INGOT_PDL_ENTRY();
+    INGOT_PDL_READ_AHEAD();
     __shared__ float scratch[32];
     const float* orow = o + (size_t)blockIdx.x * dim;
     float* xr = x + (size_t)blockIdx.x * dim;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nwarps = blockDim.x / WARP, nb = dim / QK;
     if (nb > NORM_REGS * nwarps) {                // (block-uniform) a row too wide for the registers
+        INGOT_PDL_ENTRY();
         float ss = 0.0f;
         for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += orow[i] * orow[i];
         const float scale = rsqrtf(block_sum(ss, scratch) / dim + eps);
@@ -99,13 +110,20 @@ add_rmsnorm_f32(float* x, const float* __restrict__ o, const float* __restrict__
     }
     float ov[NORM_REGS] = {}, xv[NORM_REGS] = {}, wv[NORM_REGS] = {}, wn[NORM_REGS] = {}, ss = 0.0f;
 #pragma unroll
+    for (int k = 0; k < NORM_REGS; k++) {         // the weights before the PDL wait, as rmsnorm_f32
+        const int b = warp + k * nwarps, i = b * QK + lane;
+        if (b < nb) {
+            wv[k] = w[i];
+            if (w_next) wn[k] = w_next[i];
+        }
+    }
+    INGOT_PDL_ENTRY();
+#pragma unroll
     for (int k = 0; k < NORM_REGS; k++) {
         const int b = warp + k * nwarps, i = b * QK + lane;
         if (b < nb) {
             ov[k] = orow[i];
             xv[k] = xr[i];
-            wv[k] = w[i];
-            if (w_next) wn[k] = w_next[i];
         }
     }
 #pragma unroll
