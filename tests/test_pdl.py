@@ -135,11 +135,56 @@ def _ptx_entries() -> dict[str, str]:
 
 
 # What may not happen before griddepcontrol.wait: a global memory access (it could read a buffer the previous
-# kernel is still writing, or write one it is still reading) or a return (the block would exit without waiting).
-# The READ_AHEAD kernels may load (what they load is named in their source; review keeps it to what no kernel of
-# a step writes), and nothing else.
-_BEFORE_WAIT = re.compile(r"^\s*(?:@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|ret;)", re.M)
-_BEFORE_WAIT_READ_AHEAD = re.compile(r"^\s*(?:@%p\d+\s+)?(st\.global|atom\.|red\.|ret;)", re.M)
+# kernel is still writing, or write one it is still reading), a return or exit (the block would leave without
+# waiting) or the trigger (launch_dependents: the next grid would start before this one waited). The READ_AHEAD
+# kernels may load (what they load is named in their source; review keeps it to what no kernel of a step
+# writes), and nothing else.
+_BEFORE_WAIT = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|ret;|exit;|griddepcontrol\.launch)")
+_BEFORE_WAIT_READ_AHEAD = re.compile(r"^\s*(?:@!?%p\d+\s+)?(st\.global|atom\.|red\.|ret;|exit;|griddepcontrol\.launch)")
+_LABEL = re.compile(r"^\s*(\$\w+):")
+_BRANCH = re.compile(r"^\s*(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$\w+);")
+
+
+def unwaited(body: str, forbidden: re.Pattern) -> str | None:
+    """The first instruction of a kernel's PTX matching `forbidden` that some path from the entry reaches without
+    passing a griddepcontrol.wait, or None. The body is cut into basic blocks at labels and branches; a block
+    starts waited if every predecessor ends waited (the entry does not), solved to a fixed point. Every path,
+    not the text before the first wait: the norms' first wait in the text is a branch's own."""
+    blocks: list[list[str]] = [[]]
+    labels: dict[str, int] = {}
+    for line in body.splitlines():
+        if m := _LABEL.match(line):
+            if blocks[-1]:
+                blocks.append([])
+            labels[m.group(1)] = len(blocks) - 1
+        elif line.strip() and not line.strip().startswith(("//", "{", "}", ".reg", ".local", ".shared")):
+            blocks[-1].append(line.strip())
+            if _BRANCH.match(line) or line.strip() in ("ret;", "exit;"):
+                blocks.append([])
+    succ: list[list[int]] = []
+    for i, block in enumerate(blocks):
+        last = block[-1] if block else ""
+        out = [labels[m.group(2)]] if (m := _BRANCH.match(last)) else []
+        if not (m and not m.group(1)) and last not in ("ret;", "exit;") and i + 1 < len(blocks):
+            out.append(i + 1)  # falls through: no branch, or a predicated one
+        succ.append(out)
+    waited_in = [i != 0 for i in range(len(blocks))]
+    changed = True
+    while changed:
+        changed = False
+        for i, block in enumerate(blocks):
+            out = waited_in[i] or any("griddepcontrol.wait" in ins for ins in block)
+            for j in succ[i]:
+                if waited_in[j] and not out:
+                    waited_in[j], changed = False, True
+    for i, block in enumerate(blocks):
+        waited = waited_in[i]
+        for ins in block:
+            if "griddepcontrol.wait" in ins:
+                waited = True
+            elif not waited and forbidden.match(ins):
+                return ins
+    return None
 
 
 def test_the_built_ptx_waits_first_in_exactly_the_listed_kernels():
@@ -150,11 +195,42 @@ def test_the_built_ptx_waits_first_in_exactly_the_listed_kernels():
     read_ahead = {n for n, first in kernel_definitions().items() if first == READ_AHEAD}
     assert read_ahead == {"rmsnorm_f32", "add_rmsnorm_f32", "attn_decode_tile_f16", "attn_decode_tile_f16_hd256"}
     for name in sorted(PDL_KERNELS):
-        body = entries[name]
         forbidden = _BEFORE_WAIT_READ_AHEAD if name in read_ahead else _BEFORE_WAIT
-        early = forbidden.search(body[: body.index("griddepcontrol.wait")])
-        assert early is None, f"{name}: {early.group(1) if early else ''} before griddepcontrol.wait"
-        assert body.index("griddepcontrol.wait") < body.index("griddepcontrol.launch_dependents")
+        early = unwaited(entries[name], forbidden)
+        assert early is None, f"{name}: `{early}` reachable before griddepcontrol.wait"
+
+
+def test_the_ptx_path_check_finds_what_comes_before_a_wait_on_any_path():
+    """unwaited() on hand-written PTX: a store after the wait on one branch but reached around it on the other is
+    found, though the text has a wait before it; a load is allowed only under the read-ahead rule; a loop back
+    to a waited block stays waited."""
+    ok = "\n".join(
+        [
+            "ld.global.nc.f32 %f1, [%rd1];",
+            "griddepcontrol.wait;",
+            "$L__BB0_1:",
+            "st.global.f32 [%rd2], %f1;",
+            "@%p1 bra $L__BB0_1;",
+            "ret;",
+        ]
+    )
+    assert unwaited(ok, _BEFORE_WAIT_READ_AHEAD) is None
+    assert unwaited(ok, _BEFORE_WAIT) == "ld.global.nc.f32 %f1, [%rd1];"
+    around = "\n".join(
+        [
+            "@%p1 bra $L__BB0_2;",
+            "griddepcontrol.wait;",
+            "bra.uni $L__BB0_3;",
+            "$L__BB0_2:",
+            "add.s32 %r1, %r1, 1;",
+            "$L__BB0_3:",
+            "st.global.f32 [%rd2], %f1;",
+            "ret;",
+        ]
+    )
+    assert unwaited(around, _BEFORE_WAIT_READ_AHEAD) == "st.global.f32 [%rd2], %f1;"
+    assert unwaited(around.replace("add.s32 %r1, %r1, 1;", "griddepcontrol.wait;"), _BEFORE_WAIT) is None
+    assert unwaited("\n".join(["@%p1 ret;", "griddepcontrol.wait;", "ret;"]), _BEFORE_WAIT) == "@%p1 ret;"
 
 
 # --- which kernels get it, on which GPU -------------------------------------------------------------------
