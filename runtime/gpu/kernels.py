@@ -7,6 +7,7 @@ or capture it into a CUDA graph. Shapes are given per method; all activations ar
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -298,10 +299,15 @@ def matmul_geometry(
     return GemmTiling(mma, tm, tn, slices, cluster=cluster)
 
 
+def _covering_rows(M: int) -> int:
+    """matmul2's smallest tile height covering M rows (its tallest for more)."""
+    return next((t for t in MATMUL2_TILE_ROWS if t >= M), MATMUL2_TILE_ROWS[-1])
+
+
 def _prefill_heights(rows: int) -> list[int]:
     """Tile heights a prefill pass of `rows` rows may take, tallest first: the smallest covering them, and those
     below it down to MATMUL2_PREFILL_MIN_ROWS."""
-    cover = next((t for t in MATMUL2_TILE_ROWS if t >= rows), MATMUL2_TILE_ROWS[-1])
+    cover = _covering_rows(rows)
     return [t for t in reversed(MATMUL2_TILE_ROWS) if t <= cover and (t >= MATMUL2_PREFILL_MIN_ROWS or t == cover)]
 
 
@@ -313,10 +319,13 @@ def _prefill_cost(M: int, N: int, K: int, tm: int, slices: int, sm_count: int) -
     return rounds * -(-(K // QK) // slices) * MATMUL2_STEP_US[tm] + (slices - 1) * MATMUL2_SLICE_US
 
 
-def _prefill_plan(rows: int, N: int, K: int, sm_count: int) -> tuple[int, int]:
+@functools.lru_cache(maxsize=256)
+def _prefill_plan(rows: int, N: int, K: int, sm_count: int) -> tuple[int, int] | None:
     """(tile height, slices) of least estimated time for a pass of `rows` rows; ties go to taller tiles and fewer
     slices. No split once the tiles alone fill the GPU twice (the counters' bound, as _k_slices), and at most
-    MAX_CLUSTER_SLICES (a cluster's portable size: a pass small enough for clusters sums the same slices there)."""
+    MAX_CLUSTER_SLICES (a cluster's portable size: a pass small enough for clusters sums the same slices there).
+    None outside the model's range: a best estimate under PREFILL_MODEL_MIN_US. Cached: every GEMM of every new
+    pass shape asks (128 a pass for the 8B), with a handful of distinct (rows, N, K)."""
     best: tuple[float, int, int] | None = None
     for tm in _prefill_heights(rows):
         tiles = -(-rows // tm) * -(-N // MATMUL2_BN)
@@ -326,16 +335,17 @@ def _prefill_plan(rows: int, N: int, K: int, sm_count: int) -> tuple[int, int]:
             if best is None or cost < best[0] - 1e-9:
                 best = (cost, tm, slices)
     assert best is not None
-    return best[1], best[2]
+    return None if best[0] < PREFILL_MODEL_MIN_US else (best[1], best[2])
 
 
 def _prefill_tiling(M: int, N: int, K: int, sm_count: int, slice_rows: int) -> tuple[int, int] | None:
     """A prefill pass of M <= slice_rows rows: the slices of a full pass (_prefill_plan(slice_rows)), and the tile
     height the model prefers for M at those slices, among those giving no more tiles than the full pass (the
-    scratch and counters Kernels.split_k sizes for it). None for a matrix outside the model's range (below)."""
-    tm_full, slices = _prefill_plan(slice_rows, N, K, sm_count)
-    if _prefill_cost(slice_rows, N, K, tm_full, slices, sm_count) < PREFILL_MODEL_MIN_US:
+    scratch and counters Kernels.split_k sizes for it). None for a matrix outside the model's range."""
+    plan = _prefill_plan(slice_rows, N, K, sm_count)
+    if plan is None:
         return None
+    tm_full, slices = plan
     n_tiles = -(-N // MATMUL2_BN)
     most_tiles = -(-slice_rows // tm_full) * n_tiles
     fits = [tm for tm in _prefill_heights(M) if -(-M // tm) * n_tiles <= most_tiles]
@@ -348,8 +358,9 @@ def prefill_split_k_need(shapes, sm_count: int, slice_rows: int) -> tuple[int, i
     matrices `shapes` ((N, K) each) under the prefill tiling: Kernels.split_k sizes the passes' scratch with it."""
     floats = tiles = 0
     for N, K in shapes:
-        tm, slices = _prefill_plan(slice_rows, N, K, sm_count)
-        if slices > 1 and _prefill_tiling(slice_rows, N, K, sm_count, slice_rows) is not None:
+        plan = _prefill_plan(slice_rows, N, K, sm_count)
+        if plan is not None and plan[1] > 1:
+            tm, slices = plan
             n = -(-slice_rows // tm) * -(-N // MATMUL2_BN)
             floats, tiles = max(floats, n * slices * tm * MATMUL2_BN), max(tiles, n)
     return floats, tiles
@@ -370,7 +381,7 @@ def _attn_prefill_heads(cfg, scale: float, window: int, softcap: float) -> list:
 def _tile_rows(M: int, N: int, sm_count: int, *, shrink: bool) -> int:
     """matmul2's tile height for M rows: the smallest tile covering M; shrink (no split-K to fill the GPU with): a
     smaller one, down to MATMUL2_PREFILL_MIN_ROWS, while the larger would leave SMs idle."""
-    tm = next((t for t in MATMUL2_TILE_ROWS if t >= M), MATMUL2_TILE_ROWS[-1])
+    tm = _covering_rows(M)
     while shrink and tm > MATMUL2_PREFILL_MIN_ROWS and -(-M // tm) * -(-N // MATMUL2_BN) < sm_count:
         tm //= 2
     return tm
