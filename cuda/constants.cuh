@@ -18,6 +18,7 @@
 #define MATMUL2_STAGES  4     // pipelined mma matmul: cp.async stages of 32 along K
 #define MATMUL2_THREADS 256   // pipelined mma matmul: threads per block (8 warps)
 #define MATMUL2_SLICES  8     // pipelined mma matmul: split-K slices at most (a thread-block cluster, portable size)
+#define NORM_REGS       8     // rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)
 #define ATT_WARPS       4     // warps per attention block
 #define ATT_QPW         4     // prefill attention: queries per warp
 #define MAX_SPLITS      32    // split-KV partials per (sequence, head): one per lane of the merging warp

@@ -1,5 +1,11 @@
-// RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, one block per row of x [n, dim] (fp32); and the post-norm
+// RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, a row of x [n, dim] (fp32) per blockIdx.x; and the post-norm
 // residual add fused with the next RMSNorm (add_rmsnorm_f32, below).
+//
+// A decode row spreads over gridDim.y blocks (rmsnorm_f32 only): each sums the squares of the whole row, in the
+// same order, and writes its share of the 32-value blocks. A 4096-wide row on one SM was one SM issuing 70% of
+// its cycles, mostly the q8x2 quantization's shuffles (4.6 us per norm in the 8B's decode step, 65 per token:
+// cuda/PERF.md v15); split four ways each warp quantizes one block instead of four. The bits do not depend on
+// the split: the sum is the same sum and each value is normalized alone.
 //
 // The normalized row is written in whichever forms the next matrix product reads (any pointer may be
 // null): fp32 y [n, dim] (F16 weights), q8x2 yq [n, 2*dim] / yd [n, dim/32] (quantized weights, decode;
@@ -17,28 +23,32 @@ __device__ __forceinline__ void put_normed(float v, size_t row, int b, float* __
 }
 
 // Row `row` of x (already summed: ss = sum of its squares) times scale(ss) * w, into the requested forms, each
-// warp taking whole 32-value blocks. xr is read through the coherent path (no __restrict__): add_rmsnorm_f32
-// reads values this block has just written. The loop form, for rows wider than the register form below holds.
+// warp taking whole 32-value blocks: trip t of warp w is block w + t * nwarps, and this block of the row's
+// gridDim.y takes the trips with t mod gridDim.y = blockIdx.y (add_rmsnorm_f32 launches one). xr is read through the
+// coherent path (no __restrict__): add_rmsnorm_f32 reads values this block has just written. The loop form, for
+// rows wider than the register form below holds.
 __device__ __forceinline__ void write_normed(const float* xr, float ss, const float* __restrict__ w, size_t row,
                                              float* __restrict__ y, int8_t* __restrict__ yq, float4* __restrict__ yd,
                                              __half* __restrict__ yh, int dim, float eps) {
     const float scale = rsqrtf(ss / dim + eps);
-    const int lane = threadIdx.x % WARP;
-    for (int b = threadIdx.x / WARP; b < dim / QK; b += blockDim.x / WARP) {
+    const int lane = threadIdx.x % WARP, nwarps = blockDim.x / WARP;
+    for (int b = threadIdx.x / WARP + blockIdx.y * nwarps; b < dim / QK; b += nwarps * gridDim.y) {
         const int i = b * QK + lane;
         put_normed(xr[i] * scale * w[i], row, b, y, yq, yd, yh, dim);
     }
 }
 
 // The register form: a thread keeps its values of the row (and of w) in registers, blocks b = warp + k * nwarps
-// for k < NORM_REGS, all loaded before the first use. A decode row is one block of latency, not bandwidth: the
-// loop form's runtime trip count keeps it from being unrolled, so each trip waited one DRAM round trip (x, then
-// w again in write_normed: 4.9 us per 4096-wide norm on the H200, PERF.md v7). Rows up to NORM_REGS * blockDim
+// for k < NORM_REGS (constants.cuh), all loaded before the first use. A decode row is one block of latency, not
+// bandwidth: the loop form's runtime trip count keeps it from being unrolled, so each trip waited one DRAM round
+// trip (x, then w again in write_normed: 4.9 us per 4096-wide norm on the H200, PERF.md v7). Rows up to NORM_REGS * blockDim
 // values (8192 at 1024 threads) take it. Thread t holds values t + k * blockDim in both forms and sums them in
 // that order, so the two forms give bit-identical results.
-#define NORM_REGS 8
 
 // 1024 threads at most (kernels.py: min(1024, dim)): the bound keeps the register form within 64 per thread.
+// Grid (n, S): block (r, s) writes the 32-value blocks of row r held in the registers k with k mod S = s (the
+// loop form: the trips t with t mod S = s), so it loads only those weights; S is at most the number of
+// registers in use (kernels.py norm_splits).
 // The norm weights are read before the PDL wait (INGOT_PDL_READ_AHEAD, common.cuh): no kernel of a step writes
 // them, so their round trip to DRAM (a decode step streams the whole model through L2) overlaps the previous
 // kernel's tail instead of following it; only x waits.
@@ -60,7 +70,7 @@ rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w, float* __r
 #pragma unroll
     for (int k = 0; k < NORM_REGS; k++) {
         const int b = warp + k * nwarps;
-        if (b < nb) wv[k] = w[b * QK + lane];
+        if (b < nb && k % gridDim.y == blockIdx.y) wv[k] = w[b * QK + lane];
     }
     INGOT_PDL_ENTRY();
 #pragma unroll
@@ -75,7 +85,7 @@ rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w, float* __r
 #pragma unroll
     for (int k = 0; k < NORM_REGS; k++) {
         const int b = warp + k * nwarps;
-        if (b < nb) put_normed(xv[k] * scale * wv[k], blockIdx.x, b, y, yq, yd, yh, dim);
+        if (b < nb && k % gridDim.y == blockIdx.y) put_normed(xv[k] * scale * wv[k], blockIdx.x, b, y, yq, yd, yh, dim);
     }
 }
 

@@ -18,6 +18,7 @@ from ingot.runtime.gpu.kernels import (
     SAMPLE_PREP_MIN_V,
     decode_split_ranges,
     decode_splits,
+    norm_splits,
     sample_chunk_bytes,
     sample_chunks,
 )
@@ -56,6 +57,15 @@ def test_decode_splits_fill_the_gpu_and_stay_within_the_merge():
     assert decode_splits(132, 1, 8) == MAX_SPLITS  # 8B: 8 kv heads, 33 capped
     assert decode_splits(132, 4, 8) == 9
     assert decode_splits(132, 64, 8) == 1
+
+
+def test_a_decode_norm_spreads_its_row_while_the_rows_are_few():
+    assert norm_splits(1, 4096, 1024, 132) == 4  # 8B decode: each warp quantizes one of its four blocks
+    assert norm_splits(8, 4096, 1024, 132) == 4  # 32 blocks: a quarter of the SMs
+    assert norm_splits(9, 4096, 1024, 132) == 1
+    assert norm_splits(64, 4096, 1024, 132) == 1  # batched decode and prefill: the rows fill the GPU
+    assert norm_splits(1, 576, 576, 132) == 1  # SmolLM2: one block per warp already
+    assert norm_splits(1, 16384, 1024, 132) == 16  # the loop form: one trip each
 
 
 def test_sampler_chunks():

@@ -28,6 +28,7 @@ SHARED: dict[str, tuple[int, str]] = {
     "MATMUL2_STAGES": (4, "pipelined mma matmul: cp.async stages of 32 along K"),
     "MATMUL2_THREADS": (256, "pipelined mma matmul: threads per block (8 warps)"),
     "MATMUL2_SLICES": (8, "pipelined mma matmul: split-K slices at most (a thread-block cluster, portable size)"),
+    "NORM_REGS": (8, "rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)"),
     "ATT_WARPS": (4, "warps per attention block"),
     "ATT_QPW": (4, "prefill attention: queries per warp"),
     "MAX_SPLITS": (32, "split-KV partials per (sequence, head): one per lane of the merging warp"),
@@ -52,6 +53,7 @@ MATMUL2_BN = SHARED["MATMUL2_BN"][0]
 MATMUL2_STAGES = SHARED["MATMUL2_STAGES"][0]
 MATMUL2_THREADS = SHARED["MATMUL2_THREADS"][0]
 MATMUL2_SLICES = SHARED["MATMUL2_SLICES"][0]
+NORM_REGS = SHARED["NORM_REGS"][0]
 PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
 ATT_WARPS = SHARED["ATT_WARPS"][0]
 PREFILL_MMA_ROWS = 16 * ATT_WARPS  # tensor-core prefill: one m16 tile of packed query rows per warp (BQ there)

@@ -488,6 +488,17 @@ def layout_bytes(qtype: str, rows: int, cols: int) -> dict[str, int]:
     return {field: rows * cols * per_256 // 256 for field, per_256 in LAYOUTS[qtype]}
 
 
+def norm_splits(n: int, dim: int, threads: int, sm_count: int) -> int:
+    """Blocks per row of an n-row rmsnorm_f32 (cuda/norm.cu): as many as its warps take 32-value blocks in turn
+    (a 4096-wide row at 1024 threads: 4, each warp then quantizing one) while the spread rows stay within a
+    quarter of the SMs; else one (any count gives the same bits). The 8B's decode norm was one SM issuing 70% of
+    its cycles, 4.6 us of a 2.5 ms step, 65 times (PERF.md v15); spread, 2.7 us and tg128 +4.5% (PERF.md v16). At
+    4 and 8 rows it measured the same as one block a row, at 16 (64 blocks) 1.5% slower, at 64 the same: rows that
+    already occupy many SMs gain nothing from summing each row 4 times."""
+    trips = -(-(dim // QK) // max(threads // 32, 1))  # 32-value blocks per warp
+    return trips if n * trips <= sm_count // 4 else 1
+
+
 def matvec_kernel(qtype: str, ncols: int) -> str:
     """The matvec kernel for ncols columns: one column (single-sequence decode) has its own, which keeps fewer
     registers than the any-column kernel and so runs more warps per SM (cuda/matvec.cu); INGOT_MATVEC_B1=0
@@ -644,9 +655,10 @@ class Kernels:
         self, x: int, w: DeviceBuffer, n: int, dim: int, eps: float, *, y=None, yq=None, yd=None, yh=None
     ) -> Launch:
         """x[n, dim] -> normalized rows in any of: y fp32, (yq, yd) q8x2, yh fp16."""
-        # One warp per 32-value block when the row allows (decode is latency-bound: one row, one block).
+        # One warp per 32-value block when the row allows; a decode row spread over norm_splits blocks.
         threads = min(1024, dim)
-        return Launch(self.k["rmsnorm_f32"], (n,), threads, [x, w, y, yq, yd, yh, i32(dim), f32(eps)])
+        grid = (n, norm_splits(n, dim, threads, self.device.info.sm_count))
+        return Launch(self.k["rmsnorm_f32"], grid, threads, [x, w, y, yq, yd, yh, i32(dim), f32(eps)])
 
     def add_rmsnorm(
         self,

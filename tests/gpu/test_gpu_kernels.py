@@ -19,6 +19,7 @@ from soa_reference import bits_equal, dequant_q8x2, q8x2
 
 from ingot.runtime.engines.cuda_weights import _alloc_matrix
 from ingot.runtime.gpu import constants as K
+from ingot.runtime.gpu.driver import Launch
 from ingot.runtime.gpu.kernels import (
     MATMUL2_TILE_ROWS,
     SAMPLE_CHUNK,
@@ -158,6 +159,29 @@ def test_rmsnorm_all_outputs(gpu, rng, n, dim):
     assert rel_err(gpu.get(yh, np.float16, (n, dim)), ref) < 1e-3
     deq = dequant_q8x2(gpu.get(yq, np.int8, (n * dim // 32, 64)), gpu.get(yd, np.float32, (n * dim // 32, 4)))
     assert rel_err(deq.reshape(n, dim), ref) < 1e-4
+
+
+@pytest.mark.parametrize("n,dim,threads", [(1, 4096, 1024), (3, 2080, 1024), (2, 16384, 1024), (1, 4064, 96)])
+def test_rmsnorm_rows_split_over_blocks_give_the_same_bits(gpu, rng, n, dim, threads):
+    """A row spread over S blocks (grid (n, S): each sums the whole row, writes its share; cuda/norm.cu) writes
+    every output once, with the bits of S = 1, for every S up to the warps' trips over the row, in the register
+    form (4096 and 2080 at 1024 threads: 4 and 3 trips, the last partial) and the loop form (16384: 16 trips;
+    4064 at 3 warps: 43). Outputs are poisoned, so a block a split skipped fails; S = 1 is checked against numpy."""
+    x = (rng.standard_normal((n, dim)) * 3).astype(np.float32)
+    w = rng.standard_normal(dim).astype(np.float32)
+    ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
+    trips = -(-(dim // 32) // (threads // 32))
+    xp, wp = gpu.put(x).ptr, gpu.put(w)
+    outs = []
+    for s in sorted({1, 2, 3, trips - 1, trips}):
+        y, yh = gpu.empty(4 * n * dim), gpu.empty(2 * n * dim)
+        yq, yd = gpu.empty(2 * n * dim), gpu.empty(16 * n * dim // 32)
+        args = [xp, wp, y, yq, yd, yh, np.int32(dim), np.float32(1e-5)]
+        gpu.run(Launch(gpu.k.k["rmsnorm_f32"], (n, s), threads, args))
+        outs.append([gpu.get(b, np.uint8, (b.nbytes,)) for b in (y, yh, yq, yd)])
+    assert rel_err(outs[0][0].view(np.float32).reshape(n, dim), ref) < 1e-5
+    for other in outs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(outs[0], other, strict=True))
 
 
 def test_quantize_q8x2(gpu, rng):
