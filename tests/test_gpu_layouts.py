@@ -316,12 +316,22 @@ def test_split_k_sum_choice(monkeypatch):
         (64, 3072, 576, 5),  # gate+up: 24 tiles x 6 would put two blocks on 12 of the 132 SMs
         (64, 576, 1536, 8),  # down: 48 k-steps (9 by the balance; a cluster holds 8)
         (16, 960, 576, 8),  # a 16-row tile's partial costs a quarter: more slices pay, up to a cluster's 8
-        (64, 4096, 14336, 8),  # 8B down: the GPU-filling cap (9) and the cluster's 8 bind first
-        (16, 6144, 4096, 6),  # 8B qkv
+        # the 8B's (DECODE_FILL_ROUND): slices for one round of resident blocks, past a cluster's 8 where the grid
+        # is too large for clusters anyway; the H200's fastest in the sweep (PERF.md v16) but where noted
+        (64, 4096, 14336, 12),  # down: 32 tiles x 12 = 384 of 396 slots; 58.7 us, 8 slices 72.9
+        (64, 4096, 4096, 12),  # o: 25.6 us, 8 slices 30.5
+        (64, 6144, 4096, 8),  # qkv: 48 x 8 = 384; 30.2 us, 6 slices 39.0
+        (16, 6144, 4096, 11),  # qkv: 48 x 11 = 528 (16-row tiles: 4 a SM); 12 measured 21.7 us, 6 slices 25.6
+        (16, 4096, 14336, 16),  # down: 41.0 us, 8 slices 52.4
+        (64, 28672, 4096, 2),  # gate+up: 224 tiles fill the round alone; 2 slices as before (4 measured 12% faster)
+        (16, 4096, 640, 8),  # Gemma 3's gate+up: 20 k-steps; 10 slices of 2 measured 4.5% slower at b16
+        (16, 4096, 1024, 10),  # Qwen3 0.6B's qkv: 32 k-steps, slices of 3 at least
     ],
 )
 def test_matmul2_split_k_balances_the_main_loop_and_the_ordered_sum(M, N, K, slices):
     assert matmul_geometry(M, N, K, 132, mma=True, split=True).slices == slices
+    # the cluster flag never changes the slices (both sums give the same bits)
+    assert matmul_geometry(M, N, K, 132, mma=True, split=True, cluster=True).slices == slices
 
 
 @pytest.mark.parametrize("shape", ["smollm2-135m", "gemma3-270m", "llama3-8b"])

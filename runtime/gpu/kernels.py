@@ -159,6 +159,16 @@ SPLIT_K_TILES_PER_SM = 4  # partial tiles of SPLIT_K_TILE_FLOATS that SplitK hol
 # The unit: a 64x128 fp32 tile, matmul2's at decode batches up to 64 (a 128x128 tile counts twice, WMMA's 64x64
 # half). matmul_geometry caps the slices so that a grid's partial tiles fit.
 SPLIT_K_TILE_FLOATS = 64 * 128
+# DECODE_FILL_ROUND: a decode batch's matmul2 (no slice_rows) whose grid would be too large for clusters even at
+# MAX_CLUSTER_SLICES takes, if more, the slices that fill one round of resident blocks (MATMUL2_BLOCKS_PER_SM[tm] x
+# SMs; its scratch sum has no cluster's bound, up to MAX_K_SLICES), each at least DECODE_SLICE_MIN_STEPS k-steps.
+# Measured on the H200 (cuda/PERF.md v16): in a sweep of the 8B's decode GEMMs (every tile height, 1-16 slices)
+# the best slices were the round's (qkv 8, o and down 12 at 64 rows; o and down 16 at 16 rows), 15-24% faster
+# than the 2 x SMs rule's 6-8, and tg128 rose 8.5% at b16, 2% at b64. Slices of 2 k-steps lost on Gemma 3 270M's
+# gate+up (20 steps, Q4_K: 10 slices 4.5% slower at b16) and won on Qwen3 0.6B's (32 steps, Q4_0: 16 slices
+# +15.7%); at 3, Gemma keeps its slices and Qwen3 takes 10 (b16 the same, b32 +3.9%). The rule still gives the
+# 8B's gate+up (224 tiles) 2 slices, where 4 measured 12% faster: not modeled. SmolLM2's GEMMs keep their slices.
+DECODE_SLICE_MIN_STEPS = 3
 
 # matmul2's prefill tiling (matmul_geometry with slice_rows): a cost model fitted on the H200 (cuda/PERF.md v15: every
 # tile height of 32-128 rows with 1-8 slices, at 512 rows of the 8B's and SmolLM2's four matrices). An SM runs up to
@@ -268,9 +278,11 @@ def matmul_geometry(
     stops paying for its partial tile in the last block's ordered sum (SPLIT_K_BALANCE).
     matmul2 takes at most MAX_CLUSTER_SLICES, whether its slices are summed in a thread-block cluster (`cluster`,
     which uses no SplitK scratch; for grids of at most CLUSTER_GRID_PER_SM blocks per SM) or by the last block:
-    one geometry, so the two sums give the same bits. A grid of 1 to CLUSTER_GRID_PER_SM blocks per SM takes fewer
-    slices, down to one block per SM: a cluster waits for its slowest block, and a block sharing an SM is that
-    (SmolLM2's gate+up at 64 rows: 24 tiles x 6 slices on 132 SMs 12.1 us, x 4 slices 10.4 us).
+    one geometry, so the two sums give the same bits; but a decode batch's grid too large for clusters even then
+    takes more, if one round of resident blocks holds more (DECODE_FILL_ROUND). A grid of 1 to
+    CLUSTER_GRID_PER_SM blocks per SM takes fewer slices, down to one block per SM: a cluster waits for its
+    slowest block, and a block sharing an SM is that (SmolLM2's gate+up at 64 rows: 24 tiles x 6 slices on 132
+    SMs 12.1 us, x 4 slices 10.4 us).
     slice_rows (prefill passes, split): K is cut as it would be for a pass of slice_rows rows, whatever M, so every
     pass sums a matrix's K in the same slices and a row's result does not depend on the rows beside it (a
     prompt's tokens and the prefix cache's pages are the same however the passes were composed). The cut: the
@@ -291,7 +303,7 @@ def matmul_geometry(
     slices = 1
     if split and tiles < 2 * sm_count:
         if slice_rows is None:
-            slices = _k_slices(tiles, tm, tn, K, sm_count, mma)
+            slices = _k_slices(tiles, tm, tn, K, sm_count, mma, decode=True)
         else:
             tm_pass = _tile_rows(slice_rows, N, sm_count, shrink=True) if mma else tm
             slices = _k_slices(-(-slice_rows // tm_pass) * -(-N // tn), tm_pass, tn, K, sm_count, mma)
@@ -387,13 +399,18 @@ def _tile_rows(M: int, N: int, sm_count: int, *, shrink: bool) -> int:
     return tm
 
 
-def _k_slices(tiles: int, tm: int, tn: int, K: int, sm_count: int, mma: bool) -> int:
-    """Split-K slices for a grid of `tiles` tiles of tm x tn (fewer than 2 x SMs): matmul_geometry's rule."""
+def _k_slices(tiles: int, tm: int, tn: int, K: int, sm_count: int, mma: bool, *, decode: bool = False) -> int:
+    """Split-K slices for a grid of `tiles` tiles of tm x tn (fewer than 2 x SMs): matmul_geometry's rule. decode
+    (matmul2 on a decode batch) whose grid at MAX_CLUSTER_SLICES would be too large for clusters: as many as fill
+    one round of resident blocks if more, each of DECODE_SLICE_MIN_STEPS k-steps at least (DECODE_FILL_ROUND)."""
     fit = split_k_floats(sm_count) // (tiles * tm * tn)
     steps = K // QK
     balance = math.isqrt(SPLIT_K_BALANCE * steps * SPLIT_K_BALANCE_ROWS // tm) if mma else MAX_K_SLICES
     most = MAX_CLUSTER_SLICES if mma else MAX_K_SLICES
     slices = max(1, min(steps, most, -(-2 * sm_count // tiles), balance, fit))
+    if mma and decode and tiles * MAX_CLUSTER_SLICES > CLUSTER_GRID_PER_SM * sm_count:
+        fill = MATMUL2_BLOCKS_PER_SM[tm] * sm_count // tiles
+        slices = max(slices, min(fill, steps // DECODE_SLICE_MIN_STEPS, MAX_K_SLICES, balance, fit))
     if mma and sm_count < tiles * slices <= CLUSTER_GRID_PER_SM * sm_count:
         slices = max(1, sm_count // tiles)  # a grid this small: a block per SM (none waits on a shared one)
     return slices
