@@ -23,6 +23,7 @@ from ingot.runtime.gpu import constants
 from ingot.runtime.gpu.driver import DeviceBuffer
 from ingot.runtime.gpu.kernels import (
     CLUSTER_GRID_PER_SM,
+    DECODE_SLICE_MIN_STEPS,
     GPU_QTYPES,
     LAYOUTS,
     MATMUL2_LDS,
@@ -37,6 +38,7 @@ from ingot.runtime.gpu.kernels import (
     GpuStack,
     Kernels,
     SplitK,
+    _k_slices,
     image_cc,
     layout_bytes,
     matmul2_smem,
@@ -325,13 +327,40 @@ def test_split_k_sum_choice(monkeypatch):
         (16, 4096, 14336, 16),  # down: 41.0 us, 8 slices 52.4
         (64, 28672, 4096, 2),  # gate+up: 224 tiles fill the round alone; 2 slices as before (4 measured 12% faster)
         (16, 4096, 640, 8),  # Gemma 3's gate+up: 20 k-steps; 10 slices of 2 measured 4.5% slower at b16
-        (16, 4096, 1024, 10),  # Qwen3 0.6B's qkv: 32 k-steps, slices of 3 at least
+        (16, 6144, 1024, 8),  # Qwen3 0.6B's gate+up: 32 k-steps, 3 at least a slice (10) and none empty (8)
+        (16, 4096, 1024, 8),  # its qkv: 10 would leave two empty; 8 cut K the same way
     ],
 )
 def test_matmul2_split_k_balances_the_main_loop_and_the_ordered_sum(M, N, K, slices):
     assert matmul_geometry(M, N, K, 132, mma=True, split=True).slices == slices
     # the cluster flag never changes the slices (both sums give the same bits)
     assert matmul_geometry(M, N, K, 132, mma=True, split=True, cluster=True).slices == slices
+
+
+@pytest.mark.parametrize("sm_count", [16, 46, 108, 132, 188])
+def test_decode_slices_past_the_old_rule_are_long_enough_and_none_empty(sm_count):
+    """Where a decode GEMM takes more slices than the 2 x SMs rule (DECODE_FILL_ROUND), each gets at least
+    DECODE_SLICE_MIN_STEPS k-steps and none is left empty (the kernel gives each ceil(steps / slices)), the grid
+    is too large for clusters, and the scratch holds it."""
+    raised = 0
+    for tm in MATMUL2_TILE_ROWS[:3]:  # the decode batches' tile heights (16, 32, 64)
+        for N in (576, 960, 1024, 1536, 3072, 4096, 5120, 6144, 14336, 28672):
+            for K in (576, 640, 960, 1024, 1152, 1536, 2048, 3072, 4096, 14336):
+                tiles = -(-N // constants.MATMUL2_BN)
+                if tiles >= 2 * sm_count:  # no split-K
+                    continue
+                new = _k_slices(tiles, tm, constants.MATMUL2_BN, K, sm_count, True, decode=True)
+                old = _k_slices(tiles, tm, constants.MATMUL2_BN, K, sm_count, True)
+                if new == old:
+                    continue
+                raised += 1
+                steps = K // 32
+                per = -(-steps // new)
+                assert new > old and per >= DECODE_SLICE_MIN_STEPS, (tm, N, K)
+                assert (new - 1) * per < steps, f"an empty slice at {(tm, N, K)}"
+                assert tiles * MAX_CLUSTER_SLICES > CLUSTER_GRID_PER_SM * sm_count
+                assert tiles * new * tm * constants.MATMUL2_BN <= split_k_floats(sm_count)
+    assert raised > 0
 
 
 @pytest.mark.parametrize("shape", ["smollm2-135m", "gemma3-270m", "llama3-8b"])

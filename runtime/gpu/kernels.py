@@ -161,13 +161,15 @@ SPLIT_K_TILES_PER_SM = 4  # partial tiles of SPLIT_K_TILE_FLOATS that SplitK hol
 SPLIT_K_TILE_FLOATS = 64 * 128
 # DECODE_FILL_ROUND: a decode batch's matmul2 (no slice_rows) whose grid would be too large for clusters even at
 # MAX_CLUSTER_SLICES takes, if more, the slices that fill one round of resident blocks (MATMUL2_BLOCKS_PER_SM[tm] x
-# SMs; its scratch sum has no cluster's bound, up to MAX_K_SLICES), each at least DECODE_SLICE_MIN_STEPS k-steps.
+# SMs; its scratch sum has no cluster's bound, up to MAX_K_SLICES), each at least DECODE_SLICE_MIN_STEPS k-steps,
+# and as few as cut K the same way where more would leave slices empty (the kernel gives each ceil(steps/slices)).
 # Measured on the H200 (cuda/PERF.md v16): in a sweep of the 8B's decode GEMMs (every tile height, 1-16 slices)
 # the best slices were the round's (qkv 8, o and down 12 at 64 rows; o and down 16 at 16 rows), 15-24% faster
 # than the 2 x SMs rule's 6-8, and tg128 rose 8.5% at b16, 2% at b64. Slices of 2 k-steps lost on Gemma 3 270M's
 # gate+up (20 steps, Q4_K: 10 slices 4.5% slower at b16) and won on Qwen3 0.6B's (32 steps, Q4_0: 16 slices
-# +15.7%); at 3, Gemma keeps its slices and Qwen3 takes 10 (b16 the same, b32 +3.9%). The rule still gives the
-# 8B's gate+up (224 tiles) 2 slices, where 4 measured 12% faster: not modeled. SmolLM2's GEMMs keep their slices.
+# +15.7%); at 3, Gemma keeps its slices and Qwen3's gate+up takes 8 (b16 the same, b32 +3.9%; its qkv then took
+# 10 slices of which 2 were empty, now v15's 8: the same cut of K). The rule still gives the 8B's gate+up (224
+# tiles) 2 slices, where 4 measured 12% faster: not modeled. SmolLM2's GEMMs keep their slices.
 DECODE_SLICE_MIN_STEPS = 3
 
 # matmul2's prefill tiling (matmul_geometry with slice_rows): a cost model fitted on the H200 (cuda/PERF.md v15: every
@@ -402,15 +404,19 @@ def _tile_rows(M: int, N: int, sm_count: int, *, shrink: bool) -> int:
 def _k_slices(tiles: int, tm: int, tn: int, K: int, sm_count: int, mma: bool, *, decode: bool = False) -> int:
     """Split-K slices for a grid of `tiles` tiles of tm x tn (fewer than 2 x SMs): matmul_geometry's rule. decode
     (matmul2 on a decode batch) whose grid at MAX_CLUSTER_SLICES would be too large for clusters: as many as fill
-    one round of resident blocks if more, each of DECODE_SLICE_MIN_STEPS k-steps at least (DECODE_FILL_ROUND)."""
+    one round of resident blocks if more, each of DECODE_SLICE_MIN_STEPS k-steps at least and none empty
+    (DECODE_FILL_ROUND)."""
     fit = split_k_floats(sm_count) // (tiles * tm * tn)
     steps = K // QK
     balance = math.isqrt(SPLIT_K_BALANCE * steps * SPLIT_K_BALANCE_ROWS // tm) if mma else MAX_K_SLICES
     most = MAX_CLUSTER_SLICES if mma else MAX_K_SLICES
     slices = max(1, min(steps, most, -(-2 * sm_count // tiles), balance, fit))
     if mma and decode and tiles * MAX_CLUSTER_SLICES > CLUSTER_GRID_PER_SM * sm_count:
-        fill = MATMUL2_BLOCKS_PER_SM[tm] * sm_count // tiles
-        slices = max(slices, min(fill, steps // DECODE_SLICE_MIN_STEPS, MAX_K_SLICES, balance, fit))
+        fill = min(MATMUL2_BLOCKS_PER_SM[tm] * sm_count // tiles, steps // DECODE_SLICE_MIN_STEPS, MAX_K_SLICES)
+        fill = min(fill, balance, fit)
+        if fill > 0:  # no slice left empty: the kernel gives each ceil(steps / slices) k-steps
+            fill = -(-steps // -(-steps // fill))
+        slices = max(slices, fill)
     if mma and sm_count < tiles * slices <= CLUSTER_GRID_PER_SM * sm_count:
         slices = max(1, sm_count // tiles)  # a grid this small: a block per SM (none waits on a shared one)
     return slices
