@@ -41,9 +41,9 @@ __device__ __forceinline__ void write_normed(const float* xr, float ss, const fl
 // The register form: a thread keeps its values of the row (and of w) in registers, blocks b = warp + k * nwarps
 // for k < NORM_REGS (constants.cuh), all loaded before the first use. A decode row is one block of latency, not
 // bandwidth: the loop form's runtime trip count keeps it from being unrolled, so each trip waited one DRAM round
-// trip (x, then w again in write_normed: 4.9 us per 4096-wide norm on the H200, PERF.md v7). Rows up to NORM_REGS * blockDim
-// values (8192 at 1024 threads) take it. Thread t holds values t + k * blockDim in both forms and sums them in
-// that order, so the two forms give bit-identical results.
+// trip (x, then w again in write_normed: 4.9 us per 4096-wide norm on the H200, PERF.md v7). Rows up to
+// NORM_REGS * blockDim values (8192 at 1024 threads) take it. Thread t holds values t + k * blockDim in both forms
+// and sums them in that order, so the two forms give bit-identical results.
 
 // 1024 threads at most (kernels.py: min(1024, dim)): the bound keeps the register form within 64 per thread.
 // Grid (n, S): block (r, s) writes the 32-value blocks of row r held in the registers k with k mod S = s (the

@@ -139,10 +139,12 @@ def _ptx_entries() -> dict[str, str]:
 # waiting) or the trigger (launch_dependents: the next grid would start before this one waited). The READ_AHEAD
 # kernels may load (what they load is named in their source; review keeps it to what no kernel of a step
 # writes), and nothing else.
-_BEFORE_WAIT = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|ret;|exit;|griddepcontrol\.launch)")
-_BEFORE_WAIT_READ_AHEAD = re.compile(r"^\s*(?:@!?%p\d+\s+)?(st\.global|atom\.|red\.|ret;|exit;|griddepcontrol\.launch)")
+_NEVER_BEFORE_WAIT = r"st\.global|atom\.|red\.|ret;|exit;|griddepcontrol\.launch"
+_BEFORE_WAIT = re.compile(rf"^\s*(?:@!?%p\d+\s+)?(ld\.global|{_NEVER_BEFORE_WAIT})")
+_BEFORE_WAIT_READ_AHEAD = re.compile(rf"^\s*(?:@!?%p\d+\s+)?({_NEVER_BEFORE_WAIT})")
 _LABEL = re.compile(r"^\s*(\$\w+):")
 _BRANCH = re.compile(r"^\s*(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$\w+);")
+_ENDS = ("ret;", "exit;")  # unpredicated: a block ends and nothing falls through
 
 
 def unwaited(body: str, forbidden: re.Pattern) -> str | None:
@@ -159,13 +161,13 @@ def unwaited(body: str, forbidden: re.Pattern) -> str | None:
             labels[m.group(1)] = len(blocks) - 1
         elif line.strip() and not line.strip().startswith(("//", "{", "}", ".reg", ".local", ".shared")):
             blocks[-1].append(line.strip())
-            if _BRANCH.match(line) or line.strip() in ("ret;", "exit;"):
+            if _BRANCH.match(line) or line.strip() in _ENDS:
                 blocks.append([])
     succ: list[list[int]] = []
     for i, block in enumerate(blocks):
         last = block[-1] if block else ""
         out = [labels[m.group(2)]] if (m := _BRANCH.match(last)) else []
-        if not (m and not m.group(1)) and last not in ("ret;", "exit;") and i + 1 < len(blocks):
+        if not (m and not m.group(1)) and last not in _ENDS and i + 1 < len(blocks):
             out.append(i + 1)  # falls through: no branch, or a predicated one
         succ.append(out)
     waited_in = [i != 0 for i in range(len(blocks))]
