@@ -474,117 +474,27 @@ __host__ __device__ constexpr int mm2_smem_bytes() {
     return MM2_STAGES * TM * MM2_LDS * 2 + (T::DIRECT ? 0 : 2 * MM2_BN * MM2_LDS * 2) + MM2_STAGES * MM2_BN * T::RAW_ROW;
 }
 
-template <int TM, typename T>
-__device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__ A, const float* __restrict__ bias,
-                                        float* __restrict__ C, int M, int N, int K, int ldc, int mode,
-                                        float* __restrict__ ws, int* __restrict__ counters) {
-    // Warps as WM (along M) x WN (along N); a warp owns TM/WM rows x 128/WN columns = MT m16 x NT n8 tiles.
-    // TM 128: 4 x 2, warp 32 x 64 (MT 2, NT 8): A and B fragments of a k16 step are 8 + 4 registers (a 64 x 32
-    // warp tile would hold 16 + 4 and spill at the 128 registers 2 blocks per SM allow). TM 64, 32: 2 x 4 (32 x 32,
-    // 16 x 32); TM 16: 1 x 8 (16 x 16: every weight row's fragments loaded by one warp, A by all eight).
-    constexpr int WM = TM == 128 ? 4 : TM == 16 ? 1 : 2, WN = 8 / WM;
-    constexpr int MT = TM / WM / 16, NT = MM2_BN / WN / 8;
-    constexpr int A_STAGE = TM * MM2_LDS;       // halfs
-    constexpr int B_TILE = MM2_BN * MM2_LDS;    // halfs
-    constexpr int RAW_STAGE = MM2_BN * T::RAW_ROW;
-    static_assert(MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the thread mappings below assume these");
-    static_assert(MT >= 1 && NT % 2 == 0, "ldmatrix.x4 loads B for two n8 tiles");
-    extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
-    {   // a launch with less dynamic shared memory than this layout needs would overrun it: fail loudly instead
-        unsigned have;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-        if (have < (unsigned)mm2_smem_bytes<TM, T>()) __trap();
-    }
-    __half* sA = reinterpret_cast<__half*>(mm2_raw_smem);                 // [STAGES][TM][LDS]
-    __half* sB = sA + MM2_STAGES * A_STAGE;                               // [2][BN][LDS] (unused when DIRECT)
-    uint8_t* raw = reinterpret_cast<uint8_t*>(sB + (T::DIRECT ? 0 : 2 * B_TILE));   // [STAGES][RAW_STAGE]
+// Warps as WM (along M) x WN (along N); a warp owns TM/WM rows x 128/WN columns = MT m16 x NT n8 tiles.
+// TM 128: 4 x 2, warp 32 x 64 (MT 2, NT 8): A and B fragments of a k16 step are 8 + 4 registers (a 64 x 32
+// warp tile would hold 16 + 4 and spill at the 128 registers 2 blocks per SM allow). TM 64, 32: 2 x 4 (32 x 32,
+// 16 x 32); TM 16: 1 x 8 (16 x 16: every weight row's fragments loaded by one warp, A by all eight).
+template <int TM>
+struct Mm2Warps {
+    static constexpr int WM = TM == 128 ? 4 : TM == 16 ? 1 : 2, WN = 8 / WM;
+    static constexpr int MT = TM / WM / 16, NT = MM2_BN / WN / 8;
+};
 
+// The GEMM's end, shared by matmul2 and matmul2r: a block's accumulators (its TM x MM2_BN tile, Mm2Warps'
+// fragments) to C, the split-K slices summed first (the header's two ways: cluster, or scratch + last block).
+
+template <int TM>
+__device__ __forceinline__ void mm2_store(float (&acc)[Mm2Warps<TM>::MT][Mm2Warps<TM>::NT][4],
+                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N,
+                                          int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
+    constexpr int WM = Mm2Warps<TM>::WM, WN = Mm2Warps<TM>::WN, MT = Mm2Warps<TM>::MT, NT = Mm2Warps<TM>::NT;
+    extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, wm = warp / WN, wn = warp % WN;
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
-    const int nb = K / QK, per = (nb + gridDim.z - 1) / gridDim.z;
-    const int kb0 = blockIdx.z * per, steps = max(0, min(nb, kb0 + per) - kb0);
-
-    // This thread's A chunks (16 bytes: row e/4, halfs 8*(e%4).., e = tid + j*THREADS): source at step 0 and
-    // shared offset in stage 0, computed once; rows past M read nothing (zero-fill) from row M-1.
-    constexpr int AJ = (TM * 4 + MM2_THREADS - 1) / MM2_THREADS;
-    const __half* a_src[AJ];
-    int a_dst[AJ];
-    bool a_ok[AJ];
-#pragma unroll
-    for (int j = 0; j < AJ; j++) {
-        const int e = tid + j * MM2_THREADS, row = e / 4, c = (e % 4) * 8;
-        const int mrow = m0 + row;
-        a_ok[j] = e < TM * 4 && mrow < M;
-        a_src[j] = A + (long long)(mrow < M ? mrow : M - 1) * K + kb0 * QK + c;
-        a_dst[j] = e < TM * 4 ? row * MM2_LDS + c : -1;
-    }
-    auto load_stage = [&](int s) {   // A tile and raw weights of step s into stage s % STAGES
-        __half* a = sA + (s % MM2_STAGES) * A_STAGE;
-#pragma unroll
-        for (int j = 0; j < AJ; j++)
-            if (a_dst[j] >= 0) cp_async16(a + a_dst[j], a_src[j] + s * QK, a_ok[j]);
-        src.issue(raw + (s % MM2_STAGES) * RAW_STAGE, n0, N, kb0 + s, tid);
-    };
-
-    float acc[MT][NT][4];
-#pragma unroll
-    for (int i = 0; i < MT; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
-
-    // Prologue: stages 0..STAGES-2 in flight (one group each, empty past the range), stage 0 dequantized.
-#pragma unroll
-    for (int s = 0; s < MM2_STAGES - 1; s++) {
-        if (s < steps) load_stage(s);
-        cp_async_commit();
-    }
-    typename T::Reg reg;
-    if (steps > 0) src.fetch(reg, n0, N, kb0, tid);
-    cp_async_wait<MM2_STAGES - 2>();   // stage 0 landed (this thread's copies)
-    __syncthreads();              // ... and everyone's
-    if (steps > 0) {
-        src.dequant(sB, raw, reg, n0, N, kb0, tid);
-        if (steps > 1) src.fetch(reg, n0, N, kb0 + 1, tid);
-    }
-
-    // ldmatrix lane addresses (halfs): A rows wm*(TM/WM) + mt*16 + l%16, k +8 for l >= 16; B rows (features)
-    // wn*(NT*8) + p*16 + l%8 + 8*(l/16), k +8 for (l/8) odd.
-    const int a_lane = (wm * (TM / WM) + lane % 16) * MM2_LDS + (lane / 16) * 8;
-    const int b_lane = (wn * (NT * 8) + lane % 8 + (lane / 16) * 8) * MM2_LDS + ((lane / 8) % 2) * 8;
-
-    for (int i = 0; i < steps; i++) {
-        cp_async_wait<MM2_STAGES - 3>();   // stage i+1 landed (groups committed: stages ..i+STAGES-2)
-        __syncthreads();
-        if (i + MM2_STAGES - 1 < steps) load_stage(i + MM2_STAGES - 1);
-        cp_async_commit();                 // (empty near the end: keeps one group per step for the wait count)
-        if (i + 1 < steps) {
-            src.dequant(sB + ((i + 1) % 2) * B_TILE, raw + ((i + 1) % MM2_STAGES) * RAW_STAGE, reg, n0, N, kb0 + i + 1,
-                        tid);
-            if (i + 2 < steps) src.fetch(reg, n0, N, kb0 + i + 2, tid);
-        }
-        const __half* a_st = sA + (i % MM2_STAGES) * A_STAGE + a_lane;
-        const __half* b_st = (T::DIRECT ? reinterpret_cast<const __half*>(raw + (i % MM2_STAGES) * RAW_STAGE)
-                                        : sB + (i % 2) * B_TILE) + b_lane;
-#pragma unroll
-        for (int ks = 0; ks < QK / 16; ks++) {
-            unsigned a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) ldsm_x4(a[mt], a_st + mt * 16 * MM2_LDS + ks * 16);
-#pragma unroll
-            for (int p = 0; p < NT / 2; p++) {
-                unsigned b[4];
-                ldsm_x4(b, b_st + p * 16 * MM2_LDS + ks * 16);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma16816(acc[mt][2 * p], a[mt], b[0], b[1]);
-                    mma16816(acc[mt][2 * p + 1], a[mt], b[2], b[3]);
-                }
-            }
-        }
-    }
-    cp_async_wait<0>();   // no copy may still target shared memory when the block exits (only empty groups remain)
-    INGOT_PDL_TRIGGER();   // the next kernel may launch while this one writes C (common.cuh: after the main loop)
-
     const int S = gridDim.z;
     if (S > 1 && ws == nullptr) {   // cluster split-K (see the header)
 #if __CUDA_ARCH__ >= 900
@@ -697,6 +607,115 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
         }
 }
 
+template <int TM, typename T>
+__device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__ A, const float* __restrict__ bias,
+                                        float* __restrict__ C, int M, int N, int K, int ldc, int mode,
+                                        float* __restrict__ ws, int* __restrict__ counters) {
+    constexpr int WM = Mm2Warps<TM>::WM, WN = Mm2Warps<TM>::WN, MT = Mm2Warps<TM>::MT, NT = Mm2Warps<TM>::NT;
+    constexpr int A_STAGE = TM * MM2_LDS;       // halfs
+    constexpr int B_TILE = MM2_BN * MM2_LDS;    // halfs
+    constexpr int RAW_STAGE = MM2_BN * T::RAW_ROW;
+    static_assert(MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the thread mappings below assume these");
+    static_assert(MT >= 1 && NT % 2 == 0, "ldmatrix.x4 loads B for two n8 tiles");
+    extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
+    {   // a launch with less dynamic shared memory than this layout needs would overrun it: fail loudly instead
+        unsigned have;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+        if (have < (unsigned)mm2_smem_bytes<TM, T>()) __trap();
+    }
+    __half* sA = reinterpret_cast<__half*>(mm2_raw_smem);                 // [STAGES][TM][LDS]
+    __half* sB = sA + MM2_STAGES * A_STAGE;                               // [2][BN][LDS] (unused when DIRECT)
+    uint8_t* raw = reinterpret_cast<uint8_t*>(sB + (T::DIRECT ? 0 : 2 * B_TILE));   // [STAGES][RAW_STAGE]
+
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, wm = warp / WN, wn = warp % WN;
+    const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
+    const int nb = K / QK, per = (nb + gridDim.z - 1) / gridDim.z;
+    const int kb0 = blockIdx.z * per, steps = max(0, min(nb, kb0 + per) - kb0);
+
+    // This thread's A chunks (16 bytes: row e/4, halfs 8*(e%4).., e = tid + j*THREADS): source at step 0 and
+    // shared offset in stage 0, computed once; rows past M read nothing (zero-fill) from row M-1.
+    constexpr int AJ = (TM * 4 + MM2_THREADS - 1) / MM2_THREADS;
+    const __half* a_src[AJ];
+    int a_dst[AJ];
+    bool a_ok[AJ];
+#pragma unroll
+    for (int j = 0; j < AJ; j++) {
+        const int e = tid + j * MM2_THREADS, row = e / 4, c = (e % 4) * 8;
+        const int mrow = m0 + row;
+        a_ok[j] = e < TM * 4 && mrow < M;
+        a_src[j] = A + (long long)(mrow < M ? mrow : M - 1) * K + kb0 * QK + c;
+        a_dst[j] = e < TM * 4 ? row * MM2_LDS + c : -1;
+    }
+    auto load_stage = [&](int s) {   // A tile and raw weights of step s into stage s % STAGES
+        __half* a = sA + (s % MM2_STAGES) * A_STAGE;
+#pragma unroll
+        for (int j = 0; j < AJ; j++)
+            if (a_dst[j] >= 0) cp_async16(a + a_dst[j], a_src[j] + s * QK, a_ok[j]);
+        src.issue(raw + (s % MM2_STAGES) * RAW_STAGE, n0, N, kb0 + s, tid);
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+
+    // Prologue: stages 0..STAGES-2 in flight (one group each, empty past the range), stage 0 dequantized.
+#pragma unroll
+    for (int s = 0; s < MM2_STAGES - 1; s++) {
+        if (s < steps) load_stage(s);
+        cp_async_commit();
+    }
+    typename T::Reg reg;
+    if (steps > 0) src.fetch(reg, n0, N, kb0, tid);
+    cp_async_wait<MM2_STAGES - 2>();   // stage 0 landed (this thread's copies)
+    __syncthreads();              // ... and everyone's
+    if (steps > 0) {
+        src.dequant(sB, raw, reg, n0, N, kb0, tid);
+        if (steps > 1) src.fetch(reg, n0, N, kb0 + 1, tid);
+    }
+
+    // ldmatrix lane addresses (halfs): A rows wm*(TM/WM) + mt*16 + l%16, k +8 for l >= 16; B rows (features)
+    // wn*(NT*8) + p*16 + l%8 + 8*(l/16), k +8 for (l/8) odd.
+    const int a_lane = (wm * (TM / WM) + lane % 16) * MM2_LDS + (lane / 16) * 8;
+    const int b_lane = (wn * (NT * 8) + lane % 8 + (lane / 16) * 8) * MM2_LDS + ((lane / 8) % 2) * 8;
+
+    for (int i = 0; i < steps; i++) {
+        cp_async_wait<MM2_STAGES - 3>();   // stage i+1 landed (groups committed: stages ..i+STAGES-2)
+        __syncthreads();
+        if (i + MM2_STAGES - 1 < steps) load_stage(i + MM2_STAGES - 1);
+        cp_async_commit();                 // (empty near the end: keeps one group per step for the wait count)
+        if (i + 1 < steps) {
+            src.dequant(sB + ((i + 1) % 2) * B_TILE, raw + ((i + 1) % MM2_STAGES) * RAW_STAGE, reg, n0, N, kb0 + i + 1,
+                        tid);
+            if (i + 2 < steps) src.fetch(reg, n0, N, kb0 + i + 2, tid);
+        }
+        const __half* a_st = sA + (i % MM2_STAGES) * A_STAGE + a_lane;
+        const __half* b_st = (T::DIRECT ? reinterpret_cast<const __half*>(raw + (i % MM2_STAGES) * RAW_STAGE)
+                                        : sB + (i % 2) * B_TILE) + b_lane;
+#pragma unroll
+        for (int ks = 0; ks < QK / 16; ks++) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) ldsm_x4(a[mt], a_st + mt * 16 * MM2_LDS + ks * 16);
+#pragma unroll
+            for (int p = 0; p < NT / 2; p++) {
+                unsigned b[4];
+                ldsm_x4(b, b_st + p * 16 * MM2_LDS + ks * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma16816(acc[mt][2 * p], a[mt], b[0], b[1]);
+                    mma16816(acc[mt][2 * p + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();   // no copy may still target shared memory when the block exits (only empty groups remain)
+    INGOT_PDL_TRIGGER();   // the next kernel may launch while this one writes C (common.cuh: after the main loop)
+
+    mm2_store<TM>(acc, bias, C, M, N, ldc, mode, ws, counters);
+}
+
 template <typename W>
 __device__ __forceinline__ Mm2Generic<W> mm2_source(const W& w) { return {w}; }
 template <bool MIN>
@@ -755,3 +774,216 @@ __device__ __forceinline__ Mm2F16 mm2_source(const Mm2F16& w) { return w; }
 FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 #undef MATMUL2_KERNELS
 #undef MM2_RUN
+
+// =====================================================================================================================
+// matmul2r_<type>_bm<TM> (Q4_0, Q4_1; compute capability >= 8.0): matmul2's product, tiles, warps, split-K and
+// epilogue (mm2_store), with the weights dequantized straight into the B fragments' registers instead of an fp16
+// tile in shared memory, and KB quantization blocks a stage instead of one. Why (cuda/PERF.md v17, ncu on the 8B's
+// gate+up at 16 rows): matmul2's L1/shared pipe was 81% busy for 13% of DRAM bandwidth. A stage of one block copies
+// 16 quant bytes and one 2-byte scale per row, rows 2 KB apart: every copy touches its own sector for a part of
+// it (the cp.async wavefronts 8-32x the ideal), and the fp16 tile costs a store and an ldmatrix per weight on top.
+// Here a stage holds KB = 4 blocks (TM <= 32) or 2: 64 or 32 contiguous quant bytes a row, and the scales as the
+// aligned 16-byte chunk(s) of d (and m) that hold the stage's blocks of the row; one barrier a stage.
+//
+// Stage layout (Mm2rShape), MATMUL2R_STAGES stages: quant bytes [128][QROW] (QROW = 16*KB, + 16 when KB is even:
+// an odd number of 16-byte units, so the 8 rows a warp's lanes read at once fall in distinct banks); scale chunks
+// [128][32 bytes] of d, then of m (Q4_1); the A tile [TM][32*KB + 8] fp16 (rows 16*odd bytes apart: ldmatrix
+// conflict-free). Block j of a stage of row n is element o + j of its scale window, o = the stage's first block's
+// element offset in its 16-byte chunk (the second chunk is copied only when the blocks run into it).
+// Fragments: lane (g, c) of the warp owning n8 tile nt dequantizes weight row wn*NT*8 + nt*8 + g: two 4-byte words
+// of the block's quant bytes -> chunk 0's and chunk 1's b0, b1 (matmul_tiles.cuh deq_q4_frag), then the MT m16
+// tiles' mma for both chunks. Each accumulator takes the same mma in the same order as in matmul2 (block by block,
+// chunk 0 then 1) from the same fp16 values: the two kernels give the same bits (tests/gpu test_gpu_kernels.py).
+// A slice's last stage may hold fewer than KB blocks: the missing ones are neither copied nor multiplied.
+// Warps WM x WN as matmul2 (Mm2Warps): at TM 64 and 32 the two warps sharing columns each dequantize them.
+// =====================================================================================================================
+#define MM2R_STAGES MATMUL2R_STAGES
+
+template <int TM>
+struct Mm2rShape {
+    static constexpr int KB = TM <= 32 ? 4 : 2;                     // quantization blocks a stage
+    static constexpr int QROW = 16 * KB + (KB % 2 == 0 ? 16 : 0);  // bytes a row in the quant region
+    static constexpr int SROW = 32;                                 // bytes a row in a scale region (two chunks)
+    static constexpr int LDA = QK * KB + 8;                         // halfs a row of the A tile
+};
+
+// Bytes of dynamic shared memory (kernels.py matmul2r_smem computes the same; the kernel traps if given less).
+template <int TM, bool MIN>
+__host__ __device__ constexpr int mm2r_stage_bytes() {
+    return MM2_BN * (Mm2rShape<TM>::QROW + Mm2rShape<TM>::SROW * (MIN ? 2 : 1)) + TM * Mm2rShape<TM>::LDA * 2;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <int TM, bool MIN>
+__device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
+                                         const __half* __restrict__ mn, const __half* __restrict__ A,
+                                         const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
+                                         int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
+    constexpr int WM = Mm2Warps<TM>::WM, WN = Mm2Warps<TM>::WN, MT = Mm2Warps<TM>::MT, NT = Mm2Warps<TM>::NT;
+    constexpr int KB = Mm2rShape<TM>::KB, QROW = Mm2rShape<TM>::QROW, SROW = Mm2rShape<TM>::SROW;
+    constexpr int LDA = Mm2rShape<TM>::LDA;
+    constexpr int S_OFF = MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW, A_OFF = M_OFF + (MIN ? MM2_BN * SROW : 0);
+    constexpr int STAGE = mm2r_stage_bytes<TM, MIN>();
+    static_assert(A_OFF + TM * LDA * 2 == STAGE && STAGE % 16 == 0, "stage layout");
+    static_assert(MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the thread mappings below assume these");
+    extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
+    {
+        unsigned have;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+        if (have < (unsigned)(MM2R_STAGES * STAGE)) __trap();
+    }
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, wm = warp / WN, wn = warp % WN;
+    const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
+    const int nb = K / QK, per = (nb + gridDim.z - 1) / gridDim.z;
+    const int kb0 = blockIdx.z * per, steps = max(0, min(nb, kb0 + per) - kb0);
+    const int stages = (steps + KB - 1) / KB;
+
+    // This thread's copies, addresses at stage 0 (a stage s adds s*KB blocks). Quant chunks: e = tid + j*THREADS
+    // -> row e/KB, block e%KB (a row's KB chunks in consecutive lanes: contiguous bytes). Scale chunks: row tid/2,
+    // chunk tid%2 of its window. A: row e/(4*KB), 16-byte chunk e%(4*KB) (block chunk/4). Rows past N or M:
+    // zero-filled from a clamped, valid address.
+    constexpr int QJ = (MM2_BN * KB + MM2_THREADS - 1) / MM2_THREADS, AJ = (TM * 4 * KB + MM2_THREADS - 1) / MM2_THREADS;
+    // (32-bit offsets from the slice's first block: fewer registers than pointers; a matrix's quant bytes and
+    // a pass's A are far below 4 GiB.)
+    const uint8_t* q_base = qs + (long long)kb0 * 16;
+    unsigned q_src[QJ];
+    int q_dst[QJ], q_blk[QJ];
+    bool q_ok[QJ];
+#pragma unroll
+    for (int j = 0; j < QJ; j++) {
+        const int e = tid + j * MM2_THREADS, row = e / KB, n = n0 + row;
+        q_blk[j] = e < MM2_BN * KB ? e % KB : KB;   // KB: no copy
+        q_ok[j] = n < N;
+        q_src[j] = ((unsigned)(n < N ? n : N - 1) * nb + e % KB) * 16;
+        q_dst[j] = row * QROW + (e % KB) * 16;
+    }
+    const int s_row = tid / 2, s_chunk = tid % 2, s_n = n0 + s_row;
+    const long long s_elem = (long long)(s_n < N ? s_n : N - 1) * nb + kb0;
+    const __half* a_base = A + kb0 * QK;
+    unsigned a_src[AJ];
+    int a_dst[AJ], a_blk[AJ];
+    bool a_ok[AJ];
+#pragma unroll
+    for (int j = 0; j < AJ; j++) {
+        const int e = tid + j * MM2_THREADS, row = e / (4 * KB), ch = e % (4 * KB), mrow = m0 + row;
+        a_blk[j] = e < TM * 4 * KB ? ch / 4 : KB;
+        a_ok[j] = mrow < M;
+        a_src[j] = (unsigned)(mrow < M ? mrow : M - 1) * K + ch * 8;
+        a_dst[j] = A_OFF + (row * LDA + ch * 8) * 2;
+    }
+    auto scale_copy = [&](unsigned char* st, int region, const __half* base, int s, int valid) {
+        const uintptr_t p = reinterpret_cast<uintptr_t>(base + s_elem + s * KB);
+        if (s_chunk == 0 || ((p & 15) >> 1) + valid > 8)
+            cp_async16(st + region + s_row * SROW + 16 * s_chunk, reinterpret_cast<const void*>((p & ~uintptr_t(15)) + 16 * s_chunk),
+                       s_n < N);
+    };
+    auto load_stage = [&](int s) {
+        unsigned char* st = mm2_raw_smem + (s % MM2R_STAGES) * STAGE;
+        const int valid = min(KB, steps - s * KB);   // blocks of this stage in the slice
+#pragma unroll
+        for (int j = 0; j < QJ; j++)
+            if (q_blk[j] < valid) cp_async16(st + q_dst[j], q_base + q_src[j] + s * KB * 16, q_ok[j]);
+        scale_copy(st, S_OFF, d, s, valid);
+        if (MIN) scale_copy(st, M_OFF, mn, s, valid);
+#pragma unroll
+        for (int j = 0; j < AJ; j++)
+            if (a_blk[j] < valid) cp_async16(st + a_dst[j], a_base + a_src[j] + s * KB * QK, a_ok[j]);
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < MM2R_STAGES - 1; s++) {
+        if (s < stages) load_stage(s);
+        cp_async_commit();
+    }
+
+    // The lane's weight rows (one per n8 tile) and their scale windows' offsets at stage 0; ldmatrix addresses of A
+    // as matmul2's (rows wm*(TM/WM) + mt*16 + l%16, k +8 for l >= 16), at block kk, chunk ks: + 32*kk + 16*ks.
+    // The offset is the same for the lane's NT rows (8*nt rows further is 16*nt*nb bytes further); a row past N
+    // reads zeros from a zero-filled window whatever its offset.
+    const int g = lane / 4, c = lane % 4;
+    const int o0 = (int)(((reinterpret_cast<uintptr_t>(d) >> 1) + (unsigned)(n0 + wn * (NT * 8) + g) * nb + kb0) & 7);
+    const int a_lane = (wm * (TM / WM) + lane % 16) * LDA + (lane / 16) * 8;
+    const int q_lane = (wn * (NT * 8) + g) * QROW + 4 * (c >> 1), s_lane = (wn * (NT * 8) + g) * SROW;
+
+    for (int s = 0; s < stages; s++) {
+        cp_async_wait<MM2R_STAGES - 2>();   // stage s landed (this thread's copies) ...
+        __syncthreads();                     // ... everyone's; and every warp is done with stage s-1's buffer
+        if (s + MM2R_STAGES - 1 < stages) load_stage(s + MM2R_STAGES - 1);
+        cp_async_commit();                   // (empty near the end: one group per stage for the wait count)
+        const unsigned char* st = mm2_raw_smem + (s % MM2R_STAGES) * STAGE;
+        const __half* sa = reinterpret_cast<const __half*>(st + A_OFF) + a_lane;
+        const int valid = min(KB, steps - s * KB);
+#pragma unroll
+        for (int kk = 0; kk < KB; kk++) {
+            if (kk >= valid) break;
+            unsigned a[2][MT][4];
+#pragma unroll
+            for (int ks = 0; ks < 2; ks++)
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) ldsm_x4(a[ks][mt], sa + mt * 16 * LDA + kk * QK + ks * 16);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const unsigned char* q = st + q_lane + nt * 8 * QROW + kk * 16;
+                const int o = ((o0 + s * KB) & 7) + kk;
+                const __half dd = reinterpret_cast<const __half*>(st + S_OFF + s_lane + nt * 8 * SROW)[o];
+                const __half mm = MIN ? reinterpret_cast<const __half*>(st + M_OFF + s_lane + nt * 8 * SROW)[o] : dd;
+                uint32_t b[4];
+                deq_q4_frag<MIN>(*reinterpret_cast<const uint32_t*>(q), *reinterpret_cast<const uint32_t*>(q + 8), c,
+                                 dd, mm, b);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma16816(acc[mt][nt], a[0][mt], b[0], b[1]);
+                    mma16816(acc[mt][nt], a[1][mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    INGOT_PDL_TRIGGER();
+    mm2_store<TM>(acc, bias, C, M, N, ldc, mode, ws, counters);
+}
+#define MM2R_RUN(TM, MIN) matmul2r<TM, MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
+#else
+#define MM2R_RUN(TM, MIN)   // sm_75: never launched
+#endif
+
+// Each: grid, threads and epilogue arguments as matmul2_<type>_bm<TM>; Kernels.matmul2r_smem(type, TM) bytes of
+// dynamic shared memory (MATMUL2R_STAGES stages of mm2r_stage_bytes). Q4_0 passes m = nullptr. __launch_bounds__
+// as matmul2's. Tile heights 16, 32, 64 (kernels.py MATMUL2R_TILE_ROWS: at 128 rows matmul2 is faster, its four
+// warps along M sharing one dequantized tile). X(name, Q4_1's min).
+#define FOR_EACH_MATMUL2R_TYPE(X) \
+    X(q4_0, false)                \
+    X(q4_1, true)
+
+#define MATMUL2R_KERNELS(NAME, MIN)                                                                              \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
+    matmul2r_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
+                           const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
+                           int* counters) {                                                                      \
+        INGOT_PDL_WAIT();                                                                                        \
+        MM2R_RUN(64, MIN);                                                                                       \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
+    matmul2r_##NAME##_bm32(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
+                           const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
+                           int* counters) {                                                                      \
+        INGOT_PDL_WAIT();                                                                                        \
+        MM2R_RUN(32, MIN);                                                                                       \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 4)                                                 \
+    matmul2r_##NAME##_bm16(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
+                           const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
+                           int* counters) {                                                                      \
+        INGOT_PDL_WAIT();                                                                                        \
+        MM2R_RUN(16, MIN);                                                                                       \
+    }
+FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
+#undef MATMUL2R_KERNELS
+#undef MM2R_RUN
+

@@ -65,3 +65,22 @@ __device__ __forceinline__ void deq_q8_half(uint4 q16, __half d, uint32_t (&w)[8
         w[2 * k + 1] = half2_as_u32(__hmul2(__hsub2(u32_as_half2(p1), bias), d2));
     }
 }
+
+// Q4_0 / Q4_1 straight into mma.m16n8k16 B fragments (matmul2r: no fp16 tile). Lane (g, c) holds, for weight row
+// g of an n8 tile, b0 = weights 2c, 2c+1 and b1 = 2c+8, 2c+9 of a k16 chunk: of a 32-weight block's chunk 0 the
+// low nibbles of bytes 2c, 2c+1, 2c+8, 2c+9, of chunk 1 their high nibbles. w0, w1: the block's words 2c/4 and
+// 2 + 2c/4 (bytes 4*(c/2).. and 8 + 4*(c/2)..), which hold those bytes at half c%2. Out: b[0], b[1] chunk 0's b0,
+// b1; b[2], b[3] chunk 1's. The same fp16 operations as deq_q4_half (the same bits: 1024 + q exact, one rounding).
+template <bool MIN>
+__device__ __forceinline__ void deq_q4_frag(uint32_t w0, uint32_t w1, int c, __half d, __half m, uint32_t (&b)[4]) {
+    const __half2 d2 = __half2half2(d), m2 = __half2half2(m);
+    const __half2 bias = __half2half2(__ushort_as_half(MIN ? 0x6400 : 0x6408));   // 1024 (+ 8 for Q4_0)
+    const uint32_t sel = (c & 1) ? 0x4342 : 0x4140;   // the half's two bytes to bytes 0 and 2, zeros between
+    const uint32_t u0 = __byte_perm(w0, 0, sel), u1 = __byte_perm(w1, 0, sel);
+    const uint32_t x[4] = {u0, u1, u0 >> 4, u1 >> 4};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const __half2 q = __hsub2(u32_as_half2((x[j] & 0x000F000F) | 0x64006400), bias);
+        b[j] = half2_as_u32(MIN ? __hfma2(q, d2, m2) : __hmul2(q, d2));
+    }
+}

@@ -152,14 +152,17 @@ ATTN_PREFILL = Setting(
 )
 
 
-# The GEMM kernels (prefill, wide-batch decode): cuda/matmul.cu's pipelined mma.sync ones (matmul2_*, default;
-# compute capability >= 8.0, WMMA below that) or the WMMA ones of v9 (matmul_*), the A/B switch.
+# The GEMM kernels (prefill, wide-batch decode): cuda/matmul.cu's pipelined mma.sync ones (default; compute
+# capability >= 8.0, WMMA below that): Q4_0 and Q4_1 dequantized into the mma fragments (matmul2r_*, v17), the
+# other types through an fp16 tile (matmul2_*); mma-tile runs matmul2_* for every type (v16's, the A/B switch; the
+# same bits); wmma the WMMA ones of v9 (matmul_*).
 MATMUL = Setting(
     "INGOT_MATMUL",
     "mma",
-    _one_of("mma", "wmma"),
-    "mma or wmma",
-    "The GPU engine's GEMMs: mma (pipelined tensor-core kernels, compute capability >= 8.0) or wmma (v9's, any GPU).",
+    _one_of("mma", "mma-tile", "wmma"),
+    "mma, mma-tile or wmma",
+    "The GPU engine's GEMMs: mma (pipelined tensor-core kernels, compute capability >= 8.0), mma-tile (the same"
+    " with every type through an fp16 tile, v16's) or wmma (v9's, any GPU).",
 )
 PDL = Setting(
     "INGOT_PDL",

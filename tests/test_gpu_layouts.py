@@ -145,8 +145,14 @@ def _kernels(sm_count=132, mma=False, cluster=False):
     k = Kernels.__new__(Kernels)
     k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count))
     k.matmul_mma = mma
+    k.matmul_frag = mma  # Q4_0 / Q4_1 through matmul2r_* (INGOT_MATMUL=mma)
     k.split_k_cluster = cluster
-    names = ("matvec_{}", "matvec_{}_b1", "matmul_{}", *(f"matmul2_{{}}_bm{tm}" for tm in MATMUL2_TILE_ROWS))
+    names = (
+        "matvec_{}",
+        "matvec_{}_b1",
+        "matmul_{}",
+        *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
+    )
     k.k = {n.format(q.lower()): _FakeKernel(n.format(q.lower())) for q in GPU_QTYPES for n in names}
     return k
 

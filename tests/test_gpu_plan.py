@@ -47,6 +47,7 @@ class _Recorder(Kernels):
         self.sample_smem_limit = 0  # the sampler's global-memory path: no smem opt-in to fake
         self.prefill_mma = True  # a GPU of compute capability >= 8.0: the tensor-core prefill attention
         self.matmul_mma = True  # ... and the pipelined mma.sync GEMMs (matmul2_*)
+        self.matmul_frag = True  # ... Q4_0 / Q4_1 into the mma fragments (matmul2r_*)
         self.split_k_cluster = True  # ... on sm_90+: split-K slices summed in thread-block clusters
         self.calls: list[tuple[str, tuple, dict]] = []
 

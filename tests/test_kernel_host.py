@@ -88,13 +88,23 @@ def test_kernel_code_repacks_embeds_tiles_and_dots_exactly(harness, qtype, odd):
     assert np.linalg.norm(y - yref) / np.linalg.norm(yref) < 1e-6
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize(
+    "qtype,entry",
+    [
+        ("Q4_0", "host_mm2_deq"),
+        ("Q4_1", "host_mm2_deq"),
+        ("Q8_0", "host_mm2_deq"),
+        ("Q4_0", "host_mm2r_deq"),
+        ("Q4_1", "host_mm2r_deq"),
+    ],
+)
 @pytest.mark.parametrize("odd", [False, True])
-def test_pipelined_gemm_dequantizes_its_raw_stage_like_gguf(harness, qtype, odd):
-    """cuda/matmul_tiles.cuh (the fp16 pair arithmetic of matmul2_*'s raw cp.async stages) against gguf: Q4_0 and
-    Q8_0 bit for bit with gguf's fp32 value rounded to fp16 (the WMMA kernel's tile, exact products); Q4_1's d*q + m
-    is rounded once (an fp16 fma), gguf's twice (fp32, then fp16): equal to the once-rounded float64 value, and
-    within one fp16 ulp of gguf's. odd: zero, subnormal and large scales (inf and NaN where gguf has them)."""
+def test_pipelined_gemm_dequantizes_its_raw_stage_like_gguf(harness, qtype, entry, odd):
+    """cuda/matmul_tiles.cuh (the fp16 pair arithmetic of matmul2_*'s raw cp.async stages, host_mm2_deq, and of
+    matmul2r_*'s mma fragments, host_mm2r_deq) against gguf: Q4_0 and Q8_0 bit for bit with gguf's fp32 value
+    rounded to fp16 (the WMMA kernel's tile, exact products); Q4_1's d*q + m is rounded once (an fp16 fma), gguf's
+    twice (fp32, then fp16): equal to the once-rounded float64 value, and within one fp16 ulp of gguf's. So the two
+    GEMMs multiply the same fp16 weights. odd: zero, subnormal and large scales (inf and NaN where gguf has them)."""
     rng = np.random.default_rng(["Q4_0", "Q4_1", "Q8_0"].index(qtype) * 2 + odd)
     rows, cols = 7, 96  # 21 blocks: an odd count, so the last d sits at an even index with its word past the end
     raw = soa.random_blocks(rng, qtype, rows, cols, odd=odd)
@@ -105,7 +115,7 @@ def test_pipelined_gemm_dequantizes_its_raw_stage_like_gguf(harness, qtype, odd)
     d = np.concatenate([arrays["d"].view(np.float16), np.zeros(1, np.float16)])  # the spare element
     m = np.concatenate([arrays["m"].view(np.float16), np.zeros(1, np.float16)]) if "m" in arrays else d
     out = np.full((rows, cols), np.nan, np.float16)
-    rc = harness.host_mm2_deq(qtype.lower().encode(), _ptr(qs), _ptr(d), _ptr(m), rows, cols, _ptr(out))
+    rc = getattr(harness, entry)(qtype.lower().encode(), _ptr(qs), _ptr(d), _ptr(m), rows, cols, _ptr(out))
     assert rc == 0
     with np.errstate(over="ignore", invalid="ignore"):
         want = ref.astype(np.float16)

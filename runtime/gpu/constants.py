@@ -27,6 +27,7 @@ SHARED: dict[str, tuple[int, str]] = {
     "MATMUL2_BN": (128, "pipelined mma matmul (matmul2_*): tile columns (output features)"),
     "MATMUL2_STAGES": (4, "pipelined mma matmul: cp.async stages of 32 along K"),
     "MATMUL2_THREADS": (256, "pipelined mma matmul: threads per block (8 warps)"),
+    "MATMUL2R_STAGES": (3, "pipelined mma matmul, fragment-dequantizing (matmul2r_*): cp.async stages"),
     "MATMUL2_SLICES": (8, "pipelined mma matmul: split-K slices at most (a thread-block cluster, portable size)"),
     "NORM_REGS": (8, "rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)"),
     "ATT_WARPS": (4, "warps per attention block"),
@@ -53,6 +54,7 @@ MATMUL2_BN = SHARED["MATMUL2_BN"][0]
 MATMUL2_STAGES = SHARED["MATMUL2_STAGES"][0]
 MATMUL2_THREADS = SHARED["MATMUL2_THREADS"][0]
 MATMUL2_SLICES = SHARED["MATMUL2_SLICES"][0]
+MATMUL2R_STAGES = SHARED["MATMUL2R_STAGES"][0]
 NORM_REGS = SHARED["NORM_REGS"][0]
 PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
 ATT_WARPS = SHARED["ATT_WARPS"][0]

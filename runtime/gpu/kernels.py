@@ -29,6 +29,7 @@ from ingot.runtime.gpu.constants import (
     MATMUL2_SLICES,
     MATMUL2_STAGES,
     MATMUL2_THREADS,
+    MATMUL2R_STAGES,
     MATMUL_TILE,
     MATVEC_COLS,
     MATVEC_ROWS_PER_BLOCK,
@@ -90,6 +91,10 @@ i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
 # Tile heights (tokens) of the pipelined GEMM's kernels, matmul2_<type>_bm<TM> (cuda/matmul.cu); prefill (no split-K)
 # shrinks its tile only down to MATMUL2_PREFILL_MIN_ROWS (a 16-row tile dequantizes each weight for 16 tokens).
 MATMUL2_TILE_ROWS = (16, 32, 64, 128)
+MATMUL2R_TYPES = ("Q4_0", "Q4_1")  # the types matmul2r_* dequantizes into the mma fragments (below) ...
+# ... at these tile heights. At 128 rows its four warps along M each dequantize the same columns: the 8B's gate+up
+# at 512 rows took 575 us against matmul2's 544 (PERF.md v17), while at 16 and 64 rows it is 1.1-1.9x faster.
+MATMUL2R_TILE_ROWS = (16, 32, 64)
 MATMUL2_PREFILL_MIN_ROWS = 32
 
 # The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).
@@ -103,6 +108,7 @@ PDL_KERNELS = frozenset(
     {
         *(f"{op}_{q.lower()}" for op in ("embed", "matvec", "matmul") for q in GPU_QTYPES),
         *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in MATMUL2_TILE_ROWS),
+        *(f"matmul2r_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2R_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
@@ -194,6 +200,24 @@ PREFILL_MODEL_MIN_US = 40.0
 # and have none), and its shared-memory rows of 32 + 8 halfs. Its tile heights: MATMUL2_TILE_ROWS (above).
 MATMUL2_RAW_ROW = {"Q4_0": 20, "Q4_1": 24, "Q8_0": 36, "F16": 2 * (QK + 8)}
 MATMUL2_LDS = QK + 8
+# Its twin that dequantizes Q4_0 / Q4_1 straight into the mma fragments (matmul2r_<type>_bm<TM>, cuda/matmul.cu):
+# the same tiles, slices and bits (MATMUL2R_TYPES), MATMUL2R_STAGES stages of matmul2r_blocks(tm) blocks.
+
+
+def matmul2r_blocks(tm: int) -> int:
+    """Quantization blocks (of 32 along K) in one stage of matmul2r_*_bm<tm> (cuda/matmul.cu Mm2rShape::KB)."""
+    return 4 if tm <= 32 else 2
+
+
+def matmul2r_smem(qtype: str, tm: int, cluster: bool = False) -> int:
+    """Dynamic shared memory of matmul2r_<qtype>_bm<tm> (cuda/matmul.cu mm2r_stage_bytes; the kernel traps if given
+    less): MATMUL2R_STAGES stages of quant bytes [128][16 KB (+16 when KB is even)], scale chunks [128][32] of d
+    (and of m: Q4_1) and the A tile [tm][32 KB + 8] fp16. cluster: at least the fp32 partial tile, as matmul2_smem."""
+    kb = matmul2r_blocks(tm)
+    qrow = 16 * kb + (16 if kb % 2 == 0 else 0)
+    stage = MATMUL2_BN * (qrow + 32 * (2 if qtype == "Q4_1" else 1)) + tm * (QK * kb + 8) * 2
+    pipeline = MATMUL2R_STAGES * stage
+    return max(pipeline, 4 * tm * MATMUL2_BN) if cluster else pipeline
 
 
 def split_k_floats(sm_count: int) -> int:
@@ -216,7 +240,7 @@ def split_k_uses_clusters(cc: int) -> bool:
 def matmul_uses_mma(cc: int) -> bool:
     """Whether GEMMs run the pipelined mma.sync kernels (matmul2_*: mma.sync m16n8k16, ldmatrix and cp.async need
     compute capability 8.0) on a GPU of compute capability cc, unless INGOT_MATMUL=wmma; else matmul_<type>."""
-    return cc >= 80 and settings.MATMUL.get() == "mma"
+    return cc >= 80 and settings.MATMUL.get() != "wmma"
 
 
 def matmul2_smem(qtype: str, tm: int, cluster: bool = False) -> int:
@@ -631,6 +655,9 @@ class Kernels:
         # (tests flip this attribute to run both). Their shared memory passes the 48 KiB default: opted into once
         # per kernel (at most 80 KiB, under the 99 KiB of sm_86/89/120).
         self.matmul_mma = matmul_uses_mma(device.info.cc)
+        # ... of which Q4_0 and Q4_1 dequantize into the mma fragments (matmul2r_*) unless INGOT_MATMUL=mma-tile
+        # (tests flip this one too: the two give the same bits).
+        self.matmul_frag = settings.MATMUL.get() == "mma"
         # Split-K slices summed in a thread-block cluster (sm_90+, INGOT_SPLIT_K; tests flip it too): a slice then
         # keeps its fp32 partial tile in the pipeline's shared memory, so the opt-in covers that as well. That path
         # is sm_90 code, so the matmul image the driver loads must be one too (compute_80 PTX JIT-compiled for an
@@ -641,6 +668,8 @@ class Kernels:
             for q in GPU_QTYPES:
                 for tm in MATMUL2_TILE_ROWS:
                     self.k[f"matmul2_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2_smem(q, tm, cluster=True))
+                    if q in MATMUL2R_TYPES and tm in MATMUL2R_TILE_ROWS:
+                        self.k[f"matmul2r_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2r_smem(q, tm, cluster=True))
         # Its shared memory grows with the head size (scalar: 80 KiB at hd 256, more than sm_75's 64 KiB opt-in;
         # mma: 99 KiB); one opt-in per head size this GPU can hold.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
@@ -828,13 +857,22 @@ class Kernels:
                     most_floats, most_tiles = scratch.ws.nbytes // 4, scratch.counters.nbytes // 4
                 assert tiles <= most_tiles and tiles * tiling.slices * tiling.tm * tiling.tn <= most_floats
             part_bias = None if bias is None else bias.at(4 * offset)
+            frag = tiling.mma and self.matmul_frag and part.qtype in MATMUL2R_TYPES and tiling.tm in MATMUL2R_TILE_ROWS
+            if frag:  # matmul2r_*: the same tiling, weights (qs, d, m: null for Q4_0) into the mma fragments
+                kernel, smem = (
+                    f"matmul2r_{part.qtype.lower()}_bm{tiling.tm}",
+                    matmul2r_smem(part.qtype, tiling.tm, tiling.cluster),
+                )
+                weights = [part.qs, part.d, part.m if part.qtype == "Q4_1" else None]
+            else:
+                kernel, smem, weights = tiling.kernel(part.qtype), tiling.smem(part.qtype), part.args()
             steps.append(
                 Launch(
-                    self.k[tiling.kernel(part.qtype)],
+                    self.k[kernel],
                     grid,
                     tiling.threads,
                     [
-                        *part.args(),
+                        *weights,
                         A,
                         part_bias,
                         _ptr(C) + 4 * offset,
@@ -846,7 +884,7 @@ class Kernels:
                         None if scratch is None else scratch.ws,  # null: the slices sum in their cluster
                         None if scratch is None else scratch.counters,
                     ],
-                    smem=tiling.smem(part.qtype),
+                    smem=smem,
                     cluster=tiling.slices if tiling.cluster else 1,
                 )
             )

@@ -88,15 +88,17 @@ def matvec_row(gpu, rng, name, qtype, rows, cols, B=1, mode=C.MODE_STORE, b1=Tru
 
 
 def matmul_row(gpu, rng, name, qtype, rows, cols, M, kind="mma"):
-    """kind: "mma" (the pipelined matmul2_*, compute capability >= 8.0) or "wmma" (v9's matmul_*), as
-    INGOT_MATMUL picks them; split-K at M <= 64 as the engine's wide decode (prefill runs without)."""
-    saved = gpu.k.matmul_mma
-    gpu.k.matmul_mma = kind == "mma" and gpu.dev.info.cc >= 80
+    """kind: "mma" (the pipelined kernels, compute capability >= 8.0: Q4_0/Q4_1 matmul2r_*, else matmul2_*),
+    "mma-tile" (matmul2_* for every type) or "wmma" (v9's matmul_*), as INGOT_MATMUL picks them; split-K at
+    M <= 64 as the engine's wide decode (prefill runs without)."""
+    saved = gpu.k.matmul_mma, gpu.k.matmul_frag
+    gpu.k.matmul_mma = kind != "wmma" and gpu.dev.info.cc >= 80
+    gpu.k.matmul_frag = kind == "mma"
     W = random_matrix(gpu, rng, qtype, rows, cols)
     A = gpu.put((rng.standard_normal(M * cols) * 0.1).astype(np.float16))
     C = gpu.empty(4 * M * rows, 0)
     steps = gpu.k.matmul(W, A.ptr, C.ptr, M, ldc=rows, split_k=gpu.split_k if M <= 64 else None)
-    gpu.k.matmul_mma = saved
+    gpu.k.matmul_mma, gpu.k.matmul_frag = saved
     us = timed(gpu, lambda stream: [step(stream) for step in steps], reps=5)
     tflops = 2 * M * rows * cols / (us * 1e-6) / 1e12
     gb = rows * cols * BYTES_PER_WEIGHT[qtype] / 1e9
@@ -221,9 +223,9 @@ def pdl_ab(path: str | None) -> None:
 
 
 def gemm_rows(gpu, rng):
-    print("GEMMs (prefill and wide decode), both kernels (INGOT_MATMUL=mma, v10's matmul2_*; wmma, v9's):")
+    print("GEMMs (prefill and wide decode), each family (INGOT_MATMUL=mma: v17's; mma-tile: v16's; wmma: v9's):")
     for M in (16, 64, 512):
-        for kind in ("mma", "wmma"):
+        for kind in ("mma", "mma-tile", "wmma"):
             matmul_row(gpu, rng, "8B qkv 6144x4096", "Q4_0", 6144, 4096, M, kind)
             matmul_row(gpu, rng, "8B o 4096x4096", "Q4_0", 4096, 4096, M, kind)
             matmul_row(gpu, rng, "8B gate+up 28672x4096", "Q4_0", 28672, 4096, M, kind)
@@ -233,7 +235,7 @@ def gemm_rows(gpu, rng):
             matmul_row(gpu, rng, "8B gate+up 28672x4096", "Q8_0", 28672, 4096, M, kind)
             matmul_row(gpu, rng, "8B gate+up 28672x4096", "F16", 28672, 4096, M, kind)
     for M in (16, 64):
-        for kind in ("mma", "wmma"):
+        for kind in ("mma", "mma-tile", "wmma"):
             matmul_row(gpu, rng, "smol gate+up 3072x576", "Q4_1", 3072, 576, M, kind)
 
 

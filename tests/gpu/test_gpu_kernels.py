@@ -22,10 +22,15 @@ from ingot.runtime.gpu import constants as K
 from ingot.runtime.gpu.driver import Launch
 from ingot.runtime.gpu.kernels import (
     MATMUL2_TILE_ROWS,
+    MATMUL2R_TILE_ROWS,
+    MATMUL2R_TYPES,
     SAMPLE_CHUNK,
     SUPERBLOCK_TYPES,
     GpuMatrix,
     GpuStack,
+    i32,
+    matmul2_smem,
+    matmul2r_smem,
     sample_chunk_bytes,
 )
 
@@ -39,22 +44,31 @@ def width(qtype: str, cols: int) -> int:
     return -(-cols // block) * block
 
 
-@pytest.fixture(params=["mma", "wmma"])
+@pytest.fixture(params=["mma", "mma-tile", "wmma"])
 def gemm(request, gpu):
-    """Both GEMM kernel families (cuda/matmul.cu): the pipelined mma.sync matmul2_* (compute capability >= 8.0) and
-    v9's WMMA matmul_*; Kernels.matmul reads gpu.k.matmul_mma at each call (INGOT_MATMUL at load)."""
-    if request.param == "mma" and gpu.dev.info.cc < 80:
+    """The GEMM kernel families (cuda/matmul.cu), as INGOT_MATMUL picks them: the pipelined mma.sync kernels
+    (compute capability >= 8.0), Q4_0 / Q4_1 dequantized into the fragments (matmul2r_*) and the other types
+    through an fp16 tile (matmul2_*); mma-tile: matmul2_* for every type; v9's WMMA matmul_*. Kernels.matmul reads
+    gpu.k.matmul_mma and gpu.k.matmul_frag at each call."""
+    if request.param != "wmma" and gpu.dev.info.cc < 80:
         pytest.skip("matmul2_* needs compute capability 8.0 (mma.sync m16n8k16, cp.async)")
-    saved = gpu.k.matmul_mma
-    gpu.k.matmul_mma = request.param == "mma"
+    saved = gpu.k.matmul_mma, gpu.k.matmul_frag
+    gpu.k.matmul_mma = request.param != "wmma"
+    gpu.k.matmul_frag = request.param == "mma"
     yield request.param
-    gpu.k.matmul_mma = saved
+    gpu.k.matmul_mma, gpu.k.matmul_frag = saved
 
 
 def _gemm_kernels(steps, kind: str) -> None:
     """The launches are the family under test."""
-    prefix = "matmul2_" if kind == "mma" else "matmul_"
-    assert all(step.kernel.name.startswith(prefix) for step in steps), [step.kernel.name for step in steps]
+    for step in steps:
+        name = step.kernel.name
+        if kind == "wmma":
+            assert name.startswith("matmul_"), name
+        else:
+            qtype, tm = name.split("_", 1)[1].upper().split("_BM")
+            frag = kind == "mma" and qtype in MATMUL2R_TYPES and int(tm) in MATMUL2R_TILE_ROWS
+            assert name.startswith("matmul2r_" if frag else "matmul2_"), name
 
 
 def _run_steps(gpu, steps):
@@ -372,6 +386,43 @@ def test_matmul2_every_tile_height_matches_wmma(gpu, rng, qtype, tm):
     # the same fp16 weights (Q4_1: rounded once here, twice there, rarely one ulp apart) and products, summed in
     # other orders in fp32: ~1e-6, far below the 1e-3 both keep against numpy
     assert rel_err(got[:, :N], gpu.get(Cw, np.float32, (M, ldc))[:, :N].astype(np.float64)) < 1e-4
+
+
+@pytest.mark.parametrize("qtype", MATMUL2R_TYPES)
+@pytest.mark.parametrize("tm", MATMUL2R_TILE_ROWS)
+@pytest.mark.parametrize("slices,cluster", [(1, False), (3, False), (5, True)])
+def test_fragment_gemm_gives_the_bits_of_the_tile_gemm(gpu, rng, qtype, tm, slices, cluster):
+    """matmul2r_<type>_bm<tm> (weights dequantized into the mma fragments, KB blocks a stage) against
+    matmul2_<type>_bm<tm> (an fp16 tile, one block a step), both launched directly: the same bits, unsplit and in
+    split-K slices summed by the last block or in a cluster. K = 37 blocks: slices of 13 and 11 blocks, so stages
+    end part-full and each row's scales start at another offset in their 16-byte chunk; M and N past a tile, a
+    strided output, MODE_ADD onto a residual with a bias. Both within numpy's 1e-3."""
+    if gpu.dev.info.cc < (90 if cluster else 80):
+        pytest.skip("needs compute capability 9.0 (clusters)" if cluster else "matmul2_* needs compute capability 8.0")
+    M, N, K_ = tm + 3, 203, 32 * 37
+    ldc = N + 5
+    W, Wref = make_weight(gpu, rng, qtype, N, K_)
+    A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
+    bias = gpu.put(rng.standard_normal(N).astype(np.float32))
+    resid = rng.standard_normal((M, ldc)).astype(np.float32)
+    grid = (-(-M // tm), -(-N // K.MATMUL2_BN), slices)
+    scratch = [None, None] if cluster or slices == 1 else [gpu.split_k.ws, gpu.split_k.counters]
+    out = {}
+    for name, weights, smem in (
+        (f"matmul2_{qtype.lower()}_bm{tm}", W.args(), matmul2_smem(qtype, tm, cluster)),
+        (f"matmul2r_{qtype.lower()}_bm{tm}", [W.qs, W.d, W.m], matmul2r_smem(qtype, tm, cluster)),
+    ):
+        C = gpu.put(resid)
+        args = [*weights, A, bias, C.ptr, i32(M), i32(N), i32(K_), i32(ldc), i32(K.MODE_ADD), *scratch]
+        gpu.run(Launch(gpu.k.k[name], grid, K.MATMUL2_THREADS, args, smem=smem, cluster=slices if cluster else 1))
+        out[name] = gpu.get(C, np.float32, (M, ldc))
+    tile, frag = out.values()
+    assert np.array_equal(frag.view(np.uint32), tile.view(np.uint32))
+    ref = resid.astype(np.float64)
+    Wh = Wref.astype(np.float16).astype(np.float64)
+    ref[:, :N] += gpu.get(A, np.float16, (M, K_)).astype(np.float64) @ Wh.T + gpu.get(bias, np.float32, (N,))
+    assert rel_err(frag, ref) < 1e-3
+    assert np.array_equal(frag[:, N:], resid[:, N:]), "columns past N (the stride's padding) were written"
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])

@@ -101,3 +101,29 @@ extern "C" int host_mm2_deq(const char* q, const uint8_t* qs, const __half* d, c
             }
     return 0;
 }
+
+// matmul2r's dequantization into mma B fragments (matmul_tiles.cuh deq_q4_frag), per (row, block, lane column c)
+// as its lanes do: the block's words c/2 and 2 + c/2, the row's d (and m) of the block; the four registers put
+// back at the weights they hold (b0: 2c, 2c+1; b1: 2c+8, 2c+9; chunk 1 the same + 16). Arguments as host_mm2_deq.
+extern "C" int host_mm2r_deq(const char* q, const uint8_t* qs, const __half* d, const __half* m, int rows, int cols,
+                             __half* out) {
+    const std::string t(q);
+    if (t != "q4_0" && t != "q4_1") return 1;
+    const int nb = cols / QK;
+    for (int r = 0; r < rows; r++)
+        for (int kb = 0; kb < nb; kb++)
+            for (int c = 0; c < 4; c++) {
+                const long long b = (long long)r * nb + kb;
+                uint32_t w0, w1, frag[4];
+                memcpy(&w0, qs + b * 16 + 4 * (c >> 1), 4);
+                memcpy(&w1, qs + b * 16 + 8 + 4 * (c >> 1), 4);
+                if (t == "q4_1")
+                    deq_q4_frag<true>(w0, w1, c, d[b], m[b], frag);
+                else
+                    deq_q4_frag<false>(w0, w1, c, d[b], d[b], frag);
+                __half* o = out + (size_t)r * cols + kb * QK;
+                const int at[4] = {2 * c, 2 * c + 8, 16 + 2 * c, 24 + 2 * c};
+                for (int i = 0; i < 4; i++) memcpy(o + at[i], &frag[i], 4);
+            }
+    return 0;
+}
