@@ -30,9 +30,10 @@
 #   s3  []                     stage 3 (the serving load test)
 #   s23 [".m/smol.b"]          instead of s2 and s3 when the 8B figures are not needed: SmolLM2's tests, pack +
 #                              verify --device, its bench (pp512, tg128 at batch 1, 16, 64), then stage 3
-# The GEMM kernels (v10's pipelined matmul2_* against v9's WMMA; carry .whl/ only, any order after prepare):
-#   gemm        build; the GEMM kernel tests (both families, tests/test_pdl.py's PTX check); kernel_bench --gemm
-#   gemm-bench  synthetic llama3-8b Q4_0: ingot bench pp512 and batch 1,16,64 with INGOT_MATMUL=mma, then =wmma
+# The GEMM kernels (v17's matmul2r_*, v10's matmul2_*, v9's WMMA; carry .whl/ only, any order after prepare):
+#   gemm        build; the GEMM kernel tests (every family, tests/test_pdl.py's PTX check); kernel_bench --gemm
+#   gemm-bench  synthetic llama3-8b Q4_0: ingot bench pp512 and batch 16,32,64, INGOT_MATMUL=mma and =mma-tile
+#               alternated twice (v17's fragment-dequantizing matmul2r_* against v16's matmul2_*)
 set -o pipefail
 cd "$(dirname "$0")/../.."
 GEMMA_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
@@ -213,7 +214,7 @@ s3)
     ;;
 gemm)
     env_up
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -n 6 -k "matmul" tests/gpu/test_gpu_kernels.py 2>&1 |
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -n 6 -k "matmul or gemm or split_k" tests/gpu/test_gpu_kernels.py 2>&1 |
         tee "$OUT/gemm_tests.log" | tail -30
     timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_pdl.py 2>&1 | tail -5
     timeout 150 python3 tests/gpu/kernel_bench.py --gemm 2>&1 | tee "$OUT/gemm_bench.log"
@@ -221,9 +222,9 @@ gemm)
 gemm-bench)
     env_up
     [ -f /tmp/l8_Q4_0.gguf ] || python3 -m ingot model synth --shape llama3-8b --quant Q4_0 --out /tmp/l8_Q4_0.gguf >/dev/null
-    for m in mma wmma; do
+    for m in mma mma-tile mma mma-tile; do
         echo "INGOT_MATMUL=$m:"
-        INGOT_MATMUL=$m timeout 240 python3 -m ingot bench /tmp/l8_Q4_0.gguf -r 3 --batch 1,16,64 --no-cold-start 2>&1 |
+        INGOT_MATMUL=$m timeout 240 python3 -m ingot bench /tmp/l8_Q4_0.gguf -r 3 --batch 16,32,64 --no-cold-start 2>&1 |
             tee "$OUT/gemm_bench_$m.log" | tail -8
     done
     ;;
