@@ -1,4 +1,5 @@
-"""cuda/matmul.cu's pipelined GEMM (matmul2_<type>_bm<TM>) emulated in numpy, without a GPU.
+"""cuda/matmul.cu's pipelined GEMMs (matmul2_<type>_bm<TM>, and matmul2r_<type>_bm<TM> from the raw bytes into the
+fragments) emulated in numpy, without a GPU.
 
 The kernel's own index expressions drive lane-level models of ldmatrix and mma.m16n8k16 (tests/
 test_attention_prefill.py's, from the PTX ISA's fragment layouts): every block of the grid, every warp, every K
@@ -20,9 +21,9 @@ from test_attention_prefill import LANE, _ldmatrix_x4, _mma
 from ingot.runtime.gpu.constants import MATMUL2_BN as BN
 from ingot.runtime.gpu.constants import MATMUL2_STAGES as STAGES
 from ingot.runtime.gpu.constants import MATMUL2_THREADS as THREADS
-from ingot.runtime.gpu.constants import MODE_ADD, MODE_STORE, QK
+from ingot.runtime.gpu.constants import MATMUL2R_STAGES, MODE_ADD, MODE_STORE, QK
 from ingot.runtime.gpu.kernels import MATMUL2_LDS as LDS
-from ingot.runtime.gpu.kernels import MATMUL2_TILE_ROWS, matmul_geometry
+from ingot.runtime.gpu.kernels import MATMUL2_TILE_ROWS, matmul2r_blocks, matmul2r_smem, matmul_geometry
 
 
 class Smem:
@@ -165,46 +166,53 @@ def emulate(A, Wh, bias, C, M, N, K, ldc, mode, tm, slices, direct, q4, rng):
         sm.wait(0)
         assert not sm.inflight
 
-        # acc[warp, mt, nt, lane, e] = element e of thread warp*32 + lane
-        if slices > 1:
-            tile = by * grid[0] + bx
-            mine = np.zeros(tm * BN, np.float32)
+        _finish(acc, WM, WN, MT, NT, tm, bx, by, bz, grid, slices, ws, counters, bias, C, M, N, ldc, mode, writes)
+    assert not any(counters.values()), "a tile counter left non-zero"
+    return writes
+
+
+def _finish(acc, WM, WN, MT, NT, tm, bx, by, bz, grid, slices, ws, counters, bias, C, M, N, ldc, mode, writes):
+    """mm2_store on one block's accumulators: split-K partials through ws (the tile's last slice sums them in slice
+    order), then the epilogue into C, counting the writes per element."""
+    m0, n0 = bx * tm, by * BN
+    # acc[warp, mt, nt, lane, e] = element e of thread warp*32 + lane
+    if slices > 1:
+        tile = by * grid[0] + bx
+        mine = np.zeros(tm * BN, np.float32)
+        for warp in range(8):
+            tid = warp * 32 + LANE
+            for mt in range(MT):
+                for nt in range(NT):
+                    for e in range(4):
+                        mine[((mt * NT + nt) * 4 + e) * THREADS + tid] = acc[warp, mt, nt, :, e]
+        ws[tile, bz] = mine
+        counters[tile] = counters.get(tile, 0) + 1
+        if counters[tile] != slices:
+            return
+        counters[tile] = 0
+        acc[:] = 0
+        for z in range(slices):
             for warp in range(8):
                 tid = warp * 32 + LANE
                 for mt in range(MT):
                     for nt in range(NT):
                         for e in range(4):
-                            mine[((mt * NT + nt) * 4 + e) * THREADS + tid] = acc[warp, mt, nt, :, e]
-            ws[tile, bz] = mine
-            counters[tile] = counters.get(tile, 0) + 1
-            if counters[tile] != slices:
-                continue
-            counters[tile] = 0
-            acc[:] = 0
-            for z in range(slices):
-                for warp in range(8):
-                    tid = warp * 32 + LANE
-                    for mt in range(MT):
-                        for nt in range(NT):
-                            for e in range(4):
-                                acc[warp, mt, nt, :, e] += ws[tile, z][((mt * NT + nt) * 4 + e) * THREADS + tid]
-        for warp in range(8):
-            wm, wn = warp // WN, warp % WN
-            r0 = m0 + wm * (tm // WM) + LANE // 4
-            c0 = n0 + wn * (NT * 8) + 2 * (LANE % 4)
-            for nt in range(NT):
-                for e2 in range(2):
-                    for mt in range(MT):
-                        for h in range(2):
-                            for lane in range(32):
-                                gr, gc = r0[lane] + mt * 16 + 8 * h, c0[lane] + nt * 8 + e2
-                                if gr >= M or gc >= N:
-                                    continue
-                                v = acc[warp, mt, nt, lane, 2 * h + e2] + (bias[gc] if bias is not None else 0)
-                                C[gr * ldc + gc] = C[gr * ldc + gc] + v if mode == MODE_ADD else v
-                                writes[gr * ldc + gc] += 1
-    assert not any(counters.values()), "a tile counter left non-zero"
-    return writes
+                            acc[warp, mt, nt, :, e] += ws[tile, z][((mt * NT + nt) * 4 + e) * THREADS + tid]
+    for warp in range(8):
+        wm, wn = warp // WN, warp % WN
+        r0 = m0 + wm * (tm // WM) + LANE // 4
+        c0 = n0 + wn * (NT * 8) + 2 * (LANE % 4)
+        for nt in range(NT):
+            for e2 in range(2):
+                for mt in range(MT):
+                    for h in range(2):
+                        for lane in range(32):
+                            gr, gc = r0[lane] + mt * 16 + 8 * h, c0[lane] + nt * 8 + e2
+                            if gr >= M or gc >= N:
+                                continue
+                            v = acc[warp, mt, nt, lane, 2 * h + e2] + (bias[gc] if bias is not None else 0)
+                            C[gr * ldc + gc] = C[gr * ldc + gc] + v if mode == MODE_ADD else v
+                            writes[gr * ldc + gc] += 1
 
 
 @pytest.mark.parametrize(
@@ -253,3 +261,177 @@ def test_the_emulation_covers_every_tile_height_and_split_k():
     assert set(MATMUL2_TILE_ROWS) <= {tm for tm, _ in seen}
     slices = [matmul_geometry(M, N, K, 4, mma=True, split=True).slices for M, N, K, s, _ in cases if s]
     assert all(s > 1 for s in slices)
+
+
+# --- matmul2r_<type>_bm<TM>: the weights' raw bytes into the mma fragments -------------------------------------------
+
+
+def q4_weights(qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """The fp16 weights [N, K] of Q4_0 / Q4_1 blocks (qs [N, nb, 16] bytes: w[j] low nibble of byte j, w[j + 16] its
+    high nibble; d, m [N, nb] fp16), each the exact d*(q - 8) or d*q + m rounded to fp16 once (matmul_tiles.cuh)."""
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=2).astype(np.float64)  # [N, nb, 32]
+    dd = d.astype(np.float64)[..., None]
+    w = dd * q + m.astype(np.float64)[..., None] if m is not None else dd * (q - 8)
+    return w.reshape(qs.shape[0], -1).astype(np.float16)
+
+
+def _deq_frag(w0: np.ndarray, w1: np.ndarray, c: np.ndarray, d: np.ndarray, m) -> list[np.ndarray]:
+    """deq_q4_frag per lane: words w0, w1 (uint32 [32]) -> b0, b1 of chunk 0, then of chunk 1 ([32, 2] fp16 each)."""
+    out = []
+    for shift in (0, 4):
+        for w in (w0, w1):
+            lo = (w >> (16 * (c & 1))) & 0xFF  # byte 2c of the block (the half c%2 of its word)
+            hi = (w >> (16 * (c & 1) + 8)) & 0xFF  # byte 2c + 1
+            q = np.stack([(lo >> shift) & 0xF, (hi >> shift) & 0xF], 1).astype(np.float64)
+            dd = d.astype(np.float64)[:, None]
+            v = dd * q + m.astype(np.float64)[:, None] if m is not None else dd * (q - 8)
+            out.append(v.astype(np.float16))
+    return out
+
+
+def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rng):
+    """matmul2r<TM> byte for byte: each stage a flat shared-memory image in the kernel's layout (quant bytes
+    [128][QROW], scale chunks [128][32 bytes] of d (and m), the A tile [tm][LDA] fp16), filled by the kernel's
+    copies and read at its lane addresses; d and m start dbase elements past a 16-byte boundary (the scale windows'
+    offsets). Returns the writes per C element; the pipeline's waits and barriers are checked as emulate()'s."""
+    WM = 4 if tm == 128 else 1 if tm == 16 else 2  # Mm2Warps<TM>
+    WN = 8 // WM
+    MT, NT = tm // WM // 16, BN // WN // 8
+    KB, S = matmul2r_blocks(tm), MATMUL2R_STAGES
+    QROW, SROW, LDA = 16 * KB + (16 if KB % 2 == 0 else 0), 32, QK * KB + 8
+    S_OFF = BN * QROW
+    M_OFF = S_OFF + BN * SROW
+    A_OFF = M_OFF + (BN * SROW if m is not None else 0)
+    STAGE = A_OFF + tm * LDA * 2
+    assert S * STAGE == matmul2r_smem("Q4_1" if m is not None else "Q4_0", tm)
+    nb = K // QK
+    per = -(-nb // slices)
+    grid = (-(-M // tm), -(-N // BN), slices)
+    # the scales as the kernel's global memory: element dbase of a 16-byte aligned buffer, padded to whole chunks
+    pad = -(-(dbase + N * nb) // 8) * 8 + 8
+    gd = np.zeros(pad, np.float16)
+    gd[dbase : dbase + N * nb] = d.ravel()
+    gm = np.zeros(pad, np.float16)
+    if m is not None:
+        gm[dbase : dbase + N * nb] = m.ravel()
+    ws: dict[tuple[int, int], np.ndarray] = {}
+    counters: dict[int, int] = {}
+    order = [(x, y, z) for x in range(grid[0]) for y in range(grid[1]) for z in range(grid[2])]
+    rng.shuffle(order)
+    writes = np.zeros(C.shape, np.int32)
+    for bx, by, bz in order:
+        m0, n0 = bx * tm, by * BN
+        kb0 = bz * per
+        steps = max(0, min(nb, kb0 + per) - kb0)
+        stages = -(-steps // KB)
+        sm = Smem()
+        smem = np.full((S, STAGE), 0xCD, np.uint8)  # stale bytes: a read of an uncopied byte shows
+
+        def load_stage(s, m0=m0, n0=n0, kb0=kb0, smem=smem, sm=sm, steps=steps):
+            st = smem[s % S]
+            valid = min(KB, steps - s * KB)
+            for row in range(BN):
+                n = n0 + row
+                nc = min(n, N - 1)
+                for blk in range(valid):
+                    st[row * QROW + blk * 16 : row * QROW + blk * 16 + 16] = qs[nc, kb0 + s * KB + blk] if n < N else 0
+                for region, g in ((S_OFF, gd), (M_OFF, gm)) if m is not None else ((S_OFF, gd),):
+                    p = dbase + nc * nb + kb0 + s * KB  # the element of block kb0 + s*KB of the row
+                    for chunk in range(2):
+                        if chunk == 0 or p % 8 + valid > 8:
+                            src = (
+                                g[(p // 8 + chunk) * 8 : (p // 8 + chunk) * 8 + 8] if n < N else np.zeros(8, np.float16)
+                            )
+                            st[region + row * SROW + 16 * chunk : region + row * SROW + 16 * chunk + 16] = src.view(
+                                np.uint8
+                            )
+            a = st[A_OFF:].view(np.float16)
+            for row in range(tm):
+                mrow = m0 + row
+                for blk in range(valid):
+                    k = (kb0 + s * KB + blk) * QK
+                    a[row * LDA + blk * QK : row * LDA + blk * QK + QK] = A[mrow, k : k + QK] if mrow < M else 0
+            sm.copy(("stage", s % S), s)
+
+        acc = np.zeros((8, MT, NT, 32, 4), np.float32)
+        for s in range(S - 1):
+            if s < stages:
+                load_stage(s)
+            sm.commit()
+        for s in range(stages):
+            sm.wait(S - 2)
+            sm.barrier()
+            if s + S - 1 < stages:
+                load_stage(s + S - 1)
+            sm.commit()
+            sm.read(("stage", s % S), s)
+            st = smem[s % S]
+            sa = st[A_OFF:].view(np.float16)
+            sd = st[S_OFF : S_OFF + BN * SROW].view(np.float16)
+            smn = st[M_OFF : M_OFF + BN * SROW].view(np.float16) if m is not None else None
+            valid = min(KB, steps - s * KB)
+            for warp in range(8):
+                wm, wn = warp // WN, warp % WN
+                g, c = LANE // 4, LANE % 4
+                o0 = (dbase + (n0 + wn * NT * 8 + g) * nb + kb0) & 7
+                a_lane = (wm * (tm // WM) + LANE % 16) * LDA + (LANE // 16) * 8
+                for kk in range(valid):
+                    o = ((o0 + s * KB) & 7) + kk
+                    a = [
+                        [_ldmatrix_x4(sa, a_lane + mt * 16 * LDA + kk * QK + ks * 16) for mt in range(MT)]
+                        for ks in (0, 1)
+                    ]
+                    for nt in range(NT):
+                        r = wn * NT * 8 + nt * 8 + g
+                        q = r * QROW + kk * 16 + 4 * (c >> 1)
+                        w0 = np.array([int.from_bytes(st[x : x + 4].tobytes(), "little") for x in q], np.int64)
+                        w1 = np.array([int.from_bytes(st[x + 8 : x + 12].tobytes(), "little") for x in q], np.int64)
+                        dd = sd[r * (SROW // 2) + o]
+                        mm = smn[r * (SROW // 2) + o] if smn is not None else None
+                        b = _deq_frag(w0, w1, c, dd, mm)
+                        for mt in range(MT):
+                            _mma(acc[warp, mt, nt], a[0][mt], b[0], b[1])
+                            _mma(acc[warp, mt, nt], a[1][mt], b[2], b[3])
+        sm.wait(0)
+        assert not sm.inflight
+        _finish(acc, WM, WN, MT, NT, tm, bx, by, bz, grid, slices, ws, counters, bias, C, M, N, ldc, mode, writes)
+    assert not any(counters.values()), "a tile counter left non-zero"
+    return writes
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize(
+    "M,N,nb,slices,dbase",
+    [
+        (1, 150, 13, 3, 3),  # height 16: stages of 4 blocks, slices of 5, 5, 3 (part-full stages), windows over chunks
+        (13, 130, 9, 1, 7),  # height 16 unsplit: 9 blocks = 4 + 4 + 1
+        (29, 150, 11, 2, 0),  # height 32: slices of 6 and 5
+        (37, 140, 7, 3, 5),  # height 64 (stages of 2 blocks): slices of 3, 3, 1
+        (64, 129, 6, 1, 1),  # height 64 unsplit, a 1-column second tile
+    ],
+)
+def test_fragment_gemm_emulation_gives_the_bits_of_the_tile_gemm(qtype, M, N, nb, slices, dbase):
+    """matmul2r (emulate_frag, from the raw bytes) and matmul2 (emulate, from the same weights dequantized) give the
+    same bits, and numpy's product: the copies, scale windows, fragment dequantization and mma order agree."""
+    rng = np.random.default_rng(M * 1000 + N + nb)
+    K = nb * QK
+    tm = next(t for t in MATMUL2_TILE_ROWS if t >= M)
+    qs = rng.integers(0, 256, (N, nb, 16), dtype=np.uint8)
+    d = (rng.standard_normal((N, nb)) * 0.02).astype(np.float16)
+    m = (rng.standard_normal((N, nb)) * 0.05).astype(np.float16) if qtype == "Q4_1" else None
+    A = rng.standard_normal((M, K)).astype(np.float16)
+    bias = rng.standard_normal(N).astype(np.float32)
+    ldc = N + 3
+    Wh = q4_weights(qs, d, m)
+    for mode in (MODE_STORE, MODE_ADD):
+        resid = rng.standard_normal(M * ldc).astype(np.float32)
+        frag, tile = resid.copy(), resid.copy()
+        writes = emulate_frag(A, qs, d, m, dbase, bias, frag, M, N, K, ldc, mode, tm, slices, rng)
+        emulate(A, Wh, bias, tile, M, N, K, ldc, mode, tm, slices, False, True, rng)
+        assert np.array_equal(frag.view(np.uint32), tile.view(np.uint32))
+        assert (writes.reshape(M, ldc)[:, :N] == 1).all() and not writes.reshape(M, ldc)[:, N:].any()
+        want = A.astype(np.float64) @ Wh.astype(np.float64).T + bias
+        if mode == MODE_ADD:
+            want += resid.reshape(M, ldc)[:, :N]
+        got = frag.reshape(M, ldc)[:, :N]
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
