@@ -2,9 +2,11 @@
 // soa-v2 layout of common.cuh, C fp32. Prefill multiplies many tokens by each weight, so it is arithmetic-bound:
 // weights are dequantized to fp16 in shared memory and multiplied on the tensor cores (WMMA 16x16x16, fp32
 // accumulation; available on every arch we build, sm_75+).
-// Two kernel families: matmul_<type> (this header: v9's, every arch) and below, from compute capability 8.0, the
-// pipelined matmul2_<type>_bm<TM> (mma.sync, ldmatrix, cp.async; its own header comment). Kernels.matmul picks
-// (runtime/gpu/kernels.py matmul_geometry; INGOT_MATMUL=wmma keeps this one everywhere).
+// Three kernel families: matmul_<type> (this header: v9's, every arch) and below, from compute capability 8.0, the
+// pipelined matmul2_<type>_bm<TM> (mma.sync, ldmatrix, cp.async; its own header comment) and its twin for Q4_0 and
+// Q4_1, matmul2r_<type>_bm<TM>, which dequantizes straight into the mma fragments (the same tiles and bits; its
+// own header comment, after matmul2's kernels). Kernels.matmul picks (runtime/gpu/kernels.py matmul_geometry;
+// INGOT_MATMUL=wmma keeps matmul_<type> everywhere, =mma-tile matmul2_<type> for every type).
 //
 // Tiles: a block of 4 warps computes a 64x64 tile of C, each warp a 32x32 quarter (2x2 fragments); K advances
 // by one quantization block (32) per step. Epilogue modes as in matvec.cu: MODE_STORE (C = AW^T + bias) and
