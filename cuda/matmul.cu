@@ -791,7 +791,9 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 // an odd number of 16-byte units, so the 8 rows a warp's lanes read at once fall in distinct banks); scale chunks
 // [128][32 bytes] of d, then of m (Q4_1); the A tile [TM][32*KB + 8] fp16 (rows 16*odd bytes apart: ldmatrix
 // conflict-free). Block j of a stage of row n is element o + j of its scale window, o = the stage's first block's
-// element offset in its 16-byte chunk (the second chunk is copied only when the blocks run into it).
+// element offset in its 16-byte chunk (the second chunk is copied only when the blocks run into it). The lanes take
+// o from d's address, for m's windows too: Kernels.matmul (kernels.py matmul2r_serves) launches Q4_1 here only when
+// m lies at d's offset within 16 bytes (separate pool allocations always do), and only for 32-bit offsets.
 // Fragments: lane (g, c) of the warp owning n8 tile nt dequantizes weight row wn*NT*8 + nt*8 + g: two 4-byte words
 // of the block's quant bytes -> chunk 0's and chunk 1's b0, b1 (matmul_tiles.cuh deq_q4_frag), then the MT m16
 // tiles' mma for both chunks. Each accumulator takes the same mma in the same order as in matmul2 (block by block,

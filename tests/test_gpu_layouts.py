@@ -42,6 +42,8 @@ from ingot.runtime.gpu.kernels import (
     image_cc,
     layout_bytes,
     matmul2_smem,
+    matmul2r_blocks,
+    matmul2r_smem,
     matmul_geometry,
     matmul_uses_mma,
     prefill_split_k_need,
@@ -466,12 +468,63 @@ def test_matmul2_raw_rows_match_the_kernel_source():
     assert "#define MM2_LDS (QK + 8)" in src and MATMUL2_LDS == constants.QK + 8
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("tm", [16, 32, 64])
+def test_fragment_gemm_shared_memory_fits_every_arch_with_mma(qtype, tm):
+    """matmul2r_*'s layout (cuda/matmul.cu Mm2rShape, mm2r_stage_bytes), worked out by hand: MATMUL2R_STAGES stages
+    of quant rows (16 bytes a block, + 16 when the block count is even), 32-byte scale windows of d (and m) and the
+    A tile; within sm_86/89/120's 99 KiB opt-in, the cluster's partial tile included."""
+    kb = matmul2r_blocks(tm)
+    stage = 128 * (16 * kb + (16 if kb % 2 == 0 else 0) + 32 * (2 if qtype == "Q4_1" else 1)) + tm * (32 * kb + 8) * 2
+    assert matmul2r_smem(qtype, tm) == constants.MATMUL2R_STAGES * stage
+    assert matmul2r_smem(qtype, tm, cluster=True) == max(matmul2r_smem(qtype, tm), 4 * tm * 128) <= 99 * 1024 - 16
+    src = (Path(__file__).parents[1] / "cuda" / "matmul.cu").read_text()
+    assert "static constexpr int KB = TM <= 32 ? 4 : 2;" in src and kb == (4 if tm <= 32 else 2)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_gemms_take_the_fragment_kernel_with_its_arguments(qtype):
+    """Q4_0 / Q4_1 at a decode width: matmul2r_<type>_bm16 with (qs, d, m) (m null for Q4_0) and its own shared
+    memory; the other types, 128-row tiles and INGOT_MATMUL=mma-tile (matmul_frag off) keep matmul2_*."""
+    W = _matrix(qtype, 300, 512)
+    k = _kernels(mma=True)
+    (launch,) = k.matmul(W, 7, 1 << 30, 5, ldc=300)
+    assert launch.kernel.name == f"matmul2r_{qtype.lower()}_bm16"
+    assert _ptr_args(launch)[:4] == [W.qs.ptr, W.d.ptr, W.m.ptr if qtype == "Q4_1" else 0, 7]
+    assert launch.smem == matmul2r_smem(qtype, 16)
+    (wide,) = k.matmul(_matrix(qtype, 28672, 4096), 7, 1 << 30, 512, ldc=28672)
+    assert wide.kernel.name == f"matmul2_{qtype.lower()}_bm128" and wide.smem == matmul2_smem(qtype, 128)
+    k.matmul_frag = False
+    (tile,) = k.matmul(W, 7, 1 << 30, 5, ldc=300)
+    assert tile.kernel.name == f"matmul2_{qtype.lower()}_bm16" and tile.smem == matmul2_smem(qtype, 16)
+    assert _ptr_args(tile)[: len(W.args()) + 1] == [*(b.ptr for b in W.args()), 7]
+
+
+def test_q4_1_with_its_min_at_another_16_byte_offset_keeps_the_tile_kernel():
+    """matmul2r reads m's scale windows at d's offsets within 16 bytes: a Q4_1 matrix whose m is not at d's offset
+    (not the pool's layout, but a view could be) runs matmul2 instead (the same bits)."""
+    n, cols = 300, 512
+    sizes = layout_bytes("Q4_1", n, cols)
+    for m_at, kernel in (((3 << 20) + 32, "matmul2r_q4_1_bm16"), ((3 << 20) + 2, "matmul2_q4_1_bm16")):
+        W = GpuMatrix(
+            "Q4_1",
+            n,
+            cols,
+            qs=DeviceBuffer(1 << 20, sizes["qs"], "qs"),
+            d=DeviceBuffer(2 << 20, sizes["d"], "d"),
+            m=DeviceBuffer(m_at, sizes["m"], "m"),
+        )
+        (launch,) = _kernels(mma=True).matmul(W, 7, 1 << 30, 5, ldc=n)
+        assert launch.kernel.name == kernel
+
+
 @pytest.mark.parametrize(
-    "cc,setting,mma", [(75, "mma", False), (80, "mma", True), (90, None, True), (90, "wmma", False)]
+    "cc,setting,mma",
+    [(75, "mma", False), (80, "mma", True), (90, None, True), (90, "wmma", False), (90, "mma-tile", True)],
 )
 def test_matmul_kernel_choice(monkeypatch, cc, setting, mma):
     """sm_75 has no mma.sync m16n8k16 / cp.async: always WMMA; from 8.0 the pipelined kernels unless
-    INGOT_MATMUL=wmma."""
+    INGOT_MATMUL=wmma (mma-tile: the pipelined kernels through the fp16 tile for every type)."""
     if setting is None:
         monkeypatch.delenv("INGOT_MATMUL", raising=False)
     else:

@@ -220,6 +220,18 @@ def matmul2r_smem(qtype: str, tm: int, cluster: bool = False) -> int:
     return max(pipeline, 4 * tm * MATMUL2_BN) if cluster else pipeline
 
 
+def matmul2r_serves(part: GpuMatrix, tiling: GemmTiling, M: int) -> bool:
+    """Whether matmul2r_* computes this part's GEMM (else matmul2_*, the same bits): Q4_0 / Q4_1 at its tile heights,
+    with what its addressing assumes: 32-bit offsets (a part's quant bytes and the pass's A under 4 GiB) and, for
+    Q4_1, m at d's offset within 16 bytes (it reads m's scale windows at d's offsets; separate pool allocations,
+    256-byte aligned, always are)."""
+    if part.qtype not in MATMUL2R_TYPES or tiling.tm not in MATMUL2R_TILE_ROWS:
+        return False
+    if part.rows * part.cols // 2 >= 1 << 32 or M * part.cols >= 1 << 32:
+        return False
+    return part.m is None or (_ptr(part.d) - _ptr(part.m)) % 16 == 0
+
+
 def split_k_floats(sm_count: int) -> int:
     """fp32 elements of SplitK's partial-tile scratch on a GPU of sm_count SMs."""
     return SPLIT_K_TILES_PER_SM * sm_count * SPLIT_K_TILE_FLOATS
@@ -857,7 +869,7 @@ class Kernels:
                     most_floats, most_tiles = scratch.ws.nbytes // 4, scratch.counters.nbytes // 4
                 assert tiles <= most_tiles and tiles * tiling.slices * tiling.tm * tiling.tn <= most_floats
             part_bias = None if bias is None else bias.at(4 * offset)
-            frag = tiling.mma and self.matmul_frag and part.qtype in MATMUL2R_TYPES and tiling.tm in MATMUL2R_TILE_ROWS
+            frag = self.matmul_frag and matmul2r_serves(part, tiling, M) if tiling.mma else False
             if frag:  # matmul2r_*: the same tiling, weights (qs, d, m: null for Q4_0) into the mma fragments
                 kernel, smem = (
                     f"matmul2r_{part.qtype.lower()}_bm{tiling.tm}",
