@@ -847,8 +847,8 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
     // chunk tid%2 of its window. A: row e/(4*KB), 16-byte chunk e%(4*KB) (block chunk/4). Rows past N or M:
     // zero-filled from a clamped, valid address.
     constexpr int QJ = (MM2_BN * KB + MM2_THREADS - 1) / MM2_THREADS, AJ = (TM * 4 * KB + MM2_THREADS - 1) / MM2_THREADS;
-    // (32-bit offsets from the slice's first block: fewer registers than pointers; a matrix's quant bytes and
-    // a pass's A are far below 4 GiB.)
+    // (32-bit offsets from the slice's first block: fewer registers than pointers; kernels.py matmul2r_serves
+    // sends a matrix of 4 GiB of quant bytes or a pass of 2^32 A elements to matmul2.)
     const uint8_t* q_base = qs + (long long)kb0 * 16;
     unsigned q_src[QJ];
     int q_dst[QJ], q_blk[QJ];
