@@ -229,7 +229,8 @@ def matmul2r_serves(part: GpuMatrix, tiling: GemmTiling, M: int) -> bool:
         return False
     if part.rows * part.cols // 2 >= 1 << 32 or M * part.cols >= 1 << 32:
         return False
-    return part.m is None or (_ptr(part.d) - _ptr(part.m)) % 16 == 0
+    d, m = part.d, part.m
+    return m is None or (d is not None and (_ptr(d) - _ptr(m)) % 16 == 0)
 
 
 def split_k_floats(sm_count: int) -> int:
