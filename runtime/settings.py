@@ -248,12 +248,26 @@ def _seconds(text: str) -> float:
     return float(text)
 
 
+def _nonneg_seconds(text: str) -> float:
+    x = float(text)
+    if not 0 <= x < float("inf"):
+        raise ValueError(text)
+    return x
+
+
 KEEP_ALIVE = Setting(
     "INGOT_KEEP_ALIVE",
     300.0,
     _seconds,
     "a number of seconds (negative: forever)",
     "`ingot serve` with several models: seconds a model stays loaded after its last request (Ollama's keep_alive).",
+)
+SHUTDOWN_GRACE = Setting(
+    "INGOT_SHUTDOWN_GRACE",
+    5.0,
+    _nonneg_seconds,
+    "a number of seconds (0 or more)",
+    "`ingot serve`: seconds the requests still running at SIGINT/SIGTERM get to finish before they end with a 503.",
 )
 TEST_MODEL = Setting(
     "INGOT_TEST_MODEL",
@@ -315,6 +329,7 @@ ALL: tuple[Setting, ...] = (
     API_KEY,
     PREFILL_CHUNK,
     KEEP_ALIVE,
+    SHUTDOWN_GRACE,
     TEST_MODEL,
     TEST_GEMMA3,
     TRUSTED_KEYS,

@@ -15,8 +15,8 @@ dialect's shaping. Any error becomes the dialect's error body with its status co
 A streamed response cancels its job whenever it ends (finished, client gone, shutdown); a non-streamed one
 watches for the client's disconnect while it waits. Cancelling frees the sequence's KV cache before the
 next decode step. On SIGINT/SIGTERM uvicorn stops accepting connections and in-flight requests get
-SHUTDOWN_GRACE_S to finish; what is left then ends with a 503 in its API's shape (an error event in a
-stream), then the engine core closes the engine and exits.
+INGOT_SHUTDOWN_GRACE seconds (settings.SHUTDOWN_GRACE, 5 by default) to finish; what is left then ends with a 503
+in its API's shape (an error event in a stream), then the engine core closes the engine and exits.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ingot.runtime import settings
 from ingot.runtime.errors import IngotError, ModelError, UsageError
 from ingot.runtime.server import anthropic, ollama, openai, operations
 from ingot.runtime.server.metrics import RequestCounter
 from ingot.runtime.server.models import Models, model_specs
 from ingot.runtime.server.request import ApiError
-from ingot.runtime.server.server import ANSWERED_BY, SHUTDOWN_GRACE_S, Options, log
+from ingot.runtime.server.server import ANSWERED_BY, Options, log
 
 # --- the app ---------------------------------------------------------------------------------------
 
@@ -181,30 +182,30 @@ def _listen(host: str, port: int) -> socket.socket:
 
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server, which also starts the engine client's drain when SIGINT/SIGTERM arrives: requests still
-    running SHUTDOWN_GRACE_S later end with a 503 in their API's shape, before uvicorn's own deadline (a little
+    running `grace` seconds later end with a 503 in their API's shape, before uvicorn's own deadline (a little
     later) would cut them off mid-response."""
 
-    def __init__(self, config: uvicorn.Config, models: Models):
+    def __init__(self, config: uvicorn.Config, models: Models, grace: float):
         super().__init__(config)
         self.ingot = models
+        self.grace = grace
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signals it caught once it is done (the process would then die of SIGTERM,
         # exit -15); a clean drain is a normal exit, status 0.
         self._captured_signals.clear()
-        self.ingot.drain(SHUTDOWN_GRACE_S)
+        self.ingot.drain(self.grace)
 
 
 def serve(specs: list[str], options: Options, host: str = "127.0.0.1", port: int = 8080) -> None:
     """Run the server until SIGINT/SIGTERM. With one model, if it fails to load, the server stops and the error
     is raised (its exit code is the model's: 2, 3, 5 ...); with several, models load on their first request."""
+    grace = settings.SHUTDOWN_GRACE.get()
     models = Models(model_specs(tuple(specs)), options)
     sock = _listen(host, port)
-    config = uvicorn.Config(
-        create_app(models), lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 2, access_log=False
-    )
-    http = _Uvicorn(config, models)
+    config = uvicorn.Config(create_app(models), lifespan="on", timeout_graceful_shutdown=grace + 2, access_log=False)
+    http = _Uvicorn(config, models, grace)
     log.info(
         "serving %s on http://%s:%d (/health answers 200 once the model is loaded)",
         ", ".join(s.spec for s in models.servers),

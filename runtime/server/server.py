@@ -36,7 +36,6 @@ from ingot.runtime.server.protocol import Ready, Stats
 from ingot.runtime.server.request import ApiError, TextRequest
 
 MAX_BODY_BYTES = 1 << 20
-SHUTDOWN_GRACE_S = 5
 log = logging.getLogger("uvicorn.error")
 __all__ = ["Options", "Server"]
 
