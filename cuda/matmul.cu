@@ -479,21 +479,24 @@ __host__ __device__ constexpr int mm2_smem_bytes() {
 // Warps as WM (along M) x WN (along N); a warp owns TM/WM rows x 128/WN columns = MT m16 x NT n8 tiles.
 // TM 128: 4 x 2, warp 32 x 64 (MT 2, NT 8): A and B fragments of a k16 step are 8 + 4 registers (a 64 x 32
 // warp tile would hold 16 + 4 and spill at the 128 registers 2 blocks per SM allow). TM 64, 32: 2 x 4 (32 x 32,
-// 16 x 32); TM 16: 1 x 8 (16 x 16: every weight row's fragments loaded by one warp, A by all eight).
-template <int TM>
+// 16 x 32); TM 16: 1 x 8 (16 x 16: every weight row's fragments loaded by one warp, A by all eight). matmul2r
+// passes WM_ = 1 at every height (its header says why).
+template <int TM, int WM_ = TM == 128 ? 4 : TM == 16 ? 1 : 2>
 struct Mm2Warps {
-    static constexpr int WM = TM == 128 ? 4 : TM == 16 ? 1 : 2, WN = 8 / WM;
+    static constexpr int WM = WM_, WN = 8 / WM;
     static constexpr int MT = TM / WM / 16, NT = MM2_BN / WN / 8;
 };
 
 // The GEMM's end, shared by matmul2 and matmul2r: a block's accumulators (its TM x MM2_BN tile, Mm2Warps'
-// fragments) to C, the split-K slices summed first (the header's two ways: cluster, or scratch + last block).
+// fragments of the caller's warp layout WM_) to C, the split-K slices summed first (the header's two ways:
+// cluster, or scratch + last block).
 
-template <int TM>
-__device__ __forceinline__ void mm2_store(float (&acc)[Mm2Warps<TM>::MT][Mm2Warps<TM>::NT][4],
+template <int TM, int WM_>
+__device__ __forceinline__ void mm2_store(float (&acc)[Mm2Warps<TM, WM_>::MT][Mm2Warps<TM, WM_>::NT][4],
                                           const float* __restrict__ bias, float* __restrict__ C, int M, int N,
                                           int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
-    constexpr int WM = Mm2Warps<TM>::WM, WN = Mm2Warps<TM>::WN, MT = Mm2Warps<TM>::MT, NT = Mm2Warps<TM>::NT;
+    using Warps = Mm2Warps<TM, WM_>;
+    constexpr int WM = Warps::WM, WN = Warps::WN, MT = Warps::MT, NT = Warps::NT;
     extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, wm = warp / WN, wn = warp % WN;
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
@@ -715,7 +718,7 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
     cp_async_wait<0>();   // no copy may still target shared memory when the block exits (only empty groups remain)
     INGOT_PDL_TRIGGER();   // the next kernel may launch while this one writes C (common.cuh: after the main loop)
 
-    mm2_store<TM>(acc, bias, C, M, N, ldc, mode, ws, counters);
+    mm2_store<TM, WM>(acc, bias, C, M, N, ldc, mode, ws, counters);
 }
 
 template <typename W>
@@ -799,7 +802,11 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 // tiles' mma for both chunks. Each accumulator takes the same mma in the same order as in matmul2 (block by block,
 // chunk 0 then 1) from the same fp16 values: the two kernels give the same bits (tests/gpu test_gpu_kernels.py).
 // A slice's last stage may hold fewer than KB blocks: the missing ones are neither copied nor multiplied.
-// Warps WM x WN as matmul2 (Mm2Warps): at TM 64 and 32 the two warps sharing columns each dequantize them.
+// Warps 1 x 8 at every height (Mm2Warps<TM, 1>): a warp owns all TM rows x 16 columns (MT = TM/16 m16 tiles, NT = 2
+// n8 tiles), so each weight fragment is dequantized by one warp, once a block. matmul2's 2 x 4 and 4 x 2 would
+// dequantize every fragment in 2 or 4 warps: ALU that matmul2 shares through its fp16 tile and this kernel cannot.
+// The price is A: each warp loads all MT A fragments (ldmatrix, conflict-free). At TM 128 a thread holds 64
+// accumulators + 32 A + 8 B registers: 128 registers at 2 blocks per SM, no spill (ptxas -v). cuda/PERF.md v18.
 // =====================================================================================================================
 #define MM2R_STAGES MATMUL2R_STAGES
 
@@ -823,7 +830,9 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
                                          const __half* __restrict__ mn, const __half* __restrict__ A,
                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
                                          int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
-    constexpr int WM = Mm2Warps<TM>::WM, WN = Mm2Warps<TM>::WN, MT = Mm2Warps<TM>::MT, NT = Mm2Warps<TM>::NT;
+    using Warps = Mm2Warps<TM, 1>;
+    constexpr int WM = Warps::WM, WN = Warps::WN, MT = Warps::MT, NT = Warps::NT;
+    static_assert(WM == 1 && NT == 2, "the fragment loop below: one warp per 16 columns");
     constexpr int KB = Mm2rShape<TM>::KB, QROW = Mm2rShape<TM>::QROW, SROW = Mm2rShape<TM>::SROW;
     constexpr int LDA = Mm2rShape<TM>::LDA;
     constexpr int S_OFF = MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW, A_OFF = M_OFF + (MIN ? MM2_BN * SROW : 0);
@@ -926,31 +935,33 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
 #pragma unroll
         for (int kk = 0; kk < KB; kk++) {
             if (kk >= valid) break;
-            unsigned a[2][MT][4];
-#pragma unroll
-            for (int ks = 0; ks < 2; ks++)
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) ldsm_x4(a[ks][mt], sa + mt * 16 * LDA + kk * QK + ks * 16);
+            // The block's B fragments of the warp's NT n8 tiles (chunk 0: b[nt][0..1], chunk 1: b[nt][2..3]), then
+            // per chunk the MT A fragments and MT x NT mma: each accumulator chunk 0 then 1, as in matmul2.
+            const int o = ((o0 + s * KB) & 7) + kk;
+            uint32_t b[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const unsigned char* q = st + q_lane + nt * 8 * QROW + kk * 16;
-                const int o = ((o0 + s * KB) & 7) + kk;
                 const __half dd = reinterpret_cast<const __half*>(st + S_OFF + s_lane + nt * 8 * SROW)[o];
                 const __half mm = MIN ? reinterpret_cast<const __half*>(st + M_OFF + s_lane + nt * 8 * SROW)[o] : dd;
-                uint32_t b[4];
                 deq_q4_frag<MIN>(*reinterpret_cast<const uint32_t*>(q), *reinterpret_cast<const uint32_t*>(q + 8), c,
-                                 dd, mm, b);
+                                 dd, mm, b[nt]);
+            }
 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma16816(acc[mt][nt], a[0][mt], b[0], b[1]);
-                    mma16816(acc[mt][nt], a[1][mt], b[2], b[3]);
-                }
+            for (int ks = 0; ks < 2; ks++) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) ldsm_x4(a[mt], sa + mt * 16 * LDA + kk * QK + ks * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) mma16816(acc[mt][nt], a[mt], b[nt][2 * ks], b[nt][2 * ks + 1]);
             }
         }
     }
     cp_async_wait<0>();
     INGOT_PDL_TRIGGER();
-    mm2_store<TM>(acc, bias, C, M, N, ldc, mode, ws, counters);
+    mm2_store<TM, WM>(acc, bias, C, M, N, ldc, mode, ws, counters);
 }
 #define MM2R_RUN(TM, MIN) matmul2r<TM, MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
 #else
@@ -959,13 +970,19 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
 
 // Each: grid, threads and epilogue arguments as matmul2_<type>_bm<TM>; Kernels.matmul2r_smem(type, TM) bytes of
 // dynamic shared memory (MATMUL2R_STAGES stages of mm2r_stage_bytes). Q4_0 passes m = nullptr. __launch_bounds__
-// as matmul2's. Tile heights 16, 32, 64 (kernels.py MATMUL2R_TILE_ROWS: at 128 rows matmul2 is faster, its four
-// warps along M sharing one dequantized tile). X(name, Q4_1's min).
+// as matmul2's. Tile heights 16, 32, 64, 128 (kernels.py MATMUL2R_TILE_ROWS). X(name, Q4_1's min).
 #define FOR_EACH_MATMUL2R_TYPE(X) \
     X(q4_0, false)                \
     X(q4_1, true)
 
 #define MATMUL2R_KERNELS(NAME, MIN)                                                                              \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
+    matmul2r_##NAME##_bm128(const uint8_t* qs, const __half* d, const __half* m, const __half* A,               \
+                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
+                            int* counters) {                                                                     \
+        INGOT_PDL_WAIT();                                                                                        \
+        MM2R_RUN(128, MIN);                                                                                      \
+    }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
     matmul2r_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \

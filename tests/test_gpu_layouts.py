@@ -469,7 +469,7 @@ def test_matmul2_raw_rows_match_the_kernel_source():
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("tm", [16, 32, 64])
+@pytest.mark.parametrize("tm", [16, 32, 64, 128])
 def test_fragment_gemm_shared_memory_fits_every_arch_with_mma(qtype, tm):
     """matmul2r_*'s layout (cuda/matmul.cu Mm2rShape, mm2r_stage_bytes), worked out by hand: MATMUL2R_STAGES stages
     of quant rows (16 bytes a block, + 16 when the block count is even), 32-byte scale windows of d (and m) and the
@@ -485,7 +485,8 @@ def test_fragment_gemm_shared_memory_fits_every_arch_with_mma(qtype, tm):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_q4_gemms_take_the_fragment_kernel_with_its_arguments(qtype):
     """Q4_0 / Q4_1 at a decode width: matmul2r_<type>_bm16 with (qs, d, m) (m null for Q4_0) and its own shared
-    memory; the other types, 128-row tiles and INGOT_MATMUL=mma-tile (matmul_frag off) keep matmul2_*."""
+    memory, and at prefill width its 128-row tiles; the other types and INGOT_MATMUL=mma-tile (matmul_frag off) keep
+    matmul2_*."""
     W = _matrix(qtype, 300, 512)
     k = _kernels(mma=True)
     (launch,) = k.matmul(W, 7, 1 << 30, 5, ldc=300)
@@ -493,7 +494,9 @@ def test_q4_gemms_take_the_fragment_kernel_with_its_arguments(qtype):
     assert _ptr_args(launch)[:4] == [W.qs.ptr, W.d.ptr, W.m.ptr if qtype == "Q4_1" else 0, 7]
     assert launch.smem == matmul2r_smem(qtype, 16)
     (wide,) = k.matmul(_matrix(qtype, 28672, 4096), 7, 1 << 30, 512, ldc=28672)
-    assert wide.kernel.name == f"matmul2_{qtype.lower()}_bm128" and wide.smem == matmul2_smem(qtype, 128)
+    assert wide.kernel.name == f"matmul2r_{qtype.lower()}_bm128" and wide.smem == matmul2r_smem(qtype, 128)
+    (q8,) = k.matmul(_matrix("Q8_0", 300, 512), 7, 1 << 30, 5, ldc=300)
+    assert q8.kernel.name == "matmul2_q8_0_bm16"
     k.matmul_frag = False
     (tile,) = k.matmul(W, 7, 1 << 30, 5, ldc=300)
     assert tile.kernel.name == f"matmul2_{qtype.lower()}_bm16" and tile.smem == matmul2_smem(qtype, 16)

@@ -294,7 +294,7 @@ def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rn
     [128][QROW], scale chunks [128][32 bytes] of d (and m), the A tile [tm][LDA] fp16), filled by the kernel's
     copies and read at its lane addresses; d and m start dbase elements past a 16-byte boundary (the scale windows'
     offsets). Returns the writes per C element; the pipeline's waits and barriers are checked as emulate()'s."""
-    WM = 4 if tm == 128 else 1 if tm == 16 else 2  # Mm2Warps<TM>
+    WM = 1  # Mm2Warps<TM, 1>: a warp owns all tm rows x 16 columns at every height
     WN = 8 // WM
     MT, NT = tm // WM // 16, BN // WN // 8
     KB, S = matmul2r_blocks(tm), MATMUL2R_STAGES
@@ -408,6 +408,7 @@ def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rn
         (29, 150, 11, 2, 0),  # height 32: slices of 6 and 5
         (37, 140, 7, 3, 5),  # height 64 (stages of 2 blocks): slices of 3, 3, 1
         (64, 129, 6, 1, 1),  # height 64 unsplit, a 1-column second tile
+        (100, 131, 5, 2, 6),  # height 128 (8 m16 tiles a warp): slices of 3 and 2 blocks
     ],
 )
 def test_fragment_gemm_emulation_gives_the_bits_of_the_tile_gemm(qtype, M, N, nb, slices, dbase):

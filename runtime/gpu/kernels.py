@@ -92,9 +92,10 @@ i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
 # shrinks its tile only down to MATMUL2_PREFILL_MIN_ROWS (a 16-row tile dequantizes each weight for 16 tokens).
 MATMUL2_TILE_ROWS = (16, 32, 64, 128)
 MATMUL2R_TYPES = ("Q4_0", "Q4_1")  # the types matmul2r_* dequantizes into the mma fragments (below) ...
-# ... at these tile heights. At 128 rows its four warps along M each dequantize the same columns: the 8B's gate+up
-# at 512 rows took 575 us against matmul2's 544 (PERF.md v17), while at 16 and 64 rows it is 1.1-1.9x faster.
-MATMUL2R_TILE_ROWS = (16, 32, 64)
+# ... at these tile heights: all of matmul2's, since its warps are 1 x 8 (each fragment dequantized once; PERF.md
+# v18). With v17's 4 x 2 warps at 128 rows it was slower than matmul2 (the 8B's gate+up at 512 rows 575 against 544
+# us) and served 16-64 rows only.
+MATMUL2R_TILE_ROWS = (16, 32, 64, 128)
 MATMUL2_PREFILL_MIN_ROWS = 32
 
 # The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).
@@ -666,7 +667,7 @@ class Kernels:
         self.prefill_mma = prefill_uses_mma(device.info.cc)
         # GEMMs: the pipelined tensor-core kernels (matmul2_*) from compute capability 8.0 unless INGOT_MATMUL=wmma
         # (tests flip this attribute to run both). Their shared memory passes the 48 KiB default: opted into once
-        # per kernel (at most 80 KiB, under the 99 KiB of sm_86/89/120).
+        # per kernel (at most 96 KiB: matmul2r_q4_1_bm128; under the 99 KiB of sm_86/89/120).
         self.matmul_mma = matmul_uses_mma(device.info.cc)
         # ... of which Q4_0 and Q4_1 dequantize into the mma fragments (matmul2r_*) unless INGOT_MATMUL=mma-tile
         # (tests flip this one too: the two give the same bits).
