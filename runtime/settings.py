@@ -103,11 +103,10 @@ CPU_WEIGHT_CACHE_MIB = Setting(
 )
 DECODE_GEMM_MIN_BATCH = Setting(
     "INGOT_DECODE_GEMM_MIN_BATCH",
-    None,
+    16,
     _positive_int,
     "a positive integer",
-    "The decode batch size from which the GPU engine uses tensor-core GEMMs instead of matrix-vector kernels "
-    "(default: chosen per model, 4-16; runtime/gpu/kernels.py decode_gemm_min_batch).",
+    "The decode batch size from which the GPU engine uses tensor-core GEMMs instead of matrix-vector kernels.",
 )
 DECODE_ATTN = Setting(
     "INGOT_DECODE_ATTN",
