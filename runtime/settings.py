@@ -103,10 +103,11 @@ CPU_WEIGHT_CACHE_MIB = Setting(
 )
 DECODE_GEMM_MIN_BATCH = Setting(
     "INGOT_DECODE_GEMM_MIN_BATCH",
-    16,
+    None,
     _positive_int,
     "a positive integer",
-    "The decode batch size from which the GPU engine uses tensor-core GEMMs instead of matrix-vector kernels.",
+    "The decode batch size from which the GPU engine uses tensor-core GEMMs instead of matrix-vector kernels "
+    "(default: chosen per model, 4-16; runtime/gpu/kernels.py decode_gemm_min_batch).",
 )
 DECODE_ATTN = Setting(
     "INGOT_DECODE_ATTN",

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from ingot.runtime.engines.cuda import GPU_ARCHITECTURES, PREFILL_CHUNK, CudaEngine, _PassPlan
+from ingot.runtime.engines.cuda import GPU_ARCHITECTURES, PREFILL_CHUNK, CudaEngine, _PassPlan, layer_matrix_bytes
 from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
 from ingot.runtime.gpu.driver import Copy, DeviceBuffer, Kernel, Launch
-from ingot.runtime.gpu.kernels import GpuMatrix, Kernels, SplitK, mark_pdl
+from ingot.runtime.gpu.kernels import GpuMatrix, Kernels, SplitK, decode_gemm_min_batch, mark_pdl
 from ingot.runtime.model.architectures import ARCHITECTURES, Architecture
-from ingot.runtime.model.synth import SHAPES, config_of
+from ingot.runtime.model.gguf import Model, QTensor, expected_shapes
+from ingot.runtime.model.quants import QUANT_TYPES
+from ingot.runtime.model.synth import SHAPES, config_of, tensor_type
 
 GEMM_MIN_BATCH = 8
 
@@ -737,3 +740,38 @@ def test_a_step_is_checked_whole_before_any_work():
     with pytest.raises(CacheFullError):
         e._check([PrefillChunk(a, [1] * 1000), PrefillChunk(b, [1] * 3200)])  # 63 + 200 pages of 16 > 256
     assert e.pages.free == 256 and e._seqs[a].pos == e._seqs[b].pos == 0
+
+
+def _model_of(shape_name: str, quant: str) -> Model:
+    """A synthetic model's tensors with their real types and sizes, and no bytes (broadcast views)."""
+    shape = SHAPES[shape_name]
+    c = config_of(shape)
+    tensors = {}
+    for name, dims in expected_shapes(c).items():
+        q = tensor_type(quant, name, dims, c.n_layers, shape.tied)
+        size = (dims[0], QUANT_TYPES[q].row_bytes(dims[1])) if len(dims) == 2 else (4 * dims[0],)
+        tensors[name] = QTensor(name, q, dims, np.broadcast_to(np.uint8(0), size))
+    return Model(Path(shape_name), 0, 0, shape_name, c, None, tensors)  # type: ignore[arg-type]
+
+
+def test_layer_matrix_bytes_average_a_layer_by_type():
+    per_layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336  # q, k, v; o; gate, up, down
+    assert layer_matrix_bytes(_model_of("llama3-8b", "Q4_0")) == {"Q4_0": per_layer // 32 * 18}
+    mix = layer_matrix_bytes(_model_of("llama3-8b", "Q4_K_M"))
+    assert set(mix) == {"Q4_K", "Q6_K"} and mix["Q4_K"] > 4 * mix["Q6_K"] > 0  # v and down in a third of the layers
+
+
+@pytest.mark.parametrize(
+    "shape, quant, mma, frag, want",
+    [
+        ("llama3-8b", "Q4_0", True, True, 4),  # fragment GEMMs: the b4 step 3.9 ms against the matvecs' 5.9
+        ("llama3-8b", "Q4_0", True, False, 8),  # INGOT_MATMUL=mma-tile: matmul2 for every type
+        ("llama3-8b", "Q4_0", False, True, 16),  # no mma GEMM (sm_75, INGOT_MATMUL=wmma)
+        ("llama3-8b", "Q4_K_M", True, True, 8),  # K-quants: matmul2; b4 matvec 632 tok/s against 420, b8 684 / 829
+        ("smollm2-135m", "Q4_1", True, True, 16),  # launch-bound: matvec b8 7,694 tok/s against 7,444
+        ("qwen3-0.6b", "Q4_0", True, True, 16),
+        ("gemma3-270m", "Q4_K_M", True, True, 16),
+    ],
+)
+def test_decode_gemm_min_batch_per_model(shape, quant, mma, frag, want):
+    assert decode_gemm_min_batch(layer_matrix_bytes(_model_of(shape, quant)), mma, frag) == want

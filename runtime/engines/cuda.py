@@ -62,6 +62,7 @@ from ingot.runtime.gpu.kernels import (
     HEAD_DIMS,
     Kernels,
     SplitK,
+    decode_gemm_min_batch,
     decode_splits,
     kernel_images,
     sample_chunk_bytes,
@@ -493,6 +494,16 @@ class _PrefillOps(_GemmOps):
 GPU_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
+def layer_matrix_bytes(model: Model) -> dict[str, int]:
+    """A decoder layer's matrix bytes by quant type, averaged over the layers (mixes such as Q4_K_M give some
+    layers' matrices more bits): what decides whether decode is launch- or bandwidth-bound, and which GEMM serves it."""
+    by_type: dict[str, int] = {}
+    for t in model.tensors.values():
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            by_type[t.qtype] = by_type.get(t.qtype, 0) + t.nbytes
+    return {q: n // model.config.n_layers for q, n in by_type.items()}
+
+
 class CudaEngine:
     name = "cuda"
     kv_page_size = PAGE
@@ -537,9 +548,7 @@ class CudaEngine:
         if c.dim % 32 or c.ffn_dim % 32:
             raise IncompatibleError("model dims must be multiples of 32 for the GPU kernels", hint="use --device cpu")
         self.max_seqs = max_seqs
-        # Decode batches at least this wide use the tensor-core GEMMs (weights read once for all sequences,
-        # split-K for parallelism) instead of the dp4a matrix-vector kernels (up to 4 sequences per pass).
-        self.gemm_min_batch = settings.DECODE_GEMM_MIN_BATCH.get()
+        gemm_min_batch = settings.DECODE_GEMM_MIN_BATCH.get()  # None: chosen for the model once its kernels load
         self.qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim  # width of the stacked q,k,v rows
         self.max_ctx = max_ctx or min(c.n_ctx_train, DEFAULT_MAX_CTX)
         self.max_pages = (self.max_ctx + PAGE - 1) // PAGE
@@ -566,6 +575,11 @@ class CudaEngine:
                     f"{self.dev.info.max_smem_optin // 1024} KiB",
                     hint="use --device cpu, or a GPU of compute capability 8.0 or newer",
                 )
+            # Decode batches at least this wide use the tensor-core GEMMs (weights read once for all sequences,
+            # split-K for parallelism) instead of the dp4a matrix-vector kernels (up to 4 sequences per pass).
+            self.gemm_min_batch = gemm_min_batch or decode_gemm_min_batch(
+                layer_matrix_bytes(model), self.k.matmul_mma, self.k.matmul_frag
+            )
             self.w = upload_weights(model, self.pool, self.stream, self.k)
             self._alloc_cache(kv_pages)
             self._alloc_buffers()

@@ -560,6 +560,31 @@ def norm_splits(n: int, dim: int, threads: int, sm_count: int) -> int:
     return trips if n * trips <= sm_count // 4 else 1
 
 
+# Which decode batches take the GEMMs (the engine's _GemmDecodeOps: weights read once for every sequence) instead of
+# the dp4a matrix-vector kernels (matvec_*: each weight read once, but 2 x 16 dp4a and the activations' loads per
+# 32 weights and column, so their step grows with the batch). Measured with `ingot bench` tg128 (H100, 2026-12-06,
+# PERF.md v18), tok/s matvec / GEMM:
+#   8B Q4_0 (layer 123 MB, fragment GEMMs)   b2 566 / 516, b4 681 / 1,016, b8 715 / 1,966
+#   8B Q4_K_M (layer ~140 MB, tile GEMMs)    b2 534 / 212, b4 632 / 420,   b8 684 / 829
+#   SmolLM2 Q4_1 (layer 2.2 MB)              b2 2,580 / 1,918, b4 4,205 / 3,786, b8 7,694 / 7,444
+# A layer under DECODE_GEMM_LAYER_BYTES is launch-bound: its matvecs' extra columns cost little, and the GEMM
+# path's longer launch list more (SmolLM2's GEMM step is flat at ~1.04 ms; its matvec step 0.78 ms at b2).
+DECODE_GEMM_LAYER_BYTES = 64 << 20
+DECODE_GEMM_MIN_BATCH_FRAG = 4  # most of a large layer's bytes in fragment GEMMs (MATMUL2R_TYPES)
+DECODE_GEMM_MIN_BATCH_TILE = 8  # the other types' matmul2 (dequantized through a shared-memory tile)
+DECODE_GEMM_MIN_BATCH_SMALL = 16  # launch-bound layers (and any GPU without the mma GEMMs)
+
+
+def decode_gemm_min_batch(layer_bytes: dict[str, int], mma: bool, frag: bool) -> int:
+    """The narrowest decode batch that runs the GEMMs. layer_bytes: one decoder layer's matrix bytes by quant type;
+    mma, frag: the GEMM kernels in use (Kernels.matmul_mma, .matmul_frag). INGOT_DECODE_GEMM_MIN_BATCH overrides."""
+    total = sum(layer_bytes.values())
+    if not mma or total < DECODE_GEMM_LAYER_BYTES:
+        return DECODE_GEMM_MIN_BATCH_SMALL
+    frag_bytes = sum(n for q, n in layer_bytes.items() if q in MATMUL2R_TYPES) if frag else 0
+    return DECODE_GEMM_MIN_BATCH_FRAG if 2 * frag_bytes >= total else DECODE_GEMM_MIN_BATCH_TILE
+
+
 def matvec_kernel(qtype: str, ncols: int) -> str:
     """The matvec kernel for ncols columns: one column (single-sequence decode) has its own, which keeps fewer
     registers than the any-column kernel and so runs more warps per SM (cuda/matvec.cu); INGOT_MATVEC_B1=0

@@ -61,14 +61,16 @@ def same_choice(out: np.ndarray, ref: np.ndarray, strict: bool) -> bool:
 @pytest.fixture(scope="module", params=_models())
 def engines(request, tmp_path_factory):
     from ingot.runtime.engines.cuda import CudaEngine
+    from ingot.runtime.gpu.kernels import DECODE_GEMM_MIN_BATCH_SMALL
 
     kind, what = request.param
     path = write_model(tmp_path_factory.mktemp("m") / f"{what}.gguf", what) if kind == "tiny" else Path(what)
-    GEMM_MIN_BATCH = settings.DECODE_GEMM_MIN_BATCH.get()
+    # room for the engine's widest matvec batch and its narrowest GEMM one (the rule picks at most SMALL's)
+    seqs = max(DECODE_GEMM_MIN_BATCH_SMALL, settings.DECODE_GEMM_MIN_BATCH.get() or 0)
 
     model = load_model(path)
-    cpu = CpuEngine(model, max_seqs=max(8, GEMM_MIN_BATCH), max_ctx=2048)
-    gpu = CudaEngine(model, max_seqs=max(8, GEMM_MIN_BATCH), max_ctx=2048)
+    cpu = CpuEngine(model, max_seqs=seqs, max_ctx=2048)
+    gpu = CudaEngine(model, max_seqs=seqs, max_ctx=2048)
     gpu.strict = kind == "file"  # real models: argmax must match exactly
     yield model, cpu, gpu
     gpu.close()
@@ -321,13 +323,11 @@ def test_steps_launched_ahead_feed_their_tokens_on_the_device(engines):
 
 
 def test_wide_batch_decode_matches_cpu(engines):
-    """Batches of >= GEMM_MIN_BATCH sequences take the tensor-core path; each sequence still matches the CPU: on
+    """Batches of >= gpu.gemm_min_batch sequences take the tensor-core path; each sequence still matches the CPU: on
     the synthetic models within TOL, on real ones within TOL or the fp16 budget of the run
     (numerics.fp16_run_failure; test_gpu_precision explains it: SmolLM2 was seen at 0.0113 > TOL here)."""
-    GEMM_MIN_BATCH = settings.DECODE_GEMM_MIN_BATCH.get()
-
     model, cpu, gpu = engines
-    B = GEMM_MIN_BATCH
+    B = gpu.gemm_min_batch
     prompts = [_prompt(model, 2 + 9 * i, seed=300 + i) for i in range(B)]
     cs = [cpu.new_sequence(SamplingParams()) for _ in range(B)]
     gs = [gpu.new_sequence(SamplingParams()) for _ in range(B)]

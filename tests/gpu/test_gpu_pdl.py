@@ -20,7 +20,6 @@ from gguf import GGMLQuantizationType, quants
 from soa_reference import bits_equal, dequant_q8x2, q8x2
 from tiny_models import write_model
 
-from ingot.runtime import settings
 from ingot.runtime.engines.cuda_weights import _alloc_matrix
 from ingot.runtime.gpu import constants as K
 from ingot.runtime.gpu.driver import Graph, Launch, Memset, cu
@@ -280,7 +279,8 @@ def test_engine_is_the_same_with_and_without_pdl(tmp_path, monkeypatch, variant,
     and of prefill (GEMMs without split-K) bit for bit; wide-batch decode's split-K GEMMs add their slices with
     atomics in no fixed order, so there the logits agree to the rounding that order moves (below 1e-3 relative)."""
     model = load_model(write_model(tmp_path / f"{variant}.gguf", variant))
-    wide = settings.DECODE_GEMM_MIN_BATCH.get()
+    wide = 16  # the tensor-core decode from 16 sequences (pinned: this test is about PDL, not where paths meet)
+    monkeypatch.setenv("INGOT_DECODE_GEMM_MIN_BATCH", str(wide))
     monkeypatch.setenv("INGOT_PDL", "1")
     on = _engine_run(model, wide)
     monkeypatch.setenv("INGOT_PDL", "0")

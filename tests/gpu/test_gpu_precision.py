@@ -69,11 +69,11 @@ def test_wide_batch_decode_is_within_its_fp16_budget(model, monkeypatch):
     budget of that sample's d16 (1.96e-3). The prefill attention is held to its own budget below."""
     from ingot.runtime.engines.cuda import CudaEngine
 
-    B = settings.DECODE_GEMM_MIN_BATCH.get()
+    wide = CudaEngine(model, max_seqs=max(16, settings.DECODE_GEMM_MIN_BATCH.get() or 0), max_ctx=512)
+    B = wide.gemm_min_batch  # the narrowest batch this model's decode runs through the GEMMs
     prompts = [
         [int(t) for t in np.random.default_rng(300 + i).integers(2, model.config.n_vocab, 2 + 9 * i)] for i in range(B)
     ]
-    wide = CudaEngine(model, max_seqs=B, max_ctx=512)
     monkeypatch.setenv("INGOT_DECODE_GEMM_MIN_BATCH", str(B + 1))
     narrow = CudaEngine(model, max_seqs=B, max_ctx=512)  # the same batch through the matrix-vector kernels
     monkeypatch.undo()
