@@ -564,7 +564,8 @@ def norm_splits(n: int, dim: int, threads: int, sm_count: int) -> int:
 # the dp4a matrix-vector kernels (matvec_*: each weight read once, but 2 x 16 dp4a and the activations' loads per
 # 32 weights and column, so their step grows with the batch). Measured with `ingot bench` tg128 (H100, 2026-12-06,
 # PERF.md v18), tok/s matvec / GEMM:
-#   8B Q4_0 (layer 123 MB, fragment GEMMs)   b2 566 / 516, b4 681 / 1,016, b8 715 / 1,966
+#   8B Q4_0 (layer 123 MB, fragment GEMMs)   b2 566 / 516, b4 681 / 1,016, b8 715 / 1,966 (b3 637 / 757, PERF.md
+#                                            v19: the crossover is 3; FRAG moves there once its wide tests run)
 #   8B Q4_K_M (layer ~140 MB, tile GEMMs)    b2 534 / 212, b4 632 / 420,   b8 684 / 829
 #   SmolLM2 Q4_1 (layer 2.2 MB)              b2 2,580 / 1,918, b4 4,205 / 3,786, b8 7,694 / 7,444
 # A layer under DECODE_GEMM_LAYER_BYTES is launch-bound: its matvecs' extra columns cost little, and the GEMM

@@ -35,6 +35,7 @@ from tiny_models import write_model
 
 from ingot.runtime import settings
 from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.gpu.kernels import DECODE_GEMM_MIN_BATCH_SMALL
 from ingot.runtime.model.gguf import load_model
 from ingot.runtime.sampling import SamplingParams
 
@@ -69,7 +70,9 @@ def test_wide_batch_decode_is_within_its_fp16_budget(model, monkeypatch):
     budget of that sample's d16 (1.96e-3). The prefill attention is held to its own budget below."""
     from ingot.runtime.engines.cuda import CudaEngine
 
-    wide = CudaEngine(model, max_seqs=max(16, settings.DECODE_GEMM_MIN_BATCH.get() or 0), max_ctx=512)
+    wide = CudaEngine(
+        model, max_seqs=max(DECODE_GEMM_MIN_BATCH_SMALL, settings.DECODE_GEMM_MIN_BATCH.get() or 0), max_ctx=512
+    )
     B = wide.gemm_min_batch  # the narrowest batch this model's decode runs through the GEMMs
     prompts = [
         [int(t) for t in np.random.default_rng(300 + i).integers(2, model.config.n_vocab, 2 + 9 * i)] for i in range(B)
