@@ -1,8 +1,7 @@
-// Decode attention, v8 and v9: one new token per sequence over the paged fp16 KV cache (cache[page, kv_head, slot, hd],
+// Decode attention, v8: one new token per sequence over the paged fp16 KV cache (cache[page, kv_head, slot, hd],
 // see rope.cu), whose cost follows the sequence's actual context length.
 //
-// One launch per layer, attn_decode_tile2_f16 (v9, head_dim 64/128; v8's attn_decode_tile_f16 with
-// INGOT_DECODE_ATTN=v8) or attn_decode_tile_f16_hd256 (Gemma), fusing:
+// One launch per layer, attn_decode_tile_f16 (head_dim 64/128) or attn_decode_tile_f16_hd256 (Gemma), fusing:
 //   1. (qk_norm architectures) RMSNorm of each q head and of the k head, RoPE (the layer's table) on the G query
 //      heads in shared memory and, in the block whose split holds the new position p, on k; that block writes
 //      k and v (fp16) into the cache before it reads any key;
@@ -15,14 +14,10 @@
 //      partial (m, l, acc[hd]) per query head and the last of the active blocks (an atomic counter per
 //      (sequence, kv head), reset by it for the next step) merges them, all 128 threads over the G*hd outputs.
 // A block serves one kv head and its G = H/Hkv query heads (GQA: each K/V row is read once), 128 threads.
-// Per tile of TP pages (v9: DECODE_TILE_PAGES at hd 64/128; v8 and hd 256: 1) the block stages K and V in shared
-// memory (16-byte loads, rows padded by 16 bytes so the 32 lanes reading 32 different rows hit distinct banks),
-// the next tile's loads in flight in registers meanwhile:
-//   scores: warp w takes query heads w, w+4, lane = key of each of the tile's pages (a 32-key page is a warp):
-//           TP independent dot products of hd FMAs per lane, then the tile's softmax update with warp
-//           reductions (running max m, sum l in shared memory). Why tiles of two pages (cuda/PERF.md v19): at
-//           long context a block's page loop is bound by each warp's dependent latency (8 warps an SM at batch
-//           1), not by DRAM; two pages a tile give each lane two independent chains and halve the barriers;
+// Per page the block stages K and V in shared memory (16-byte loads, rows padded by 16 bytes so the 32 lanes
+// reading 32 different rows hit distinct banks), the next page's loads in flight in registers meanwhile:
+//   scores: warp w takes query heads w, w+4, lane = key (a 32-key page is a warp): hd FMAs per lane, then the
+//           tile's softmax update with warp reductions (running max m, sum l in shared memory);
 //   P.V:    thread t owns the dim pair 2*(t % (hd/2)) of every query head, over the keys j = t / (hd/2) mod
 //           256/hd (1, 2 or 4 key groups, summed once at the end).
 // Scores are scaled by `scale`, then soft-capped (cap * tanh(s / cap)) when softcap > 0; everything accumulates
@@ -31,19 +26,18 @@
 #include "attention.cuh"   // load8, rope_head, warp_rmsnorm, GMAX, NEG_BIG
 
 // Dynamic shared memory of the block, in this order (Kernels.decode_smem computes the same total):
-//   sK, sV    fp16 [TP*PAGE][HD + 8]  the staged tile
+//   sK, sV    fp16 [PAGE][HD + 8]     the staged page
 //   sq        fp32 [GMAX * 256]       q heads [G][HD]; after the key loop the P.V key groups [KG][GMAX][HD]
 //   sk, sv    fp32 [HD] each          the new key (normed, rotated) and value
 //   snq, snk  fp32 [HD] each          the q and k norm weights
 //   scs       float2 [HD / 2]         the position's RoPE (cos, sin)
-//   sp        fp32 [GMAX][TP*PAGE]    the tile's probabilities; in the merge, the weights [GMAX][MAX_SPLITS]
+//   sp        fp32 [GMAX][PAGE]       the page's probabilities; in the merge, the weights [GMAX][MAX_SPLITS]
 //   scorr, sl, sm  fp32 [GMAX] each   per page: rescale factor; running sum and max
-// (47.1 KiB at hd 256 with one page, 46.6 KiB at hd 128 with two: under the 48 KiB every arch gives without an
-// opt-in.)
+// (47.1 KiB at hd 256: under the 48 KiB every arch gives without an opt-in.)
 // Latency, not bandwidth, bounds a short context, so everything the prologue reads (q, k, v, norm weights, RoPE
 // row) is loaded in one round, and the first page's K/V loads are issued before it: the new key's row in the
 // staged page is taken from shared memory (the fp16 values the cache gets), not read back from the cache.
-template <int HD, int TP>
+template <int HD>
 __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __restrict__ rope, int rope_dim,
                                  int neox, __half* __restrict__ k_cache, __half* __restrict__ v_cache,
                                  const int* __restrict__ block_table, int max_pages, const int* __restrict__ pos,
@@ -53,20 +47,17 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
                                  const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
                                  int window, float softcap) {
     constexpr int NT = ATT_WARPS * WARP;          // 128 threads
-    constexpr int TK = TP * PAGE;                 // keys a tile: TP pages
     constexpr int ROW = HD + 8;                   // halves per staged row: +16 bytes, conflict-free row reads
     constexpr int CPR = HD / 8;                   // 16-byte chunks per row
-    constexpr int LOADS = TK * CPR / NT;          // chunks of K (and of V) per thread per tile: 2, 4, 8 a page
-    constexpr int RPI = NT / CPR;                 // tile rows one chunk index i covers: its page is i*RPI/PAGE
+    constexpr int LOADS = PAGE * CPR / NT;        // chunks of K (and of V) per thread per page: 2, 4, 8
     constexpr int HP = HD / 2;                    // dim pairs
     constexpr int KG = NT / HP;                   // P.V key groups: 4, 2, 1 (KG * HD == 256)
-    static_assert(PAGE == WARP && PAGE * CPR % NT == 0 && NT % HP == 0 && KG * HD == 256 && PAGE % RPI == 0,
-                  "decode geometry");
-    static_assert(MAX_SPLITS <= TK, "the merge weights reuse sp");
+    static_assert(PAGE == WARP && PAGE * CPR % NT == 0 && NT % HP == 0 && KG * HD == 256, "decode geometry");
+    static_assert(MAX_SPLITS <= PAGE, "the merge weights reuse sp");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __half* sK = reinterpret_cast<__half*>(smem_raw);
-    __half* sV = sK + TK * ROW;
-    float* sq = reinterpret_cast<float*>(sV + TK * ROW);
+    __half* sV = sK + PAGE * ROW;
+    float* sq = reinterpret_cast<float*>(sV + PAGE * ROW);
     float* sk = sq + GMAX * 256;
     float* sv = sk + HD;
     float* snq = sv + HD;
@@ -74,7 +65,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     float2* scs = reinterpret_cast<float2*>(snk + HD);
     float* sp = reinterpret_cast<float*>(scs + HD / 2);
     float* sw = sp;                               // (the merge runs after the last page)
-    float* scorr = sp + GMAX * TK;
+    float* scorr = sp + GMAX * PAGE;
     float* sl = scorr + GMAX;
     float* sm = sl + GMAX;
     __shared__ int is_last;
@@ -100,20 +91,17 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     const float* row = qkv + (size_t)b * (H + 2 * Hkv) * HD;
     const float2* cs = rope + (size_t)p * (rope_dim / 2);
 
-    // The split's first tile is fetched into registers now; its loads overlap the prologue.
+    // The split's first page is fetched into registers now; its loads overlap the prologue.
     const int* bt = block_table + (size_t)b * max_pages;
     uint4 rk[LOADS], rv[LOADS];
-    auto fetch = [&](int pg) {                    // pages pg .. pg+TP-1's K, V rows of this kv head -> registers
-        size_t base[TP];
-#pragma unroll
-        for (int t = 0; t < TP; t++) base[t] = pg + t < page_end ? ((size_t)bt[pg + t] * Hkv + kvh) * PAGE * HD : 0;
+    auto fetch = [&](int pg) {                    // page pg's K, V rows of this kv head into registers
+        const size_t base = ((size_t)bt[pg] * Hkv + kvh) * PAGE * HD;
 #pragma unroll
         for (int i = 0; i < LOADS; i++) {
-            const int e = tid + i * NT, r = e / CPR, t = i * RPI / PAGE, key = pg * PAGE + r;   // row r, page t
+            const int e = tid + i * NT, key = pg * PAGE + e / CPR;
             if (key >= k_begin && key < k_end) {  // keys outside [k_begin, k_end) may be stale or never written
-                const size_t o = base[t] + (size_t)(e - t * PAGE * CPR) * 8;
-                rk[i] = *reinterpret_cast<const uint4*>(k_cache + o);
-                rv[i] = *reinterpret_cast<const uint4*>(v_cache + o);
+                rk[i] = *reinterpret_cast<const uint4*>(k_cache + base + (size_t)e * 8);
+                rv[i] = *reinterpret_cast<const uint4*>(v_cache + base + (size_t)e * 8);
             } else {
                 rk[i] = rv[i] = make_uint4(0, 0, 0, 0);   // zero V: p = 0 must not meet a NaN
             }
@@ -153,16 +141,14 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     }
     __syncthreads();                              // q ready
 
-    // 2. the split's pages, TP at a time: stage a tile, fetch the next, score, softmax update, P.V
+    // 2. the split's pages: stage one, fetch the next, score, softmax update, P.V
     const int dp = tid % HP, kg = tid / HP;
     float acc[GMAX][2];
 #pragma unroll
     for (int g = 0; g < GMAX; g++) acc[g][0] = acc[g][1] = 0.0f;
 
-    for (int pg = page_begin; pg < page_end; pg += TP) {
-        const int tp = min(TP, page_end - pg);   // pages in this tile (block-uniform)
-        const int new_page = p / PAGE - pg;       // the new token's row in this tile, if it is here
-        const int new_row = owns_new && new_page >= 0 && new_page < TP ? new_page * PAGE + p % PAGE : -1;
+    for (int pg = page_begin; pg < page_end; pg++) {
+        const int new_row = owns_new && pg == p / PAGE ? p % PAGE : -1;   // the new token's row in this page
 #pragma unroll
         for (int i = 0; i < LOADS; i++) {
             const int e = tid + i * NT, r = e / CPR, c = e % CPR;
@@ -180,45 +166,30 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
             *reinterpret_cast<uint4*>(sV + r * ROW + c * 8) = rv[i];
         }
         __syncthreads();
-        if (pg + TP < page_end) fetch(pg + TP);   // in flight while this tile is computed
+        if (pg + 1 < page_end) fetch(pg + 1);     // in flight while this page is computed
 
-        // lane = key lane of each page t of the tile: TP independent dot products a lane (ILP)
+        const int key = pg * PAGE + lane;
+        const bool valid = key >= k_begin && key < k_end;
         for (int g = warp; g < G; g += ATT_WARPS) {   // uniform per warp: the shuffles stay legal
             const float* qg = sq + g * HD;
-            float s[TP];
-#pragma unroll
-            for (int t = 0; t < TP; t++) s[t] = 0.0f;
+            const __half* kr = sK + lane * ROW;
+            float s = 0.0f;
 #pragma unroll 8
             for (int c = 0; c < CPR; c++) {
+                float k8[8];
+                load8(kr + c * 8, k8);
                 const float4 q0 = *reinterpret_cast<const float4*>(qg + c * 8);
                 const float4 q1 = *reinterpret_cast<const float4*>(qg + c * 8 + 4);
-#pragma unroll
-                for (int t = 0; t < TP; t++) {
-                    if (t >= tp) break;
-                    float k8[8];
-                    load8(sK + (t * PAGE + lane) * ROW + c * 8, k8);
-                    s[t] += k8[0] * q0.x + k8[1] * q0.y + k8[2] * q0.z + k8[3] * q0.w;
-                    s[t] += k8[4] * q1.x + k8[5] * q1.y + k8[6] * q1.z + k8[7] * q1.w;
-                }
+                s += k8[0] * q0.x + k8[1] * q0.y + k8[2] * q0.z + k8[3] * q0.w;
+                s += k8[4] * q1.x + k8[5] * q1.y + k8[6] * q1.z + k8[7] * q1.w;
             }
-            float smax = -INFINITY;
-#pragma unroll
-            for (int t = 0; t < TP; t++) {
-                const int key = (pg + t) * PAGE + lane;
-                if (softcap > 0.0f) s[t] = softcap * tanhf(s[t] / softcap);
-                s[t] = t < tp && key >= k_begin && key < k_end ? s[t] : -INFINITY;
-                smax = fmaxf(smax, s[t]);
-            }
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            s = valid ? s : -INFINITY;
             const float m_old = sm[g];            // read by every lane before the shuffles below
-            const float m_new = fmaxf(m_old, warp_max(smax));
-            float pr_sum = 0.0f;
-#pragma unroll
-            for (int t = 0; t < TP; t++) {
-                const float pr = __expf(s[t] - m_new);
-                sp[g * TK + t * PAGE + lane] = pr;
-                pr_sum += pr;
-            }
-            const float corr = __expf(m_old - m_new), tile_l = warp_sum(pr_sum);
+            const float m_new = fmaxf(m_old, warp_max(s));
+            const float pr = __expf(s - m_new), corr = __expf(m_old - m_new);
+            const float tile_l = warp_sum(pr);
+            sp[g * PAGE + lane] = pr;
             if (lane == 0) { scorr[g] = corr; sm[g] = m_new; sl[g] = sl[g] * corr + tile_l; }
         }
         __syncthreads();
@@ -230,12 +201,12 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
             acc[g][1] *= c;
         }
 #pragma unroll 4
-        for (int j = kg; j < tp * PAGE; j += KG) {
+        for (int j = kg; j < PAGE; j += KG) {
             const float2 v = __half22float2(*reinterpret_cast<const __half2*>(sV + j * ROW + 2 * dp));
 #pragma unroll
             for (int g = 0; g < GMAX; g++) {
                 if (g >= G) break;
-                const float pj = sp[g * TK + j];
+                const float pj = sp[g * PAGE + j];
                 acc[g][0] += pj * v.x;
                 acc[g][1] += pj * v.y;
             }
@@ -319,26 +290,12 @@ attn_decode_tile_f16(const float* qkv, const float2* rope, int rope_dim, int neo
                      int Hkv, int hd, int S, float scale, const float* q_norm, const float* k_norm, float eps,
                      int window, float softcap) {
     INGOT_PDL_READ_AHEAD();                       // the wait is in attn_decode_tile, after its reads ahead
-#define ATTN_DECODE_TILE(HD, TP)                                                                                 \
-    attn_decode_tile<HD, TP>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos,         \
-                             part_acc, part_ml, counters, out, outq, outd, outh, H, Hkv, S, scale, q_norm,      \
-                             k_norm, eps, window, softcap)
-    if (hd == 64) ATTN_DECODE_TILE(64, 1);
-    else ATTN_DECODE_TILE(128, 1);
-}
-
-// v9 (the default for hd 64/128): tiles of DECODE_TILE_PAGES pages, so a lane scores that many keys at once
-// (independent dot products) and the block pays its three barriers and the softmax shuffles once a tile.
-// cuda/PERF.md v19. Same arguments, grid and threads; Kernels.decode_smem(hd, "v9") bytes (46.6 KiB at hd 128).
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP, 3)
-attn_decode_tile2_f16(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache,
-                      __half* v_cache, const int* block_table, int max_pages, const int* pos, float* part_acc,
-                      float2* part_ml, int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H,
-                      int Hkv, int hd, int S, float scale, const float* q_norm, const float* k_norm, float eps,
-                      int window, float softcap) {
-    INGOT_PDL_READ_AHEAD();
-    if (hd == 64) ATTN_DECODE_TILE(64, DECODE_TILE_PAGES);
-    else ATTN_DECODE_TILE(128, DECODE_TILE_PAGES);
+#define ATTN_DECODE_TILE(HD)                                                                                     \
+    attn_decode_tile<HD>(qkv, rope, rope_dim, neox, k_cache, v_cache, block_table, max_pages, pos, part_acc,    \
+                         part_ml, counters, out, outq, outd, outh, H, Hkv, S, scale, q_norm, k_norm, eps, window, \
+                         softcap)
+    if (hd == 64) ATTN_DECODE_TILE(64);
+    else ATTN_DECODE_TILE(128);
 }
 
 // hd 256 (Gemma) in a kernel of its own, so the 64/128 kernel keeps its register count. Same arguments. 164
@@ -351,6 +308,6 @@ attn_decode_tile_f16_hd256(const float* qkv, const float2* rope, int rope_dim, i
                            float4* outd, __half* outh, int H, int Hkv, int hd, int S, float scale,
                            const float* q_norm, const float* k_norm, float eps, int window, float softcap) {
     INGOT_PDL_READ_AHEAD();
-    ATTN_DECODE_TILE(256, 1);
+    ATTN_DECODE_TILE(256);
 #undef ATTN_DECODE_TILE
 }

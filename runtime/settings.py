@@ -107,15 +107,14 @@ DECODE_GEMM_MIN_BATCH = Setting(
     _positive_int,
     "a positive integer",
     "The decode batch size from which the GPU engine uses tensor-core GEMMs instead of matrix-vector kernels "
-    "(default: chosen per model, 3-16; runtime/gpu/kernels.py decode_gemm_min_batch).",
+    "(default: chosen per model, 4-16; runtime/gpu/kernels.py decode_gemm_min_batch).",
 )
 DECODE_ATTN = Setting(
     "INGOT_DECODE_ATTN",
-    "v9",
-    _one_of("v7", "v8", "v9", fold_case=True),
-    "v9, v8 or v7",
-    "The GPU decode attention kernel: v9 (two-page tiles at head_dim 64/128), v8 (one-page tiles, cost follows "
-    "the context) or v7 (the first one).",
+    "v8",
+    _one_of("v7", "v8", fold_case=True),
+    "v8 or v7",
+    "The GPU decode attention kernel: v8 (per-page tiles, cost follows the context) or v7 (the previous one).",
 )
 MATVEC_B1 = Setting(
     "INGOT_MATVEC_B1",

@@ -195,13 +195,7 @@ def test_the_built_ptx_waits_first_in_exactly_the_listed_kernels():
     waiting = {n for n, body in entries.items() if "griddepcontrol.wait" in body}
     assert waiting == PDL_KERNELS, (sorted(waiting - PDL_KERNELS), sorted(PDL_KERNELS - waiting))
     read_ahead = {n for n, first in kernel_definitions().items() if first == READ_AHEAD}
-    assert read_ahead == {
-        "rmsnorm_f32",
-        "add_rmsnorm_f32",
-        "attn_decode_tile_f16",
-        "attn_decode_tile2_f16",
-        "attn_decode_tile_f16_hd256",
-    }
+    assert read_ahead == {"rmsnorm_f32", "add_rmsnorm_f32", "attn_decode_tile_f16", "attn_decode_tile_f16_hd256"}
     for name in sorted(PDL_KERNELS):
         forbidden = _BEFORE_WAIT_READ_AHEAD if name in read_ahead else _BEFORE_WAIT
         early = unwaited(entries[name], forbidden)

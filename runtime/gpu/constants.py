@@ -33,7 +33,6 @@ SHARED: dict[str, tuple[int, str]] = {
     "ATT_WARPS": (4, "warps per attention block"),
     "ATT_QPW": (4, "prefill attention: queries per warp"),
     "MAX_SPLITS": (32, "split-KV partials per (sequence, head): one per lane of the merging warp"),
-    "DECODE_TILE_PAGES": (2, "decode attention v9 (head_dim 64/128): KV pages a block stages and scores at once"),
     "SAMPLE_THREADS": (1024, "threads per sampling block"),
     "PREP_THREADS": (256, "threads per sample_prep_f32 block (one chunk of a large vocabulary)"),
     "CAND_SLOTS": (4, "sample_f32, top-k over chunks: candidate logits kept per thread"),
@@ -61,7 +60,6 @@ PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
 ATT_WARPS = SHARED["ATT_WARPS"][0]
 PREFILL_MMA_ROWS = 16 * ATT_WARPS  # tensor-core prefill: one m16 tile of packed query rows per warp (BQ there)
 MAX_SPLITS = SHARED["MAX_SPLITS"][0]
-DECODE_TILE_PAGES = SHARED["DECODE_TILE_PAGES"][0]
 SAMPLE_THREADS = SHARED["SAMPLE_THREADS"][0]
 PREP_THREADS = SHARED["PREP_THREADS"][0]
 CAND_SLOTS = SHARED["CAND_SLOTS"][0]
@@ -77,7 +75,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 8  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 7  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -87,7 +85,6 @@ KERNEL_ABI = 8  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token
 # 6: matmul2_<type>_bm* with ws == null are launched as clusters of a tile's split-K slices (sm_90+) and sum
 # them through distributed shared memory
 # 7: attn_prefill_mma_varlen_f16{,_hd256}: a prefill pass's sequences in one attention launch
-# 8: attn_decode_tile2_f16 (v9 decode attention: DECODE_TILE_PAGES pages a tile, its own shared memory size)
 
 
 def header() -> str:

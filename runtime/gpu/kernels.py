@@ -23,7 +23,6 @@ from ingot.runtime.gpu.compat import decide, driver_from_cuda_int
 from ingot.runtime.gpu.constants import (
     ATT_WARPS,
     CAND_SLOTS,
-    DECODE_TILE_PAGES,
     DRAW_MAX,
     GATED_MODES,
     MATMUL2_BN,
@@ -126,7 +125,6 @@ PDL_KERNELS = frozenset(
         "attn_prefill_f16",
         "attn_prefill_f16_hd256",
         "attn_decode_tile_f16",
-        "attn_decode_tile2_f16",
         "attn_decode_tile_f16_hd256",
         "attn_prefill_mma_f16",
         "attn_prefill_mma_f16_hd256",
@@ -566,7 +564,7 @@ def norm_splits(n: int, dim: int, threads: int, sm_count: int) -> int:
 # the dp4a matrix-vector kernels (matvec_*: each weight read once, but 2 x 16 dp4a and the activations' loads per
 # 32 weights and column, so their step grows with the batch). Measured with `ingot bench` tg128 (H100, 2026-12-06,
 # PERF.md v18), tok/s matvec / GEMM:
-#   8B Q4_0 (layer 123 MB, fragment GEMMs)   b2 566 / 516, b3 637 / 757, b4 681 / 1,016, b8 715 / 1,966
+#   8B Q4_0 (layer 123 MB, fragment GEMMs)   b2 566 / 516, b3 637 / 757 (PERF.md v19), b4 681 / 1,016, b8 715 / 1,966
 #   8B Q4_K_M (layer ~140 MB, tile GEMMs)    b2 534 / 212, b4 632 / 420,   b8 684 / 829
 #   SmolLM2 Q4_1 (layer 2.2 MB)              b2 2,580 / 1,918, b4 4,205 / 3,786, b8 7,694 / 7,444
 # A layer under DECODE_GEMM_LAYER_BYTES is launch-bound: its matvecs' extra columns cost little, and the GEMM
@@ -1009,11 +1007,13 @@ class Kernels:
         the kernel uses only as many as the sequence's pages need (decode_split_geometry). scale on q.k (0:
         1/sqrt(hd)); window > 0: the token sees the last `window` positions, itself included; softcap > 0:
         scores -> softcap * tanh(scores / softcap); q_norm, k_norm [hd] fp32 (qk_norm architectures).
-        The kernel is INGOT_DECODE_ATTN's (decode_attn_kernel); all take the same arguments."""
+        The kernel is v8's attn_decode_tile_f16* (cuda/attention_decode.cu), or v7's attn_decode_f16*
+        (cuda/attention.cu) with INGOT_DECODE_ATTN=v7; both take the same arguments."""
         assert 1 <= splits <= MAX_SPLITS and cfg.n_heads // cfg.n_kv_heads <= GQA_MAX
         version = settings.DECODE_ATTN.get()
+        name = "attn_decode_tile_f16" if version == "v8" else "attn_decode_f16"
         return Launch(
-            self.k[self.decode_attn_kernel(version, cfg.head_dim)[0]],
+            self.k[self._attn_kernel(name, cfg.head_dim)],
             (splits, cfg.n_kv_heads, B),
             128,
             [
@@ -1053,29 +1053,13 @@ class Kernels:
         return f"{name}_hd256" if hd == 256 else name
 
     @staticmethod
-    def decode_attn_kernel(version: str, hd: int) -> tuple[str, int]:
-        """The decode attention kernel of INGOT_DECODE_ATTN `version` for head_dim hd, and the KV pages its
-        block stages at once (0: v7's kernel, which stages none). v9 (cuda/attention_decode.cu
-        attn_decode_tile2_f16): DECODE_TILE_PAGES pages a tile at hd 64/128; at hd 256 two pages would not fit
-        the 48 KiB every arch gives without an opt-in, so hd 256 runs v8's one-page kernel under v9 too. v7:
-        cuda/attention.cu attn_decode_f16*."""
-        if version == "v7":
-            return Kernels._attn_kernel("attn_decode_f16", hd), 0
-        if version == "v9" and hd <= 128:
-            return "attn_decode_tile2_f16", DECODE_TILE_PAGES
-        return Kernels._attn_kernel("attn_decode_tile_f16", hd), 1
-
-    @staticmethod
-    def decode_smem(hd: int, version: str = "v9") -> int:
-        """Dynamic shared memory of a decode attention block. v8/v9 (cuda/attention_decode.cu): the staged tile
-        of TP pages (decode_attn_kernel) sK, sV fp16 [TP*PAGE][hd + 8]; fp32 sq [GMAX * 256], sk, sv, snq, snk
-        [hd], scs float2 [hd/2], sp [GMAX][TP*PAGE] (also the merge weights), and scorr, sl, sm [GMAX] (47.1 KiB
-        at hd 256, one page; 46.6 KiB at hd 128, two). v7: sq [GMAX][hd], sk [hd], sm_m and sm_l
-        [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
-        tp = Kernels.decode_attn_kernel(version, hd)[1]
-        if tp:
-            tk = tp * PAGE
-            return 2 * tk * (hd + 8) * 2 + (GQA_MAX * 256 + 5 * hd + GQA_MAX * tk + 3 * GQA_MAX) * 4
+    def decode_smem(hd: int, version: str = "v8") -> int:
+        """Dynamic shared memory of a decode attention block. v8 (cuda/attention_decode.cu): the staged page
+        sK, sV fp16 [PAGE][hd + 8]; fp32 sq [GMAX * 256], sk, sv, snq, snk [hd], scs float2 [hd/2], sp
+        [GMAX][PAGE] (also the merge weights), and scorr, sl, sm [GMAX] (47.1 KiB at hd 256). v7: sq [GMAX][hd],
+        sk [hd], sm_m and sm_l [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
+        if version == "v8":
+            return 2 * PAGE * (hd + 8) * 2 + (GQA_MAX * 256 + 5 * hd + GQA_MAX * PAGE + 3 * GQA_MAX) * 4
         return (GQA_MAX * hd + hd + 2 * ATT_WARPS * GQA_MAX + ATT_WARPS * GQA_MAX * hd) * 4
 
     @staticmethod

@@ -81,7 +81,7 @@ def main():
     gpu = Gpu()
     rng = np.random.default_rng(0)
     print("decode attention, µs per launch at depth (keys):")
-    for version in ("v7", "v8", "v9"):
+    for version in ("v7", "v8"):
         attention(gpu, rng, "Gemma 3 270M global", 4, 1, 256, 0, version)
         attention(gpu, rng, "Gemma 3 270M local (512)", 4, 1, 256, 512, version)
         attention(gpu, rng, "8B (32 q / 8 kv, hd 128)", 32, 8, 128, 0, version)
