@@ -27,11 +27,12 @@
 
 // Dynamic shared memory of the block, in this order (Kernels.decode_smem computes the same total):
 //   sK, sV    fp16 [PAGE][HD + 8]     the staged page
-//   sq        fp32 [GMAX * 256]       q heads [G][HD]; after the key loop the P.V key groups [KG][GMAX][HD]
+//   sq        fp32 [GMAX * 256]       q heads [G][HD]; after the key loop the P.V key groups [KG][GMAX][HD];
+//                                     in the merge, the weights [GMAX][MAX_SPLITS]
 //   sk, sv    fp32 [HD] each          the new key (normed, rotated) and value
 //   snq, snk  fp32 [HD] each          the q and k norm weights
 //   scs       float2 [HD / 2]         the position's RoPE (cos, sin)
-//   sp        fp32 [GMAX][PAGE]       the page's probabilities; in the merge, the weights [GMAX][MAX_SPLITS]
+//   sp        fp32 [GMAX][PAGE]       the page's probabilities
 //   scorr, sl, sm  fp32 [GMAX] each   per page: rescale factor; running sum and max
 // (47.1 KiB at hd 256: under the 48 KiB every arch gives without an opt-in.)
 // Latency, not bandwidth, bounds a short context, so everything the prologue reads (q, k, v, norm weights, RoPE
@@ -53,7 +54,8 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     constexpr int HP = HD / 2;                    // dim pairs
     constexpr int KG = NT / HP;                   // P.V key groups: 4, 2, 1 (KG * HD == 256)
     static_assert(PAGE == WARP && PAGE * CPR % NT == 0 && NT % HP == 0 && KG * HD == 256, "decode geometry");
-    static_assert(MAX_SPLITS <= PAGE, "the merge weights reuse sp");
+    static_assert(MAX_SPLITS % WARP == 0 && MAX_SPLITS <= 256, "the merge weights: whole warps, within sq");
+    static_assert(GMAX * HD * 4 <= PAGE * ROW * 2, "the merged outputs fit over sK");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __half* sK = reinterpret_cast<__half*>(smem_raw);
     __half* sV = sK + PAGE * ROW;
@@ -64,7 +66,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     float* snk = snq + HD;
     float2* scs = reinterpret_cast<float2*>(snk + HD);
     float* sp = reinterpret_cast<float*>(scs + HD / 2);
-    float* sw = sp;                               // (the merge runs after the last page)
+    float* sw = sq;                               // (the merge runs after the partials are written)
     float* scorr = sp + GMAX * PAGE;
     float* sl = scorr + GMAX;
     float* sm = sl + GMAX;
@@ -258,21 +260,48 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    for (int g = warp; g < G; g += ATT_WARPS) {   // weights e_s / L per (head, split): lane = split (S <= 32)
+    constexpr int SPL = MAX_SPLITS / WARP;        // splits per lane in the weights
+    for (int g = warp; g < G; g += ATT_WARPS) {   // weights e_s / L per (head, split): lane takes s = lane + 32j
         const size_t ph = ((size_t)b * H + (size_t)kvh * G + g) * S;
-        const float2 ml = lane < active ? __ldcg(part_ml + ph + lane) : make_float2(NEG_BIG, 0.0f);
-        const float M = warp_max(ml.x), e = __expf(ml.x - M), L = warp_sum(ml.y * e);
-        sw[g * MAX_SPLITS + lane] = e / L;
+        float2 ml[SPL];
+        float mx = NEG_BIG;
+#pragma unroll
+        for (int j = 0; j < SPL; j++) {
+            const int s = lane + j * WARP;
+            ml[j] = s < active ? __ldcg(part_ml + ph + s) : make_float2(NEG_BIG, 0.0f);
+            mx = fmaxf(mx, ml[j].x);
+        }
+        const float M = warp_max(mx);
+        float e[SPL], l = 0.0f;
+#pragma unroll
+        for (int j = 0; j < SPL; j++) { e[j] = __expf(ml[j].x - M); l += ml[j].y * e[j]; }
+        const float L = warp_sum(l);
+#pragma unroll
+        for (int j = 0; j < SPL; j++) sw[g * MAX_SPLITS + lane + j * WARP] = e[j] / L;
     }
     __syncthreads();
-    for (int i = tid; i < G * HD; i += NT) {
-        const int g = i / HD, d = i % HD;
-        const size_t ph = ((size_t)b * H + (size_t)kvh * G + g) * S;
-        float o = 0.0f;
-#pragma unroll 4
-        for (int s = 0; s < active; s++) o += sw[g * MAX_SPLITS + s] * __ldcg(part_acc + (ph + s) * HD + d);
-        emit(i, o);
+    // The weighted sum over the splits, four outputs (a float4 of one head's partials) a thread, eight splits'
+    // loads in flight: the merge is L2 round trips (32 splits: 4 of them, not one per split and output), into
+    // smerge [G][HD] (over sK: the pages are done), then emitted in the warps' order the quantizer needs.
+    float* smerge = reinterpret_cast<float*>(sK);
+    const size_t ph0 = ((size_t)b * H + (size_t)kvh * G) * S;
+    for (int f = tid; f < G * HD / 4; f += NT) {
+        const int g = 4 * f / HD, d = 4 * f % HD;
+        const float4* src = reinterpret_cast<const float4*>(part_acc + (ph0 + (size_t)g * S) * HD + d);
+        const float* w = sw + g * MAX_SPLITS;
+        float4 m = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+        for (int s = 0; s < active; s++) {
+            const float4 v = __ldcg(src + (size_t)s * (HD / 4));
+            m.x += w[s] * v.x;
+            m.y += w[s] * v.y;
+            m.z += w[s] * v.z;
+            m.w += w[s] * v.w;
+        }
+        *reinterpret_cast<float4*>(smerge + 4 * f) = m;
     }
+    __syncthreads();
+    for (int i = tid; i < G * HD; i += NT) emit(i, smerge[i]);
     if (tid == 0) *counter = 0;                   // ready for the next step (stream order separates steps)
 }
 
@@ -281,9 +310,15 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
 // between them by name: qkv [B, (H + 2 Hkv) hd] as the qkv product wrote it (q, k not yet normed or rotated);
 // rope: the layer's table [positions, rope_dim/2] (cos, sin); pos[b] = the new token's position; part_acc
 // [B, H, S, hd], part_ml [B, H, S]; counters [B * Hkv] zero-initialized once, left zeroed after each launch;
-// q_norm, k_norm [hd] or null (no qk-norm). Launch bound of 3 blocks per SM (170 registers at most) for both
-// kernels: the bare bound made ptxas cap them at 128 (sm_90 fits; sm_100/sm_120 spilled 12-20 bytes, sm_75 at 96).
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP, 3)
+// q_norm, k_norm [hd] or null (no qk-norm). Launch bound: 4 blocks per SM on sm_90 (128 registers, no spill
+// there), so a long context's grid (Kernels.decode_blocks_per_sm, decode_splits) runs twice the warps an SM that
+// 2 blocks did; 3 elsewhere (170 registers at most: at 128 sm_100/sm_120 spilled 12-20 bytes, sm_75 at 96).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define DECODE_TILE_BLOCKS 4
+#else
+#define DECODE_TILE_BLOCKS 3
+#endif
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP, DECODE_TILE_BLOCKS)
 attn_decode_tile_f16(const float* qkv, const float2* rope, int rope_dim, int neox, __half* k_cache,
                      __half* v_cache, const int* block_table, int max_pages, const int* pos, float* part_acc,
                      float2* part_ml, int* counters, float* out, int8_t* outq, float4* outd, __half* outh, int H,

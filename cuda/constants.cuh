@@ -22,7 +22,7 @@
 #define NORM_REGS       8     // rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)
 #define ATT_WARPS       4     // warps per attention block
 #define ATT_QPW         4     // prefill attention: queries per warp
-#define MAX_SPLITS      32    // split-KV partials per (sequence, head): one per lane of the merging warp
+#define MAX_SPLITS      64    // split-KV partials per (sequence, head): v8's merge takes MAX_SPLITS / 32 a lane
 #define SAMPLE_THREADS  1024  // threads per sampling block
 #define PREP_THREADS    256   // threads per sample_prep_f32 block (one chunk of a large vocabulary)
 #define CAND_SLOTS      4     // sample_f32, top-k over chunks: candidate logits kept per thread

@@ -107,7 +107,17 @@ DECODE_GEMM_MIN_BATCH = Setting(
     _positive_int,
     "a positive integer",
     "The decode batch size from which the GPU engine uses tensor-core GEMMs instead of matrix-vector kernels "
-    "(default: chosen per model, 4-16; runtime/gpu/kernels.py decode_gemm_min_batch).",
+    "(default: chosen per model, 3-16; runtime/gpu/kernels.py decode_gemm_min_batch).",
+)
+# The decode attention grid's splits (cuda/PERF.md v20): a tuning and measuring knob; the default fills one round of
+# the kernel's resident blocks at long context.
+DECODE_SPLITS = Setting(
+    "INGOT_DECODE_SPLITS",
+    None,
+    _positive_int,
+    "a positive integer",
+    "Split-KV blocks per (sequence, kv head) in the GPU decode attention grid, at most 64 (32 for v7); default: one"
+    " round of the kernel's resident blocks (runtime/gpu/kernels.py decode_splits).",
 )
 DECODE_ATTN = Setting(
     "INGOT_DECODE_ATTN",
@@ -318,6 +328,7 @@ ALL: tuple[Setting, ...] = (
     DEBUG,
     CPU_WEIGHT_CACHE_MIB,
     DECODE_GEMM_MIN_BATCH,
+    DECODE_SPLITS,
     DECODE_ATTN,
     MATVEC_B1,
     KV_FRACTION,

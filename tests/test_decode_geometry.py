@@ -52,11 +52,15 @@ def test_short_context_uses_one_block_per_page():
     assert len(decode_split_ranges(16383, 512, 32)) == 16  # ... or 16 when they start on a page
 
 
-def test_decode_splits_fill_the_gpu_and_stay_within_the_merge():
-    assert decode_splits(132, 1, 1) == MAX_SPLITS  # Gemma 3 270M: one kv head
-    assert decode_splits(132, 1, 8) == MAX_SPLITS  # 8B: 8 kv heads, 33 capped
-    assert decode_splits(132, 4, 8) == 9
-    assert decode_splits(132, 64, 8) == 1
+def test_decode_splits_fill_one_round_of_resident_blocks_and_stay_within_the_merge():
+    assert MAX_SPLITS == 64
+    assert decode_splits(132, 1, 1, 3) == MAX_SPLITS  # Gemma 3 270M: one kv head (hd 256: 3 blocks an SM)
+    assert decode_splits(132, 1, 8, 4) == MAX_SPLITS  # 8B on sm_90 (4 blocks an SM): 66, capped
+    assert decode_splits(132, 1, 8, 3) == 50  # 8B where the kernel fits 3 an SM
+    assert decode_splits(132, 1, 8, 4, cap=32) == 32  # v7's merge: one split a lane
+    assert decode_splits(132, 4, 8, 4) == 17
+    assert decode_splits(132, 64, 8, 4) == 2
+    assert decode_splits(132, 128, 8, 4) == 1
 
 
 def test_a_decode_norm_spreads_its_row_while_the_rows_are_few():

@@ -63,7 +63,6 @@ from ingot.runtime.gpu.kernels import (
     Kernels,
     SplitK,
     decode_gemm_min_batch,
-    decode_splits,
     kernel_images,
     sample_chunk_bytes,
 )
@@ -758,7 +757,7 @@ class CudaEngine:
 
     def _decode_launches(self, B: int) -> list[Launch]:
         c, s = self.config, self.step
-        splits = decode_splits(self.dev.info.sm_count, B, c.n_kv_heads)
+        splits = self.k.attn_decode_splits(B, c)
         ops: _Ops = (
             _GemmDecodeOps(self, B, splits=splits) if B >= self.gemm_min_batch else _MatvecOps(self, B, splits=splits)
         )

@@ -32,7 +32,7 @@ SHARED: dict[str, tuple[int, str]] = {
     "NORM_REGS": (8, "rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)"),
     "ATT_WARPS": (4, "warps per attention block"),
     "ATT_QPW": (4, "prefill attention: queries per warp"),
-    "MAX_SPLITS": (32, "split-KV partials per (sequence, head): one per lane of the merging warp"),
+    "MAX_SPLITS": (64, "split-KV partials per (sequence, head): v8's merge takes MAX_SPLITS / 32 a lane"),
     "SAMPLE_THREADS": (1024, "threads per sampling block"),
     "PREP_THREADS": (256, "threads per sample_prep_f32 block (one chunk of a large vocabulary)"),
     "CAND_SLOTS": (4, "sample_f32, top-k over chunks: candidate logits kept per thread"),
@@ -75,7 +75,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 7  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 8  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -85,6 +85,7 @@ KERNEL_ABI = 7  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token
 # 6: matmul2_<type>_bm* with ws == null are launched as clusters of a tile's split-K slices (sm_90+) and sum
 # them through distributed shared memory
 # 7: attn_prefill_mma_varlen_f16{,_hd256}: a prefill pass's sequences in one attention launch
+# 8: v8 decode attention merges up to MAX_SPLITS = 64 splits (v7's stays at 32: the host caps its grid)
 
 
 def header() -> str:

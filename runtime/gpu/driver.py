@@ -192,6 +192,16 @@ class Kernel:
             )
         )
 
+    def blocks_per_sm(self, threads: int, smem: int) -> int:
+        """Blocks of `threads` threads and `smem` bytes of dynamic shared memory one SM runs at once: the driver's
+        occupancy calculator, from the registers and static shared memory of the loaded code and its launch bound."""
+        return int(
+            _check(
+                cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, threads, smem),
+                f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})",
+            )
+        )
+
     def allow_dynamic_smem(self, nbytes: int) -> None:
         """Needed before a launch asks for more than 48 KiB of dynamic shared memory."""
         _check(

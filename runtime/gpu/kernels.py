@@ -649,11 +649,13 @@ def sample_chunk_bytes(V: int, B: int) -> int:
     return 16 * B * max(1, sample_chunks(V))
 
 
-def decode_splits(sm_count: int, B: int, n_kv_heads: int) -> int:
-    """Splits per (sequence, kv head) in the decode attention grid: two blocks per SM if every split were active,
-    at most MAX_SPLITS (one per lane of the merging warp). The kernel uses only the splits a sequence's pages
-    need (decode_split_ranges), so a large grid costs little at short context."""
-    return max(1, min(MAX_SPLITS, -(-2 * sm_count // (B * n_kv_heads))))
+def decode_splits(sm_count: int, B: int, n_kv_heads: int, per_sm: int, cap: int = MAX_SPLITS) -> int:
+    """Splits per (sequence, kv head) in the decode attention grid: one round of the kernel's resident blocks
+    (per_sm an SM) if every split were active, at most cap (MAX_SPLITS; v7's merge takes one split a lane: 32).
+    The kernel uses only the splits a sequence's pages need (decode_split_ranges), so a large grid costs little at
+    short context; at long context each block's page loop is latency-bound (cuda/PERF.md v19-v20), so the
+    blocks an SM runs at once, not the bytes, set its speed."""
+    return max(1, min(cap, -(-per_sm * sm_count // (B * n_kv_heads))))
 
 
 def decode_split_ranges(pos: int, window: int, splits: int) -> list[tuple[int, int]]:
@@ -1009,11 +1011,10 @@ class Kernels:
         scores -> softcap * tanh(scores / softcap); q_norm, k_norm [hd] fp32 (qk_norm architectures).
         The kernel is v8's attn_decode_tile_f16* (cuda/attention_decode.cu), or v7's attn_decode_f16*
         (cuda/attention.cu) with INGOT_DECODE_ATTN=v7; both take the same arguments."""
-        assert 1 <= splits <= MAX_SPLITS and cfg.n_heads // cfg.n_kv_heads <= GQA_MAX
         version = settings.DECODE_ATTN.get()
-        name = "attn_decode_tile_f16" if version == "v8" else "attn_decode_f16"
+        assert 1 <= splits <= self._split_cap(version) and cfg.n_heads // cfg.n_kv_heads <= GQA_MAX
         return Launch(
-            self.k[self._attn_kernel(name, cfg.head_dim)],
+            self.k[self._attn_kernel(self._decode_name(version), cfg.head_dim)],
             (splits, cfg.n_kv_heads, B),
             128,
             [
@@ -1047,6 +1048,28 @@ class Kernels:
             smem=self.decode_smem(cfg.head_dim, version),
         )
 
+    def attn_decode_splits(self, B: int, cfg) -> int:
+        """The decode attention grid's splits for B sequences on this GPU (attn_decode's `splits`):
+        INGOT_DECODE_SPLITS, else decode_splits from the kernel's occupancy (the driver's, for its registers
+        and shared memory: 4 blocks an SM at head_dim 64/128 on sm_90, 3 elsewhere and at 256)."""
+        version = settings.DECODE_ATTN.get()
+        cap = self._split_cap(version)
+        forced = settings.DECODE_SPLITS.get()
+        if forced:
+            return min(forced, cap)
+        kernel = self.k[self._attn_kernel(self._decode_name(version), cfg.head_dim)]
+        per_sm = kernel.blocks_per_sm(ATT_WARPS * 32, self.decode_smem(cfg.head_dim, version))
+        return decode_splits(self.device.info.sm_count, B, cfg.n_kv_heads, max(per_sm, 1), cap)
+
+    @staticmethod
+    def _decode_name(version: str) -> str:
+        return "attn_decode_tile_f16" if version == "v8" else "attn_decode_f16"
+
+    @staticmethod
+    def _split_cap(version: str) -> int:
+        """Splits a decode attention kernel merges: v8 MAX_SPLITS, v7 one a lane of its merging warp."""
+        return MAX_SPLITS if version == "v8" else 32
+
     @staticmethod
     def _attn_kernel(name: str, hd: int) -> str:
         """hd 256 has kernels of its own (cuda/attention.cu: the 64/128 ones keep their register counts)."""
@@ -1055,8 +1078,8 @@ class Kernels:
     @staticmethod
     def decode_smem(hd: int, version: str = "v8") -> int:
         """Dynamic shared memory of a decode attention block. v8 (cuda/attention_decode.cu): the staged page
-        sK, sV fp16 [PAGE][hd + 8]; fp32 sq [GMAX * 256], sk, sv, snq, snk [hd], scs float2 [hd/2], sp
-        [GMAX][PAGE] (also the merge weights), and scorr, sl, sm [GMAX] (47.1 KiB at hd 256). v7: sq [GMAX][hd],
+        sK, sV fp16 [PAGE][hd + 8]; fp32 sq [GMAX * 256] (also the merge weights), sk, sv, snq, snk [hd], scs
+        float2 [hd/2], sp [GMAX][PAGE], and scorr, sl, sm [GMAX] (47.1 KiB at hd 256). v7: sq [GMAX][hd],
         sk [hd], sm_m and sm_l [ATT_WARPS][GMAX], sm_acc [ATT_WARPS][GMAX][hd], fp32."""
         if version == "v8":
             return 2 * PAGE * (hd + 8) * 2 + (GQA_MAX * 256 + 5 * hd + GQA_MAX * PAGE + 3 * GQA_MAX) * 4

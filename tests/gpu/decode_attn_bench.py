@@ -3,8 +3,8 @@
     python3 tests/gpu/decode_attn_bench.py       # needs a GPU; INGOT_KERNELS may point at a build of cuda/
 
 Per line: µs per launch (kernel_bench.graph_time_us: a graph of back-to-back launches, so the launch gaps of a
-decode graph are counted), for one sequence (B=1) with the engine's split count (decode_splits on this GPU), and
-the K+V bytes the launch must read. The shapes are Gemma 3 270M's (4 q heads over 1 kv head, hd 256; local
+decode graph are counted), for one sequence (B=1) with the engine's split count S (Kernels.attn_decode_splits on
+this GPU; INGOT_DECODE_SPLITS forces one). The shapes are Gemma 3 270M's (4 q heads over 1 kv head, hd 256; local
 layers see 512 keys) and the 8B's (32 over 8, hd 128). The sampler lines time greedy and top-k-40 sampling over
 one row of V logits, the single-block path against sample_prep_f32 + sample_f32.
 """
@@ -22,7 +22,7 @@ from conftest import Gpu  # noqa: E402
 from kernel_bench import graph_time_us  # noqa: E402
 
 from ingot.runtime.gpu import constants as C  # noqa: E402
-from ingot.runtime.gpu.kernels import decode_splits, sample_chunk_bytes  # noqa: E402
+from ingot.runtime.gpu.kernels import sample_chunk_bytes  # noqa: E402
 
 DEPTHS = (1, 33, 64, 128, 512, 4096, 16384)
 
@@ -39,7 +39,7 @@ def attention(gpu, rng, name, H, Hkv, hd, window, version):
     qkv = gpu.put(rng.standard_normal((H + 2 * Hkv) * hd).astype(np.float32))
     angle = np.arange(pages * C.PAGE)[:, None] * (10000.0 ** (-np.arange(0, hd, 2) / hd))[None, :]
     rope = gpu.put(np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32))
-    splits = decode_splits(gpu.dev.info.sm_count, 1, Hkv)
+    splits = gpu.k.attn_decode_splits(1, Cfg)
     table = gpu.put(np.arange(pages, dtype=np.int32))
     acc, ml = gpu.empty(4 * H * C.MAX_SPLITS * hd), gpu.empty(8 * H * C.MAX_SPLITS)
     counters, out = gpu.empty(4 * Hkv, 0), gpu.empty(4 * H * hd)
@@ -52,7 +52,8 @@ def attention(gpu, rng, name, H, Hkv, hd, window, version):
             splits, Cfg, outq=xq.ptr, outd=xd.ptr, window=window,
         )  # fmt: skip
         row.append(graph_time_us(gpu.stream, [launch], 20))
-    print(f"{name:<28} {version}  " + "  ".join(f"{d}:{us:7.1f}" for d, us in zip(DEPTHS, row, strict=True)))
+    times = "  ".join(f"{d}:{us:7.1f}" for d, us in zip(DEPTHS, row, strict=True))
+    print(f"{name:<28} {version} S={splits:<3} {times}")
 
 
 def sampler(gpu, rng, V):

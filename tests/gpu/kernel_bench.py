@@ -125,7 +125,7 @@ def small_kernels(gpu, rng, name, D, H, Hkv, hd, V, ctx):
     qkv = gpu.put(rng.standard_normal((H + 2 * Hkv) * hd).astype(np.float32))
     angle = np.arange(ctx + 1)[:, None] * (10000.0 ** (-np.arange(0, hd, 2) / hd))[None, :]
     rope = gpu.put(np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32))
-    splits = min(32, -(-264 // Hkv))
+    splits = gpu.k.attn_decode_splits(1, Cfg)
     att = gpu.k.attn_decode(
         qkv.ptr,
         rope,
@@ -134,8 +134,8 @@ def small_kernels(gpu, rng, name, D, H, Hkv, hd, V, ctx):
         gpu.put(np.arange(pages, dtype=np.int32)).ptr,
         pages,
         gpu.put(np.array([ctx], np.int32)).ptr,
-        gpu.empty(4 * H * 32 * hd).ptr,
-        gpu.empty(8 * H * 32).ptr,
+        gpu.empty(4 * H * splits * hd).ptr,
+        gpu.empty(8 * H * splits).ptr,
         gpu.empty(4 * Hkv, 0).ptr,
         gpu.empty(4 * H * hd).ptr,
         1,

@@ -143,16 +143,17 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("hd,H,Hkv,window,scale,softcap,qk_norm", DECODE_CASES)
-@pytest.mark.parametrize("splits", [1, 7, 32])
+@pytest.mark.parametrize("splits", [1, 7, 45])
 def test_attention_decode_windows_and_norms(gpu, rng, hd, H, Hkv, window, scale, softcap, qk_norm, splits):
-    """Fused decode attention of one new token per sequence, lengths inside, at and far past the window."""
-    lens = [1, 31, 33, 100, 513, 1000]
+    """Fused decode attention of one new token per sequence, lengths inside, at and far past the window (2100
+    keys: 33 active splits of 2 pages at 45, past one lane a split in the merge)."""
+    lens = [1, 31, 33, 100, 513, 1000, 2100]
     _check_decode(gpu, rng, lens, hd, H, Hkv, window, scale, softcap, qk_norm, splits)
 
 
 # Lengths around what the v8 kernel (cuda/attention_decode.cu) cuts: one key, the one-split direct output (up to
 # 32 keys), page boundaries +-1, many pages per split (600, 1500), and 5000 keys (157 pages: past 32 splits of
-# one page, past v7's 32 splits x 4 pages); B = 1..5 sequences of mixed lengths in one launch.
+# one page, past v7's 32 splits x 4 pages; 53 active of v8's 64 splits); B = 1..5 sequences of mixed lengths.
 DECODE_LENGTHS = [[1], [2, 32], [31, 33, 64], [65, 600, 1, 1500], [5000, 2, 97, 33, 1024]]
 DECODE_SHAPES = [  # hd, H, Hkv: GQA 1, 4 and 8 over the three head sizes
     (64, 3, 3),
@@ -169,10 +170,10 @@ DECODE_SHAPES = [  # hd, H, Hkv: GQA 1, 4 and 8 over the three head sizes
 @pytest.mark.parametrize("lens", DECODE_LENGTHS, ids=lambda x: "-".join(map(str, x)))
 def test_attention_decode_lengths(gpu, rng, monkeypatch, version, hd, H, Hkv, window, lens):
     """Every length the split geometry treats differently, for both kernel versions (INGOT_DECODE_ATTN), with a
-    grid as wide as the engine's (32 splits) and a narrow one (3: several pages per split)."""
+    grid as wide as the kernel merges (MAX_SPLITS; v7 32) and a narrow one (3: several pages per split)."""
     monkeypatch.setenv("INGOT_DECODE_ATTN", version)
     softcap, qk_norm = (0.0, True) if hd == 256 else (20.0, False)  # Gemma's features at hd 256
-    for splits in (32, 3):
+    for splits in (K.MAX_SPLITS if version == "v8" else 32, 3):
         _check_decode(gpu, rng, lens, hd, H, Hkv, window, 0.0, softcap, qk_norm, splits)
 
 

@@ -563,7 +563,7 @@ def _rope_table(hd, n_pos, theta=10000.0):
 
 
 @pytest.mark.parametrize("hd,H,Hkv,neox", [(64, 9, 3, False), (128, 32, 8, False), (64, 8, 8, True)])
-@pytest.mark.parametrize("splits", [1, 7, 32])
+@pytest.mark.parametrize("splits", [1, 7, 32, 64])
 def test_attention_decode_fused(gpu, rng, hd, H, Hkv, neox, splits):
     """rope + KV write + split-KV attention + last-block merge, for sequences of very different lengths."""
     lens = np.array([1, 31, 33, 100, 1000], dtype=np.int32)
