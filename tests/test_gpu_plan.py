@@ -113,6 +113,7 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
     e.config, e.k = c, _Recorder()
     e.qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     e.gemm_min_batch, e.max_pages = GEMM_MIN_BATCH, 64
+    e.split_room = e.k.attn_decode_split_room(64, c)
     e.mask_words = (c.n_vocab + 31) // 32
     e.dev = SimpleNamespace(info=SimpleNamespace(sm_count=132))
     for name in BUFFERS:  # addresses only: room for every offset the launch lists take into them
@@ -451,6 +452,23 @@ def test_decode_attention_version_switch(monkeypatch):
     # one kv head: the grid is as wide as each kernel's merge takes (v8 MAX_SPLITS = 64, v7 a split a lane)
     assert {s.grid[0] for s in v8} == {64} and {s.grid[0] for s in v7} == {32}
     assert max(s.smem for s in v8) <= 48 * 1024  # under the default: no opt-in needed on any arch
+
+
+def test_decode_attention_grids_fill_the_resident_blocks_within_the_partials_room(monkeypatch):
+    """The splits come from the kernel's occupancy (the fake driver says 4 blocks an SM, as sm_90's does for
+    the 8B's head size) over 132 SMs and 8 kv heads, capped at the merge's 64; every grid of up to 64 sequences
+    fits the partials allocated for them, even when a forced count (set after the engine started) asks more."""
+    e = plan_engine(config_of(SHAPES["llama3-8b"]), "Q4_0")
+    assert e.split_room == 128  # 64 sequences x 2 splits is the widest
+
+    def grid(B):
+        return {s.grid for s in e._decode_launches(B) if "attn_decode" in s.kernel.name}
+
+    assert grid(1) == {(64, 8, 1)} and grid(4) == {(17, 8, 4)} and grid(64) == {(2, 8, 64)}
+    monkeypatch.setenv("INGOT_DECODE_SPLITS", "64")
+    assert grid(1) == {(64, 8, 1)} and grid(4) == {(32, 8, 4)}  # cut to the room: 128 // 4
+    monkeypatch.setenv("INGOT_DECODE_SPLITS", "5")
+    assert grid(1) == {(5, 8, 1)}
 
 
 def test_the_sampler_splits_large_vocabularies_only():

@@ -44,7 +44,7 @@ from ingot.runtime.engines.base import FROM_DEVICE, PrefillChunk
 from ingot.runtime.engines.cuda_weights import LayerWeights, upload_weights
 from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
-from ingot.runtime.gpu.constants import MAX_SPLITS, MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
+from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
 from ingot.runtime.gpu.driver import (
     Copy,
     Device,
@@ -653,8 +653,9 @@ class CudaEngine:
         self.gu = a(4 * B * 2 * F, "gate/up (wide-batch decode; batch decode of unevenly quantized gate/up)")
         self.o = a(4 * B * D, "projection out (post-norm architectures)")
         self.logits_buf = a(4 * B * V, "logits")
-        self.part_acc = a(4 * B * c.n_heads * MAX_SPLITS * c.head_dim, "attention partials")
-        self.part_ml = a(8 * B * c.n_heads * MAX_SPLITS, "attention partial m,l")
+        self.split_room = self.k.attn_decode_split_room(B, c)  # partials [b, H, splits(b), hd] for any b <= B
+        self.part_acc = a(4 * self.split_room * c.n_heads * c.head_dim, "attention partials")
+        self.part_ml = a(8 * self.split_room * c.n_heads, "attention partial m,l")
         self.counters = a(4 * B * c.n_kv_heads, "attention split counters")  # zero between launches
         self.split_k = self.k.split_k(self.pool, self.stream)  # wide-batch decode's GEMM scratch
         # the prefill passes' own (they run on the side stream, beside the decode graph): None, no split-K
@@ -757,7 +758,9 @@ class CudaEngine:
 
     def _decode_launches(self, B: int) -> list[Launch]:
         c, s = self.config, self.step
-        splits = self.k.attn_decode_splits(B, c)
+        # (within the partials' room: INGOT_DECODE_SPLITS or INGOT_DECODE_ATTN set after the engine started
+        # may ask for more; fewer splits give the same attention)
+        splits = min(self.k.attn_decode_splits(B, c), self.split_room // B)
         ops: _Ops = (
             _GemmDecodeOps(self, B, splits=splits) if B >= self.gemm_min_batch else _MatvecOps(self, B, splits=splits)
         )

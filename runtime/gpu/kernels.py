@@ -1061,6 +1061,11 @@ class Kernels:
         per_sm = kernel.blocks_per_sm(ATT_WARPS * 32, self.decode_smem(cfg.head_dim, version))
         return decode_splits(self.device.info.sm_count, B, cfg.n_kv_heads, max(per_sm, 1), cap)
 
+    def attn_decode_split_room(self, B: int, cfg) -> int:
+        """The most (sequence, split) pairs a decode attention grid of up to B sequences has: the rows of the
+        partials buffers (the widest b * attn_decode_splits(b) for b <= B; B at the least)."""
+        return max(b * self.attn_decode_splits(b, cfg) for b in range(1, B + 1))
+
     @staticmethod
     def _decode_name(version: str) -> str:
         return "attn_decode_tile_f16" if version == "v8" else "attn_decode_f16"
