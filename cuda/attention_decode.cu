@@ -311,7 +311,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
 // rope: the layer's table [positions, rope_dim/2] (cos, sin); pos[b] = the new token's position; part_acc
 // [B, H, S, hd], part_ml [B, H, S]; counters [B * Hkv] zero-initialized once, left zeroed after each launch;
 // q_norm, k_norm [hd] or null (no qk-norm). Launch bound: 4 blocks per SM on sm_90 (128 registers, no spill
-// there), so a long context's grid (Kernels.decode_blocks_per_sm, decode_splits) runs twice the warps an SM that
+// there), so a long context's grid (Kernels.attn_decode_splits, decode_splits) runs twice the warps an SM that
 // 2 blocks did; 3 elsewhere (170 registers at most: at 128 sm_100/sm_120 spilled 12-20 bytes, sm_75 at 96).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 #define DECODE_TILE_BLOCKS 4
