@@ -12,6 +12,8 @@
 #define PDL_LATE        2     // matvec `pdl` flag: let the next kernel launch only after this one's main loop
 #define MV_WARPS        4     // warps per matvec block (2 rows each; 1 row pair each in the gated modes)
 #define MV_COLS         4     // batch columns (sequences) per matvec block
+#define MVN_WARPS       16    // warps per matvec_<type>_b1n block: 32 rows, one q8x2 block of the fused norm's output
+#define MV_NORM_MAX     4096  // widest row a fused norm's consumer (matvec_<type>_b1) sums: a float4 of partials a lane
 #define MATMUL_BM       64    // matmul tile rows (tokens)
 #define MATMUL_BN       64    // matmul tile columns (output features)
 #define MATMUL2_BN      128   // pipelined mma matmul (matmul2_*): tile columns (output features)

@@ -18,6 +18,17 @@
 //   MODE_ADD     y[c*ldy + r] += dot (+ bias[r])         (residual connections)
 //   MODE_SWIGLU  y[c*ldy + r]  = silu(W[r]·x) * (W[r + rows]·x), r < rows: W is [gate; up] stacked
 //   MODE_GEGLU   y[c*ldy + r]  = gelu_tanh(W[r]·x) * (W[r + rows]·x), likewise (Gemma)
+//
+// The next RMSNorm, fused (single-stream decode of pre-norm blocks, cuda/PERF.md v21). A residual projection
+// x += W·a is always followed by h = rmsnorm(x) * w_next, which the next product reads as q8x2. Instead of a norm
+// launch between them (65 a token on the 8B, 2.7 us each):
+//   matvec_<type>_b1n  x += W·a at one column in blocks of MVN_WARPS warps, 32 rows: the block's new x values are
+//                      one q8x2 block, so it writes q8x2(x * w_next) (unnormalized: q8x2 levels do not depend on
+//                      a common factor) and ss[block] = the sum of their squares.
+//   matvec_<type>_b1   given ss (else null), multiplies each product by rsqrt(sum(ss) / cols + eps): the norm's
+//                      scale, a scalar per row, taken out of the dot. Each lane loads one float4 of the cols / 32
+//                      partials before the main loop (so cols <= MV_NORM_MAX) and every warp sums them in the same
+//                      order (warp_sum's butterfly), so all rows get the same bits.
 #include "weights.cuh"   // XBlock, dot helpers and the generic weight structs of the soa-v2 types
 
 struct Q4_0W {
@@ -84,14 +95,15 @@ __device__ __forceinline__ float gelu_tanh(float g) {
 }
 __device__ __forceinline__ bool gated(int mode) { return mode == MODE_SWIGLU || mode == MODE_GEGLU; }
 
-// Rows this warp owns: two adjacent rows, or for the gated modes the pair (gate r, up r + rows).
+// Rows this warp owns: two adjacent rows, or for the gated modes the pair (gate r, up r + rows). Blocks are
+// MV_WARPS warps (MVN_WARPS for matvec_<type>_b1n).
 __device__ __forceinline__ void warp_rows(int mode, int rows, long long r[2], bool ok[2], long long* out_row) {
-    const int warp = threadIdx.x / WARP;
+    const int warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
     if (gated(mode)) {
-        const long long o = (long long)blockIdx.x * MV_WARPS + warp;
+        const long long o = (long long)blockIdx.x * warps + warp;
         r[0] = o; r[1] = o + rows; ok[0] = ok[1] = o < rows; *out_row = o;
     } else {
-        const long long o = ((long long)blockIdx.x * MV_WARPS + warp) * 2;
+        const long long o = ((long long)blockIdx.x * warps + warp) * 2;
         r[0] = o; r[1] = o + 1; ok[0] = o < rows; ok[1] = o + 1 < rows; *out_row = o;
     }
 }
@@ -120,12 +132,13 @@ __device__ __forceinline__ void prefetch_rows(const W& w, int rows, int mode) {
     }
 }
 
+// scale: the fused norm's (1 without one), on the product before the bias and the activation.
 template <int NC>
 __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const bool ok[2], long long out_row,
-                                          const float* bias, float* y, int c0, int ldy) {
+                                          const float* bias, float* y, int c0, int ldy, float scale) {
 #pragma unroll
     for (int c = 0; c < NC; c++) {
-        const float v0 = warp_sum(acc[0][c]), v1 = warp_sum(acc[1][c]);
+        const float v0 = warp_sum(acc[0][c]) * scale, v1 = warp_sum(acc[1][c]) * scale;
         if (threadIdx.x % WARP != 0) continue;
         float* yc = y + (size_t)(c0 + c) * ldy;
         if (gated(mode)) {
@@ -142,14 +155,12 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
     }
 }
 
+// The main loop: acc[s][c] = row rr[s] of W times column c0 + c of x, this lane's share of the blocks.
 template <typename W, int NC>
-__device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
-                                         const float* __restrict__ bias, float* __restrict__ y,
-                                         int rows, int cols, int ldy, int mode, int pdl) {
-    const int nb = cols / QK, lane = threadIdx.x % WARP, c0 = blockIdx.y * MV_COLS;
-    long long r[2], out_row; bool ok[2];
-    warp_rows(mode, rows, r, ok, &out_row);
-    if (!ok[0]) return;   // the whole warp is past the last row (ok[1] implies ok[0]): nothing to write
+__device__ __forceinline__ void dot_rows(const W& w, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
+                                         int cols, int c0, const long long r[2], const bool ok[2],
+                                         float (&acc)[2][NC]) {
+    const int nb = cols / QK, lane = threadIdx.x % WARP;
     // One column (single-stream decode): every load is unconditional, so the compiler issues them all before
     // the first use. A second row past the end (an odd row count) re-reads row 0, and write_out drops its sum;
     // a block past the end of the row re-reads the last one. With a branch around each row's loads, the
@@ -159,7 +170,6 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
     // arithmetic mostly covers.
     constexpr bool FREE = NC == 1;
     const long long rr[2] = {r[0], FREE && !ok[1] ? r[0] : r[1]};
-    float acc[2][NC] = {};
     // U blocks per row in flight per lane before the first use: decode is bound by how many bytes are in
     // flight to DRAM, not by arithmetic (fewer for wide batches, whose activation loads take the registers).
     constexpr int U = NC <= 2 ? W::UNROLL : (W::UNROLL > 1 ? W::UNROLL / 2 : 1);
@@ -184,8 +194,64 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
             }
         }
     }
+}
+
+// ss: the fused norm's partial sums (one column), or null.
+template <typename W, int NC>
+__device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
+                                         const float* __restrict__ bias, float* __restrict__ y,
+                                         int rows, int cols, int ldy, int mode, int pdl,
+                                         const float4* __restrict__ ss = nullptr, float eps = 0.0f) {
+    const int c0 = blockIdx.y * MV_COLS;
+    long long r[2], out_row; bool ok[2];
+    warp_rows(mode, rows, r, ok, &out_row);
+    if (!ok[0]) return;   // the whole warp is past the last row (ok[1] implies ok[0]): nothing to write
+    // The norm's partials: issued before the weights, summed after them (an L2 hit, not a second round trip).
+    const int lane = threadIdx.x % WARP;
+    float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (ss && lane * 4 < cols / QK) sv = ss[lane];
+    float acc[2][NC] = {};
+    dot_rows<W, NC>(w, xq, xd, cols, c0, r, ok, acc);
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
-    write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy);
+    const float scale = ss ? rsqrtf(warp_sum((sv.x + sv.y) + (sv.z + sv.w)) / cols + eps) : 1.0f;
+    write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy, scale);
+}
+
+// matvec_<type>_b1n's body: x[r] += W[r]·a for its 32 rows (rows % 32 == 0, so every warp has both of its rows),
+// then q8x2(x[rows] * w_next[rows]) into block blockIdx.x of (yq, yd) and the sum of the new x's squares into
+// ss[blockIdx.x]. The residual, bias and norm weights are loaded before the main loop: the epilogue then waits
+// on nothing but the block's barrier.
+template <typename W>
+__device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restrict__ xq,
+                                              const float4* __restrict__ xd, const float* __restrict__ bias,
+                                              float* __restrict__ x, int rows, int cols,
+                                              const float* __restrict__ w_next, int8_t* __restrict__ yq,
+                                              float4* __restrict__ yd, float* __restrict__ ss, int pdl) {
+    __shared__ float sx[2 * MVN_WARPS];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = blockIdx.x;
+    long long r[2], out_row; bool ok[2];
+    warp_rows(MODE_ADD, rows, r, ok, &out_row);
+    const float wn = warp == 0 ? w_next[g * QK + lane] : 0.0f;
+    float x0 = 0.0f, x1 = 0.0f, b0 = 0.0f, b1 = 0.0f;
+    if (lane == 0) {
+        x0 = x[r[0]]; x1 = x[r[1]];
+        if (bias) { b0 = bias[r[0]]; b1 = bias[r[1]]; }
+    }
+    float acc[2][1] = {};
+    dot_rows<W, 1>(w, xq, xd, cols, 0, r, ok, acc);
+    if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
+    const float v0 = warp_sum(acc[0][0]), v1 = warp_sum(acc[1][0]);
+    if (lane == 0) {
+        const float n0 = x0 + (v0 + b0), n1 = x1 + (v1 + b1);   // write_out's MODE_ADD: y += dot + bias
+        x[r[0]] = n0; x[r[1]] = n1;
+        sx[2 * warp] = n0; sx[2 * warp + 1] = n1;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const float v = sx[lane], s2 = warp_sum(v * v);
+        if (lane == 0) ss[g] = s2;
+        warp_quantize_q8x2(v * wn, yq + (size_t)g * 2 * QK, yd + g);
+    }
 }
 
 // Q4_0, Q4_1 and Q8_0 take the same loop as the weights.cuh types: X(name, struct, parameters, initializers).
@@ -198,8 +264,10 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
     X(q8_0, Q8_0W, Q8_0_PARAMS, qs, d)                   \
     FOR_EACH_GENERIC_TYPE(X)
 
-// Two kernels per type:
+// Three kernels per type:
 //   matvec_<type>     any number of columns; each block takes MV_COLS of them (blockIdx.y), the last group fewer.
+//   matvec_<type>_b1n a residual projection at one column with the next norm fused (above), MVN_WARPS warps a
+//                     block; it asks for the registers of matvec_<type>_b1's B1_BLOCKS (at least one block).
 //   matvec_<type>_b1  exactly one column: single-stream decode, the case tg128 measures. A kernel's register
 //                     count is that of its widest path, so the 4-column loop's needs (72-102 registers on sm_90
 //                     uncapped) would set the one-column case's occupancy too. Alone, one column runs at 6-8
@@ -210,8 +278,10 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
 // ptxas keeps its own choice; the one-column kernel still leaves out the wide loop's registers.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 #define MV_BOUNDS(N) __launch_bounds__(MV_WARPS * WARP, N)
+#define MVN_BOUNDS(N) __launch_bounds__(MVN_WARPS * WARP, (N) * MV_WARPS / MVN_WARPS > 0 ? (N) * MV_WARPS / MVN_WARPS : 1)
 #else
 #define MV_BOUNDS(N) __launch_bounds__(MV_WARPS * WARP)
+#define MVN_BOUNDS(N) __launch_bounds__(MVN_WARPS * WARP)
 #endif
 
 #define MATVEC_KERNELS(NAME, WT, PARAMS, ...)                                                                   \
@@ -231,10 +301,17 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
     }                                                                                                            \
     extern "C" __global__ void MV_BOUNDS(WT::B1_BLOCKS)                                                          \
     matvec_##NAME##_b1(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,       \
-                       int cols, int ncols, int ldy, int mode, int pdl) {                                        \
+                       int cols, int ncols, int ldy, int mode, int pdl, const float4* ss, float eps) {           \
         INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, mode));         \
         if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
-        matvec_q<WT, 1>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, y, rows, cols, ldy, mode, pdl);                \
+        matvec_q<WT, 1>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, y, rows, cols, ldy, mode, pdl, ss, eps);       \
+    }                                                                                                            \
+    extern "C" __global__ void MVN_BOUNDS(WT::B1_BLOCKS)                                                         \
+    matvec_##NAME##_b1n(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* x, int rows,      \
+                        int cols, const float* w_next, int8_t* yq, float4* yd, float* ss, int pdl) {             \
+        INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, MODE_ADD));     \
+        if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
+        matvec_q_norm<WT>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, x, rows, cols, w_next, yq, yd, ss, pdl);     \
     }
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 #undef MATVEC_KERNELS
@@ -271,7 +348,7 @@ __device__ __forceinline__ void matvec_h(const __half* __restrict__ w, const flo
         }
     }
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
-    write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy);
+    write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy, 1.0f);
 }
 
 // F16 rows: the same prefetch as prefetch_rows, 16 bytes a lane a step.

@@ -133,6 +133,14 @@ MATVEC_B1 = Setting(
     "1 or 0",
     "Single-sequence decode runs the one-column matrix-vector kernels (matvec_<type>_b1); 0 uses the any-batch ones.",
 )
+FUSED_NORM = Setting(
+    "INGOT_FUSED_NORM",
+    True,
+    _flag,
+    "1 or 0",
+    "Single-sequence decode fuses each pre-norm into the residual projection before it (matvec_<type>_b1n);"
+    " 0 launches rmsnorm_f32 instead.",
+)
 KV_FRACTION = Setting(
     "INGOT_KV_FRACTION",
     0.5,
@@ -331,6 +339,7 @@ ALL: tuple[Setting, ...] = (
     DECODE_SPLITS,
     DECODE_ATTN,
     MATVEC_B1,
+    FUSED_NORM,
     KV_FRACTION,
     PREFIX_CACHE,
     ATTN_PREFILL,

@@ -37,6 +37,7 @@ from ingot.runtime.gpu.kernels import (
     GpuMatrix,
     GpuStack,
     Kernels,
+    NormedQ8,
     SplitK,
     _k_slices,
     image_cc,
@@ -46,6 +47,7 @@ from ingot.runtime.gpu.kernels import (
     matmul2r_smem,
     matmul_geometry,
     matmul_uses_mma,
+    norm_fusable,
     prefill_split_k_need,
     split_k_floats,
     split_k_uses_clusters,
@@ -149,9 +151,11 @@ def _kernels(sm_count=132, mma=False, cluster=False):
     k.matmul_mma = mma
     k.matmul_frag = mma  # Q4_0 / Q4_1 through matmul2r_* (INGOT_MATMUL=mma)
     k.split_k_cluster = cluster
+    k.norm_smem = dict.fromkeys(GPU_QTYPES, 0)  # matvec_<type>_b1n's dynamic shared memory (one block an SM)
     names = (
         "matvec_{}",
         "matvec_{}_b1",
+        "matvec_{}_b1n",
         "matmul_{}",
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
     )
@@ -180,7 +184,8 @@ def test_matvec_on_a_stack_launches_one_kernel_per_part_at_its_row_offset():
 def test_matvec_on_one_matrix_is_one_launch_and_gated_modes_halve_the_rows():
     W = _matrix("Q4_K", 96, 512)
     (launch,) = _kernels().matvec(W, (1, 2), 100, 1, ldy=48, mode=constants.MODE_GEGLU)
-    assert _ptr_args(launch)[-6:] == [48, 512, 1, 48, constants.MODE_GEGLU, 0]
+    # ..., mode, pdl flags, then the one-column kernel's fused-norm arguments: no partial sums, eps 0
+    assert _ptr_args(launch)[-8:] == [48, 512, 1, 48, constants.MODE_GEGLU, 0, 0, 0]
     assert launch.grid[0] == -(-48 // (constants.MATVEC_ROWS_PER_BLOCK // 2))
 
 
@@ -199,7 +204,7 @@ def test_matvec_pdl_flags_follow_pdl_and_the_settings(pdl, prefetch, trigger, mo
     for W, big in ((_matrix("Q4_0", 4096, 4096), True), (_matrix("Q4_1", 1536, 576), False)):
         for ncols in (1, 3):
             (launch,) = k.matvec(W, (1, 2), 100, ncols, ldy=W.rows)
-            flags = _ptr_args(launch)[-1]
+            flags = _ptr_args(launch)[-3 if ncols == 1 else -1]  # the one-column kernel: then (ss, eps)
             late = trigger == "late" or (trigger == "auto" and big)
             assert flags == (pdl and prefetch == "1") * constants.PDL_PREFETCH + (pdl and late) * constants.PDL_LATE
 
@@ -230,6 +235,52 @@ def test_every_type_has_both_matvec_kernels_in_the_source():
             continue
         row = f"X({q.lower()}, {q}W,"
         assert row in src or row in generic, f"{q}: no X-macro row in matvec.cu or weights.cuh"
+
+
+def test_a_pending_norm_goes_to_the_one_column_kernel_with_its_sums_and_eps(monkeypatch):
+    """A NormedQ8 (the fused norm's output, cuda/matvec.cu) reaches matvec_<type>_b1 as (xq, xd, ..., ss, eps), on
+    every part of a stack; any other kernel (more columns, INGOT_MATVEC_B1=0, F16, wider than MV_NORM_MAX) would
+    drop the scale, so asking for one is refused."""
+    k = _kernels()
+    x = NormedQ8(11, 12, 13, 1e-6)
+    parts = [_matrix("Q4_K", 64, 512), _matrix("Q6_K", 32, 512)]
+    launches = k.matvec(GpuStack(parts), x, 100, 1, ldy=96)
+    assert [launch.kernel.name for launch in launches] == ["matvec_q4_k_b1", "matvec_q6_k_b1"]
+    for launch, part in zip(launches, parts, strict=True):
+        n = len(part.args())
+        assert _ptr_args(launch)[n : n + 2] == [11, 12] and _ptr_args(launch)[-2] == 13
+        assert launch._held[-1] == np.float32(1e-6)
+    for W, ncols in ((_matrix("Q4_0", 64, 256), 2), (_matrix("F16", 64, 256), 1), (_matrix("Q4_0", 64, 4128), 1)):
+        with pytest.raises(IncompatibleError, match="pending norm"):
+            k.matvec(W, x, 100, ncols, ldy=64)
+    monkeypatch.setenv("INGOT_MATVEC_B1", "0")
+    with pytest.raises(IncompatibleError, match="INGOT_FUSED_NORM=0"):
+        k.matvec(_matrix("Q4_0", 64, 256), x, 100, 1, ldy=64)
+
+
+def test_matvec_norm_launches_a_block_per_32_rows():
+    W = _matrix("Q5_K", 4096, 14336)
+    out = NormedQ8(21, 22, 23, 1e-5)
+    launch = _kernels().matvec_norm(W, (1, 2), 100, DeviceBuffer(5000, 4 * 4096, "w_next"), out)
+    assert launch.kernel.name == "matvec_q5_k_b1n"
+    assert launch.grid[0] == 4096 // 32 and launch.block == 32 * constants.MATVEC_NORM_WARPS
+    n = len(W.args())
+    assert _ptr_args(launch)[n:] == [1, 2, 0, 100, 4096, 14336, 5000, 21, 22, 23, 0]  # ..., bias none, pdl flags
+
+
+def test_norm_fusable_only_for_one_quantized_projection_into_a_quantized_product(monkeypatch):
+    Wo, Wqkv = _matrix("Q4_0", 4096, 4096), _matrix("Q4_K", 6144, 4096)
+    assert norm_fusable(Wo, Wqkv, 1) and norm_fusable(Wo, GpuStack([_matrix("Q4_K", 32, 4096)] * 2), 1)
+    assert not norm_fusable(Wo, Wqkv, 2)  # one sequence only
+    assert not norm_fusable(_matrix("F16", 4096, 4096), Wqkv, 1)
+    assert not norm_fusable(Wo, _matrix("F16", 6144, 4096), 1)
+    assert not norm_fusable(GpuStack([_matrix("Q4_0", 2048, 4096)] * 2), Wqkv, 1)
+    assert not norm_fusable(_matrix("Q4_0", 8192, 4096), _matrix("Q4_0", 8192, 8192), 1)  # wider than MV_NORM_MAX
+    monkeypatch.setenv("INGOT_FUSED_NORM", "0")
+    assert not norm_fusable(Wo, Wqkv, 1)
+    monkeypatch.setenv("INGOT_FUSED_NORM", "1")
+    monkeypatch.setenv("INGOT_MATVEC_B1", "0")
+    assert not norm_fusable(Wo, Wqkv, 1)
 
 
 @pytest.mark.parametrize("mode", [constants.MODE_SWIGLU, constants.MODE_GEGLU])

@@ -20,7 +20,7 @@ from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
 from ingot.runtime.gpu.driver import Copy, DeviceBuffer, Kernel, Launch
-from ingot.runtime.gpu.kernels import GpuMatrix, Kernels, SplitK, decode_gemm_min_batch, mark_pdl
+from ingot.runtime.gpu.kernels import GpuMatrix, Kernels, NormedQ8, SplitK, decode_gemm_min_batch, mark_pdl
 from ingot.runtime.model.architectures import ARCHITECTURES, Architecture
 from ingot.runtime.model.gguf import Model, QTensor, expected_shapes
 from ingot.runtime.model.quants import QUANT_TYPES
@@ -52,6 +52,7 @@ class _Recorder(Kernels):
         self.matmul_mma = True  # ... and the pipelined mma.sync GEMMs (matmul2_*)
         self.matmul_frag = True  # ... Q4_0 / Q4_1 into the mma fragments (matmul2r_*)
         self.split_k_cluster = True  # ... on sm_90+: split-K slices summed in thread-block clusters
+        self.norm_smem = dict.fromkeys(QUANT_TYPES, 0)  # matvec_<type>_b1n's dynamic shared memory
         self.calls: list[tuple[str, tuple, dict]] = []
 
     def _record(name):  # noqa: N805 - a decorator factory used in the class body
@@ -63,6 +64,7 @@ class _Recorder(Kernels):
 
     embed = _record("embed")
     matvec = _record("matvec")
+    matvec_norm = _record("matvec_norm")
     matmul = _record("matmul")
     attn_decode = _record("attn_decode")
     attn_prefill = _record("attn_prefill")
@@ -102,7 +104,8 @@ def _matrix(pool: _Pool, qtype: str, rows: int, cols: int, cls=GpuMatrix) -> Gpu
 
 
 BUFFERS = (
-    "x xf xq xd qkv att h xh gu o logits_buf part_acc part_ml counters sample_chunks out_tokens px pxh pqkv pgu po"
+    "x xf xq xd nq nd nss qkv att h xh gu o logits_buf part_acc part_ml counters sample_chunks out_tokens"
+    " px pxh pqkv pgu po"
 ).split()
 
 
@@ -216,6 +219,44 @@ def test_llama_launch_counts_are_unchanged():
     ]
 
 
+def test_one_sequence_fuses_each_pre_norm_into_the_residual_projection_before_it(monkeypatch):
+    """Single-stream decode (cuda/matvec.cu, the fused norm): every residual projection but none of the others is a
+    matvec_<type>_b1n carrying the next norm's weights (the next layer's attn_norm, the layer's ffn_norm, the
+    output norm), and the products after them (qkv, gate/up, head) read its NormedQ8: 6 launches a layer instead
+    of 8, one rmsnorm_f32 left (after the embedding). INGOT_FUSED_NORM=0 gives back the 8."""
+    c = config_of(SHAPES["tiny-k"])
+    e = plan_engine(c)
+    names = kernel_names(e._decode_launches(1))
+    layer = ["matvec_q8_0_b1", "attn_decode_tile_f16", "matvec_q8_0_b1n", "matvec_q8_0_b1", "quantize_q8x2"]
+    layer += ["matvec_q8_0_b1n"]
+    assert names == ["embed_q8_0", "rmsnorm_f32", *layer * c.n_layers, "matvec_q8_0_b1", "sample_f32"]
+    L = e.w.layers
+    fused = e.k.of("matvec_norm")
+    assert [args[0] for args, _ in fused] == [W for lw in L for W in (lw.wo, lw.wdown)]
+    following = [w for i, lw in enumerate(L) for w in (lw.ffn_norm, L[i + 1].attn_norm if i + 1 < len(L) else None)]
+    following[-1] = e.w.out_norm
+    assert [args[3] for args, _ in fused] == following
+    out = NormedQ8(e.nq.ptr, e.nd.ptr, e.nss.ptr, c.norm_eps)
+    assert all(args[2] == e.x.ptr and args[4] == out for args, _ in fused)
+    readers = [args[1] for args, _ in e.k.of("matvec") if isinstance(args[1], NormedQ8)]
+    assert readers == [out] * (2 * c.n_layers)  # gate/up of every layer, qkv of every layer but the first, head
+    monkeypatch.setenv("INGOT_FUSED_NORM", "0")
+    assert kernel_names(e._decode_launches(1)).count("rmsnorm_f32") == 2 * c.n_layers + 1
+
+
+@pytest.mark.parametrize(
+    "shape,qtype,why",
+    [("tiny-gemma3", "Q8_0", "post-norms"), ("tiny-qwen3", "F16", "F16 weights")],
+)
+def test_no_fused_norm_where_it_does_not_apply(shape, qtype, why):
+    """Post-norm blocks add through add_rmsnorm_f32 (the norm's input is the projection, not x); F16 matrices read
+    fp32 activations; neither has a matvec_<type>_b1n. (Wider than MV_NORM_MAX: norm_fusable, test_gpu_layouts.)"""
+    c = config_of(SHAPES[shape])
+    e = plan_engine(c, qtype=qtype)
+    names = kernel_names(e._decode_launches(1))
+    assert not [n for n in names if n.endswith("_b1n")], why
+
+
 @pytest.mark.parametrize("arch", sorted(SHAPE_OF))
 @pytest.mark.parametrize("path", ["decode", "wide", "prefill"])
 def test_block_follows_the_architecture(arch, path):
@@ -326,7 +367,9 @@ def _pointers(work) -> set[int]:
 
 # What the decode step owns: a prefill pass's layers run on a second stream beside the decode graph
 # (INGOT_PREFILL_STREAM), so they may touch none of it; its head waits for the decode's readback.
-DECODE_OWNED = "x xf xq xd qkv att h xh gu o logits_buf part_acc part_ml counters sample_chunks out_tokens".split()
+DECODE_OWNED = (
+    "x xf xq xd nq nd nss qkv att h xh gu o logits_buf part_acc part_ml counters sample_chunks out_tokens".split()
+)
 
 
 @pytest.mark.parametrize("shape", ["tiny-k", "tiny-gemma3", "tiny-qwen3"])

@@ -41,7 +41,7 @@ def _waits_first(first: str) -> bool:
 
 # `extern "C" __global__ void [__launch_bounds__(..)] name(` or, inside a #define, `prefix_##NAME(`
 _DEFINITION = re.compile(
-    r"__global__\s+void[\s\\]+(?:(?:(?:__launch_bounds__|MV_BOUNDS)\([^)]*\)|MATMUL_BOUNDS)[\s\\]*)?"
+    r"__global__\s+void[\s\\]+(?:(?:(?:__launch_bounds__|MVN?_BOUNDS)\([^)]*\)|MATMUL_BOUNDS)[\s\\]*)?"
     r"(\w+?)(##NAME(?:##(\w+))?)?\s*\("
 )
 

@@ -44,7 +44,15 @@ from ingot.runtime.engines.base import FROM_DEVICE, PrefillChunk
 from ingot.runtime.engines.cuda_weights import LayerWeights, upload_weights
 from ingot.runtime.engines.kvcache import PagePool, PrefixChain
 from ingot.runtime.errors import IncompatibleError, IngotError, UsageError
-from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU, PAGE, WEIGHT_LAYOUT
+from ingot.runtime.gpu.constants import (
+    MATVEC_NORM_MAX,
+    MODE_ADD,
+    MODE_GEGLU,
+    MODE_STORE,
+    MODE_SWIGLU,
+    PAGE,
+    WEIGHT_LAYOUT,
+)
 from ingot.runtime.gpu.driver import (
     Copy,
     Device,
@@ -61,9 +69,11 @@ from ingot.runtime.gpu.kernels import (
     GQA_MAX,
     HEAD_DIMS,
     Kernels,
+    NormedQ8,
     SplitK,
     decode_gemm_min_batch,
     kernel_images,
+    norm_fusable,
     sample_chunk_bytes,
 )
 from ingot.runtime.model.architectures import ARCHITECTURES
@@ -294,7 +304,8 @@ class _Ops:
         )
 
 
-Act = int | tuple[int, int]  # an activation as a matrix product reads it: fp32/fp16 pointer, or q8x2 (xq, xd)
+# an activation as a matrix product reads it: fp32/fp16 pointer, q8x2 (xq, xd), or q8x2 with its norm's scale to come
+Act = int | tuple[int, int] | NormedQ8
 Norm = tuple[DeviceBuffer, Any]  # an RMSNorm's weights, and the matrix its output feeds
 
 
@@ -327,6 +338,16 @@ class _MatvecOps(_Ops):
 
     def project(self, W, xin: Act, mode: int) -> None:
         self.L += self.k.matvec(W, xin, self.x if mode == MODE_ADD else self.o, self.n, ldy=self.c.dim, mode=mode)
+
+    def residual(self, W, xin: Act, post_norm: DeviceBuffer | None, then: Norm | None) -> Act | None:
+        """One sequence, pre-norm: x += W · xin with the next norm in the same launch (matvec_<type>_b1n); the
+        product reading it applies the norm's scale (NormedQ8). Otherwise as _Ops."""
+        if post_norm is None and then is not None and norm_fusable(W, then[1], self.n):
+            e = self.e
+            out = NormedQ8(e.nq.ptr, e.nd.ptr, e.nss.ptr, self.c.norm_eps)
+            self.L.append(self.k.matvec_norm(W, xin, self.x, then[0], out))
+            return out
+        return super().residual(W, xin, post_norm, then)
 
     def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
         e, F = self.e, self.c.ffn_dim
@@ -652,6 +673,11 @@ class CudaEngine:
         self.xh = a(2 * B * widest, "x fp16 (wide-batch decode)")
         self.gu = a(4 * B * 2 * F, "gate/up (wide-batch decode; batch decode of unevenly quantized gate/up)")
         self.o = a(4 * B * D, "projection out (post-norm architectures)")
+        # single-sequence decode's fused norms (matvec_<type>_b1n): their q8x2 output, apart from xq/xd, which the
+        # projection writing it reads; the partial sums zero past D/32 (the reader loads whole float4s)
+        self.nq, self.nd = a(2 * D, "fused norm q8x2"), a(16 * D // 32, "fused norm q8x2 scales")
+        self.nss = a(4 * max(D, MATVEC_NORM_MAX) // 32, "fused norm partial sums of squares")
+        self.stream.memset(self.nss.ptr, 0, self.nss.nbytes)
         self.logits_buf = a(4 * B * V, "logits")
         self.split_room = self.k.attn_decode_split_room(B, c)  # partials [b, H, splits(b), hd] for any b <= B
         self.part_acc = a(4 * self.split_room * c.n_heads * c.head_dim, "attention partials")

@@ -22,6 +22,8 @@ SHARED: dict[str, tuple[int, str]] = {
     "PDL_LATE": (2, "matvec `pdl` flag: let the next kernel launch only after this one's main loop"),
     "MV_WARPS": (4, "warps per matvec block (2 rows each; 1 row pair each in the gated modes)"),
     "MV_COLS": (4, "batch columns (sequences) per matvec block"),
+    "MVN_WARPS": (16, "warps per matvec_<type>_b1n block: 32 rows, one q8x2 block of the fused norm's output"),
+    "MV_NORM_MAX": (4096, "widest row a fused norm's consumer (matvec_<type>_b1) sums: a float4 of partials a lane"),
     "MATMUL_BM": (64, "matmul tile rows (tokens)"),
     "MATMUL_BN": (64, "matmul tile columns (output features)"),
     "MATMUL2_BN": (128, "pipelined mma matmul (matmul2_*): tile columns (output features)"),
@@ -48,6 +50,9 @@ GATED_MODES = (MODE_SWIGLU, MODE_GEGLU)
 PDL_PREFETCH, PDL_LATE = SHARED["PDL_PREFETCH"][0], SHARED["PDL_LATE"][0]
 MATVEC_COLS = SHARED["MV_COLS"][0]
 MATVEC_ROWS_PER_BLOCK = 2 * SHARED["MV_WARPS"][0]
+MATVEC_NORM_WARPS = SHARED["MVN_WARPS"][0]
+assert 2 * MATVEC_NORM_WARPS == QK, "a matvec_<type>_b1n block's rows are one q8x2 block of the norm's output"
+MATVEC_NORM_MAX = SHARED["MV_NORM_MAX"][0]
 MATMUL_TILE = SHARED["MATMUL_BM"][0]
 assert SHARED["MATMUL_BM"][0] == SHARED["MATMUL_BN"][0], "kernels.py sizes matmul grids with one square tile"
 MATMUL2_BN = SHARED["MATMUL2_BN"][0]
@@ -75,7 +80,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 8  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 9  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -86,6 +91,7 @@ KERNEL_ABI = 8  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token
 # them through distributed shared memory
 # 7: attn_prefill_mma_varlen_f16{,_hd256}: a prefill pass's sequences in one attention launch
 # 8: v8 decode attention merges up to MAX_SPLITS = 64 splits (v7's stays at 32: the host caps its grid)
+# 9: matvec_<type>_b1n (a residual projection with the next RMSNorm fused) and matvec_<type>_b1's (ss, eps)
 
 
 def header() -> str:

@@ -13,6 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +33,8 @@ from ingot.runtime.gpu.constants import (
     MATMUL2R_STAGES,
     MATMUL_TILE,
     MATVEC_COLS,
+    MATVEC_NORM_MAX,
+    MATVEC_NORM_WARPS,
     MATVEC_ROWS_PER_BLOCK,
     MAX_SPLITS,
     MODE_STORE,
@@ -111,6 +114,7 @@ PDL_KERNELS = frozenset(
         *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in MATMUL2_TILE_ROWS),
         *(f"matmul2r_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2R_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
+        *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
         "convert_f32_f16",
@@ -593,6 +597,33 @@ def matvec_kernel(qtype: str, ncols: int) -> str:
     return f"matvec_{qtype.lower()}{'_b1' if one else ''}"
 
 
+class NormedQ8(NamedTuple):
+    """A q8x2 activation whose RMSNorm scale is still to come (cuda/matvec.cu, the fused norm): q8x2(x * w) and
+    ss, the sums of squares of x's 32-value blocks, as matvec_<type>_b1n writes them. The one-column matvec that
+    reads it multiplies its products by rsqrt(sum(ss) / cols + eps)."""
+
+    xq: int
+    xd: int
+    ss: int
+    eps: float
+
+
+def norm_fusable(W: GpuMatrix | GpuStack, W_next: GpuMatrix | GpuStack, ncols: int) -> bool:
+    """Whether the residual projection x += W · a and the norm after it, read by W_next, run as one
+    matvec_<type>_b1n (cuda/matvec.cu): one sequence through the one-column kernels, W one quantized matrix, W_next
+    quantized (so W's rows, its columns, come in whole blocks of 32) and at most MATVEC_NORM_MAX wide;
+    INGOT_FUSED_NORM=0: never."""
+    return (
+        settings.FUSED_NORM.get()
+        and ncols == 1
+        and settings.MATVEC_B1.get()
+        and len(W.parts) == 1
+        and W.quantized
+        and W_next.quantized
+        and W_next.cols == W.rows <= MATVEC_NORM_MAX
+    )
+
+
 PDL_LATE_MIN_BYTES = 4 << 20  # INGOT_PDL_TRIGGER=auto: matvecs reading this much trigger after their main loop
 
 
@@ -715,12 +746,27 @@ class Kernels:
         # mma: 99 KiB); one opt-in per head size this GPU can hold.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
         mark_pdl(self.k, device.info.cc)
+        # matvec_<type>_b1n launched with PDL: its blocks are placed while the kernel before it drains, and where
+        # the registers let two of them share an SM some SMs took two and others none (the 8B's tg128 380 tok/s
+        # against 420 at one an SM: cuda/PERF.md v21). Just over half an SM's shared memory keeps them one to an SM.
+        self.norm_smem = {q: self._one_block_an_sm(f"matvec_{q.lower()}_b1n") for q in GPU_QTYPES if q != "F16"}
         for hd in self.prefill_head_dims:
             self.k[self._prefill_kernel(hd)].allow_dynamic_smem(self.prefill_bytes(hd))
             if self.prefill_mma:  # the several-sequence launch of the same kernel (attn_prefill_varlen)
                 self.k[self._attn_kernel("attn_prefill_mma_varlen_f16", hd)].allow_dynamic_smem(self.prefill_bytes(hd))
         # the staged logits share the block's shared memory with the kernel's own static arrays
         self.sample_smem_limit = device.info.max_smem_optin - self.k["sample_f32"].static_smem
+
+    def _one_block_an_sm(self, name: str) -> int:
+        """Dynamic shared memory for the kernel `name` (MATVEC_NORM_WARPS warps a block) that leaves room for one of
+        its blocks per SM when it is launched with PDL (0 without PDL, or when the occupancy calculator says even
+        that allows two)."""
+        kernel, threads = self.k[name], 32 * MATVEC_NORM_WARPS
+        smem = self.device.info.max_smem_optin // 2 + 1
+        if not kernel.pdl:
+            return 0
+        kernel.allow_dynamic_smem(smem)
+        return smem if kernel.blocks_per_sm(threads, smem) == 1 else 0
 
     def close(self) -> None:
         for m in self.modules:
@@ -788,22 +834,33 @@ class Kernels:
         mode: int = MODE_STORE,
         bias: DeviceBuffer | None = None,
     ) -> list[Launch]:
-        """y[c, :] (op)= W · x[c, :] for c < ncols. x is (xq, xd) q8x2 for quantized W, fp32 for F16 W.
-        Gated modes (MODE_SWIGLU, MODE_GEGLU): W stacks [gate; up] in one matrix and y gets act(gate·x) * (up·x),
-        rows/2 outputs per column. A GpuStack gets one launch per part, writing its rows at the part's offset."""
+        """y[c, :] (op)= W · x[c, :] for c < ncols. x is (xq, xd) q8x2 for quantized W, fp32 for F16 W, or a
+        NormedQ8 (one column: the fused norm's output, norm_fusable). Gated modes (MODE_SWIGLU, MODE_GEGLU): W stacks
+        [gate; up] in one matrix and y gets act(gate·x) * (up·x), rows/2 outputs per column. A GpuStack gets one
+        launch per part, writing its rows at the part's offset."""
         if mode in GATED_MODES and len(W.parts) > 1:
             raise IncompatibleError(
                 f"a gated matvec needs [gate; up] in one matrix, got a stack of {[p.qtype for p in W.parts]}",
                 hint="run gate and up as MODE_STORE into one buffer, then the activation kernel",
+            )
+        normed = isinstance(x, NormedQ8)
+        if normed and not (ncols == 1 and settings.MATVEC_B1.get() and W.quantized and W.cols <= MATVEC_NORM_MAX):
+            raise IncompatibleError(
+                f"a pending norm's scale is applied by the one-column matvec of a quantized matrix at most "
+                f"{MATVEC_NORM_MAX} wide, not at {ncols} columns of {W.cols}",
+                hint="set INGOT_FUSED_NORM=0 (an engine bug: norm_fusable should have refused it)",
             )
         launches, offset = [], 0
         for part in W.parts:
             rows = part.rows // 2 if mode in GATED_MODES else part.rows
             per_block = MATVEC_ROWS_PER_BLOCK // 2 if mode in GATED_MODES else MATVEC_ROWS_PER_BLOCK
             grid = ((rows + per_block - 1) // per_block, (ncols + MATVEC_COLS - 1) // MATVEC_COLS)
-            xs = list(x) if part.quantized else [x]
+            xs = list(x[:2]) if part.quantized else [x]
             part_bias = None if bias is None else bias.at(4 * offset)
-            kernel = self.k[matvec_kernel(part.qtype, ncols)]
+            name = matvec_kernel(part.qtype, ncols)
+            kernel = self.k[name]
+            # the one-column kernel's fused-norm arguments: the partial sums (null: none) and eps
+            b1 = [x.ss, f32(x.eps)] if normed else [None, f32(0.0)]
             launches.append(
                 Launch(
                     kernel,
@@ -820,11 +877,23 @@ class Kernels:
                         i32(ldy),
                         i32(mode),
                         i32(matvec_pdl_flags(kernel.pdl, part)),
+                        *(b1 if name.endswith("_b1") else []),
                     ],
                 )
             )
             offset += part.rows
         return launches
+
+    def matvec_norm(
+        self, W: GpuMatrix, x, resid: int, w_next: DeviceBuffer, out: NormedQ8, bias: DeviceBuffer | None = None
+    ) -> Launch:
+        """resid[:] += W · x (one column, x q8x2), then the next norm's input as `out` reads it: q8x2(resid * w_next)
+        into (out.xq, out.xd) and the sums of squares of resid's 32-value blocks into out.ss (matvec_<type>_b1n,
+        one block of MATVEC_NORM_WARPS warps per 32 rows). Only where norm_fusable said so."""
+        kernel = self.k[f"matvec_{W.qtype.lower()}_b1n"]
+        args = [*W.args(), *x, bias, resid, i32(W.rows), i32(W.cols), w_next, out.xq, out.xd, out.ss]
+        args.append(i32(matvec_pdl_flags(kernel.pdl, W)))
+        return Launch(kernel, (W.rows // QK,), 32 * MATVEC_NORM_WARPS, args, smem=self.norm_smem[W.qtype])
 
     def quantize(self, x: int, xq: int, xd: int, n_values: int) -> Launch:
         """x fp32 [n_values] -> q8x2: xq int8 [2 * n_values], xd float4 [n_values / 32] (cuda/common.cuh)."""

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from numerics import fp16_budget, fp16_operands, fp16_run_failure, rel_err
+from numerics import Q8X2_TOL, fp16_budget, fp16_operands, fp16_run_failure, rel_err
 from tiny_models import VARIANTS, write_model
 
 from ingot.runtime import settings
 from ingot.runtime.engines.base import PrefillChunk
 from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.gpu.kernels import norm_fusable
 from ingot.runtime.model.gguf import load_model
 from ingot.runtime.sampling import SamplingParams
 from ingot.runtime.structured import mask_of
@@ -146,6 +147,39 @@ def test_greedy_generation_matches_cpu(engines):
             eng.release(s)
             outs.append(seq)
         assert outs[0] == outs[1], f"prompt {i}: CPU {outs[0]} vs GPU {outs[1]}"
+
+
+def test_fused_norm_matches_the_norm_kernel(engines, monkeypatch):
+    """One sequence's decode fuses each pre-norm into the residual projection before it (matvec_<type>_b1n, where
+    the block has pre-norms); an engine started with INGOT_FUSED_NORM=0 runs rmsnorm_f32 instead. Both quantize
+    the normed activation to q8x2 (of x * w, or of x * w * scale: the same levels but for rounding at the
+    boundaries) and sum its squares in different orders, so 16 steps' logits agree within Q8X2_TOL, what one
+    q8x2 path keeps from fp32; a wrong partial sum or row block is off by order 1. Tiny models only (a second
+    engine of a real one doubles its memory)."""
+    from ingot.runtime.engines.cuda import CudaEngine
+
+    model, _, gpu = engines
+    if gpu.strict:
+        pytest.skip("tiny models only")
+    monkeypatch.setenv("INGOT_FUSED_NORM", "0")
+    plain = CudaEngine(model, max_seqs=1, max_ctx=512)
+    try:
+        tokens = _prompt(model, 40, seed=7)
+        feed = _prompt(model, 16, seed=8)
+        outs = []
+        for eng in (gpu, plain):
+            s = eng.new_sequence(SamplingParams())
+            eng.prefill(s, tokens)
+            outs.append(np.stack([eng.decode_logits([s], [t])[0] for t in feed]))
+            eng.release(s)
+        fused = [w.kernel.name for w in gpu._decode_launches(1) if w.kernel.name.endswith("_b1n")]
+        lw = gpu.w.layers[0]  # pre-norm blocks of quantized matrices (not the F16 variants)
+        assert bool(fused) == (not model.config.block.post_norms and norm_fusable(lw.wo, lw.wgu, 1)), fused
+        assert not [w for w in plain._decode_launches(1) if w.kernel.name.endswith("_b1n")]
+        for step, (a, b) in enumerate(zip(*outs, strict=True)):
+            assert rel_err(a, b) < Q8X2_TOL, f"step {step}: {rel_err(a, b):.2e}"
+    finally:
+        plain.close()
 
 
 def test_batched_decode_equals_single(engines):

@@ -28,6 +28,7 @@ from ingot.runtime.gpu.kernels import (
     SUPERBLOCK_TYPES,
     GpuMatrix,
     GpuStack,
+    NormedQ8,
     i32,
     matmul2_smem,
     matmul2r_smem,
@@ -235,6 +236,12 @@ def test_matvec_store_with_bias(gpu, rng, qtype, rows, cols, ncols):
     assert rel_err(gpu.get(y, np.float32, (ncols, rows)), x @ Wref.T + bias) < 1e-4
 
 
+def _silu(g):
+    """g * sigmoid(g), with the sigmoid as 0.5 * (1 + tanh(g / 2)): the same function, without exp(-g)'s overflow
+    (and its RuntimeWarning) for large negative g."""
+    return g * 0.5 * (1 + np.tanh(g / 2))
+
+
 def _gelu_tanh(g):
     return 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
 
@@ -247,7 +254,7 @@ def test_matvec_add_and_gated(gpu, rng, qtype, ncols):
     x = rng.standard_normal((ncols, cols)).astype(np.float32)
     xin, xref = _activation(gpu, W, x)
     g, u = xref @ Wref[:F].T, xref @ Wref[F:].T
-    for mode, act in ((K.MODE_SWIGLU, lambda g: g / (1 + np.exp(-g))), (K.MODE_GEGLU, _gelu_tanh)):
+    for mode, act in ((K.MODE_SWIGLU, _silu), (K.MODE_GEGLU, _gelu_tanh)):
         h = gpu.empty(4 * ncols * F)
         _run_steps(gpu, gpu.k.matvec(W, xin, h.ptr, ncols, ldy=F, mode=mode))
         # 1e-4: the product's ~1e-5 error passes through the activation's slope and the fp32 exp/tanh
@@ -289,6 +296,79 @@ def test_matvec_one_column_kernel_matches_the_any_column_kernel(gpu, rng, monkey
     for mode in modes:
         assert np.isfinite(outs["1", mode]).all(), mode  # every output written (the buffers start as NaN)
         assert rel_err(outs["1", mode], outs["0", mode]) < 1e-6, mode
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+@pytest.mark.parametrize("rows,cols", [(32, 256), (96, 768), (4064, 4096), (544, 14336)])
+def test_matvec_norm_adds_the_residual_and_writes_the_next_norm_input(gpu, rng, qtype, rows, cols):
+    """matvec_<type>_b1n (cuda/matvec.cu, the fused norm): x += W·a (+ bias) at one column, then per 32 rows the
+    q8x2 of x * w_next and the sum of x's squares. The residual is matched to the product's 1e-5 (as MODE_ADD);
+    the q8x2 codes exactly against the numpy emulation applied to the kernel's own new x (the same fp32 product
+    x * w, then warp_quantize_q8x2's operations); the sums to fp32 summation order (1e-6)."""
+    cols = width(qtype, cols)
+    W, Wref = make_weight(gpu, rng, qtype, rows, cols)
+    a = rng.standard_normal((1, cols)).astype(np.float32)
+    ain, aref = _activation(gpu, W, a)
+    resid = (rng.standard_normal(rows) * 3).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    w_next = rng.uniform(0.5, 1.5, rows).astype(np.float32)
+    x = gpu.put(resid)
+    out = NormedQ8(gpu.empty(2 * rows).ptr, gpu.empty(16 * rows // 32).ptr, gpu.empty(4 * rows // 32).ptr, 1e-5)
+    launch = gpu.k.matvec_norm(W, ain, x.ptr, gpu.put(w_next), out, bias=gpu.put(bias))
+    assert launch.kernel.name == f"matvec_{qtype.lower()}_b1n"
+    gpu.run(launch)
+    got = gpu.get(x, np.float32, (rows,))
+    assert rel_err(got, resid + (aref @ Wref.T)[0] + bias) < 1e-5
+    q_ref, d_ref = q8x2(got * w_next)
+    q, d = gpu.get(out.xq, np.int8, (rows // 32, 64)), gpu.get(out.xd, np.float32, (rows // 32, 4))
+    assert np.array_equal(q, q_ref)
+    assert np.allclose(d[:, :2], d_ref[:, :2], rtol=1e-6) and np.allclose(d[:, 2:], d_ref[:, 2:], rtol=1e-5, atol=1e-6)
+    ss = gpu.get(out.ss, np.float32, (rows // 32,))
+    ss_ref = (got.astype(np.float64).reshape(-1, 32) ** 2).sum(axis=1)
+    assert np.allclose(ss, ss_ref, rtol=1e-6)
+
+
+def test_matvec_norm_runs_one_block_an_sm_under_pdl(gpu):
+    """Launched with PDL, matvec_<type>_b1n asks for just over half an SM's shared memory, so that the occupancy
+    calculator (and so the block scheduler) puts at most one of its blocks on an SM (Kernels._one_block_an_sm:
+    two on some SMs and none on others cost the 8B 10%); without PDL it asks for none."""
+    threads = 32 * K.MATVEC_NORM_WARPS
+    for q in QUANTIZED:
+        kernel, smem = gpu.k.k[f"matvec_{q.lower()}_b1n"], gpu.k.norm_smem[q]
+        if kernel.pdl:
+            assert smem > 0 and kernel.blocks_per_sm(threads, smem) == 1, q
+        else:
+            assert smem == 0, q
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+@pytest.mark.parametrize("rows,cols", [(37, 64), (203, 576), (101, 4096)])
+def test_one_column_matvec_applies_a_pending_norm(gpu, rng, qtype, rows, cols):
+    """matvec_<type>_b1 reading a NormedQ8: q8x2(x * w) and x's per-block sums of squares, the product scaled by
+    rsqrt(mean(x^2) + eps) before the bias and the activation, in every mode. Against rmsnorm(x) * w in float64
+    through the same weights: 1e-4, the q8x2 activation's budget against fp32 (test_matvec_store_with_bias)."""
+    cols = width(qtype, cols)
+    eps = float(rng.uniform(0.5, 2.0))  # of the order of mean(x^2): a wrong or missing eps shows
+    x = rng.standard_normal(cols).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    xq, xd = q8x2(x * w)
+    ss = np.zeros(K.SHARED["MV_NORM_MAX"][0] // 32, np.float32)  # zero past cols / 32, as the engine's buffer
+    ss[: cols // 32] = (x.astype(np.float64).reshape(-1, 32) ** 2).sum(axis=1)
+    xin = NormedQ8(gpu.put(xq).ptr, gpu.put(xd).ptr, gpu.put(ss).ptr, eps)
+    h = (x / np.sqrt((x.astype(np.float64) ** 2).mean() + eps) * w)[None, :]
+    Ws, Wsref = make_weight(gpu, rng, qtype, rows, cols)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    y = gpu.empty(4 * rows)
+    _run_steps(gpu, gpu.k.matvec(Ws, xin, y.ptr, 1, ldy=rows, bias=gpu.put(bias)))
+    assert rel_err(gpu.get(y, np.float32, (rows,)), (h @ Wsref.T)[0] + bias) < 1e-4
+    Wg, Wgref = make_weight(gpu, rng, qtype, 2 * rows, cols)
+    g, u = (h @ Wgref[:rows].T)[0], (h @ Wgref[rows:].T)[0]
+    for mode, act in ((K.MODE_SWIGLU, _silu), (K.MODE_GEGLU, _gelu_tanh)):
+        out = gpu.empty(4 * rows)
+        launches = gpu.k.matvec(Wg, xin, out.ptr, 1, ldy=rows, mode=mode)
+        assert [launch.kernel.name for launch in launches] == [f"matvec_{qtype.lower()}_b1"]
+        _run_steps(gpu, launches)
+        assert rel_err(gpu.get(out, np.float32, (rows,)), act(g) * u) < 1e-4, mode
 
 
 def _stack(gpu, rng, qtypes, rows, cols):
@@ -666,7 +746,7 @@ def test_swiglu(gpu, rng):
     h = gpu.empty(2 * n * F)
     gpu.run(gpu.k.swiglu(gpu.put(gu).ptr, h.ptr, F, n))
     g, u = gu[:, :F].astype(np.float64), gu[:, F:]
-    assert rel_err(gpu.get(h, np.float16, (n, F)), g / (1 + np.exp(-g)) * u) < 1e-3
+    assert rel_err(gpu.get(h, np.float16, (n, F)), _silu(g) * u) < 1e-3
 
 
 class _Sampler:
