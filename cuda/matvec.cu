@@ -29,9 +29,6 @@
 //                      scale, a scalar per row, taken out of the dot. Each lane loads one float4 of the cols / 32
 //                      partials before the main loop (so cols <= MV_NORM_MAX) and every warp sums them in the same
 //                      order (warp_sum's butterfly), so all rows get the same bits.
-//   matvec_<type>_b1q  the gated product (MODE_SWIGLU / MODE_GEGLU) at one column whose output only the down
-//                      projection reads, as q8x2: one output per warp, QK warps a block, so a block's outputs are
-//                      one q8x2 block, written there (no fp32 h, no quantize_q8x2 launch after it).
 #include "weights.cuh"   // XBlock, dot helpers and the generic weight structs of the soa-v2 types
 
 struct Q4_0W {
@@ -257,29 +254,6 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
     }
 }
 
-// matvec_<type>_b1q's body: act(g) * u for the QK outputs of this block (rows % QK == 0; ss, eps: a pending
-// norm as matvec_q's), quantized to q8x2 block blockIdx.x of (yq, yd).
-template <typename W>
-__device__ __forceinline__ void matvec_q_gated_q8(const W& w, const int8_t* __restrict__ xq,
-                                                  const float4* __restrict__ xd, int rows, int cols, int mode,
-                                                  int pdl, const float4* __restrict__ ss, float eps,
-                                                  int8_t* __restrict__ yq, float4* __restrict__ yd) {
-    __shared__ float sh[QK];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    long long r[2], out_row; bool ok[2];
-    warp_rows(mode, rows, r, ok, &out_row);   // gate row out_row, up row out_row + rows: both there
-    float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (ss && lane * 4 < cols / QK) sv = ss[lane];
-    float acc[2][1] = {};
-    dot_rows<W, 1>(w, xq, xd, cols, 0, r, ok, acc);
-    if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
-    const float scale = ss ? rsqrtf(warp_sum((sv.x + sv.y) + (sv.z + sv.w)) / cols + eps) : 1.0f;
-    const float g = warp_sum(acc[0][0]) * scale, u = warp_sum(acc[1][0]) * scale;   // write_out's gated modes
-    if (lane == 0) sh[warp] = (mode == MODE_SWIGLU ? silu(g) : gelu_tanh(g)) * u;
-    __syncthreads();
-    if (warp == 0) warp_quantize_q8x2(sh[lane], yq + (size_t)blockIdx.x * 2 * QK, yd + blockIdx.x);
-}
-
 // Q4_0, Q4_1 and Q8_0 take the same loop as the weights.cuh types: X(name, struct, parameters, initializers).
 #define Q4_0_PARAMS const uint8_t* qs, const __half* d
 #define Q4_1_PARAMS const uint8_t* qs, const __half* d, const __half* m
@@ -338,13 +312,6 @@ __device__ __forceinline__ void matvec_q_gated_q8(const W& w, const int8_t* __re
         INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, MODE_ADD));     \
         if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
         matvec_q_norm<WT>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, x, rows, cols, w_next, yq, yd, ss, pdl);     \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(QK * WARP)                                                      \
-    matvec_##NAME##_b1q(PARAMS, const int8_t* xq, const float4* xd, int rows, int cols, int mode, int pdl,       \
-                        const float4* ss, float eps, int8_t* yq, float4* yd) {                                   \
-        INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, mode));         \
-        if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
-        matvec_q_gated_q8<WT>(WT{__VA_ARGS__, cols / QK}, xq, xd, rows, cols, mode, pdl, ss, eps, yq, yd);       \
     }
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 #undef MATVEC_KERNELS

@@ -141,14 +141,6 @@ FUSED_NORM = Setting(
     "Single-sequence decode fuses each pre-norm into the residual projection before it (matvec_<type>_b1n);"
     " 0 launches rmsnorm_f32 instead.",
 )
-FUSED_ACT = Setting(
-    "INGOT_FUSED_ACT",
-    True,
-    _flag,
-    "1 or 0",
-    "With the fused norm, the gate/up product writes the FFN activation as the down projection's q8x2"
-    " (matvec_<type>_b1q); 0 launches quantize_q8x2 after it.",
-)
 KV_FRACTION = Setting(
     "INGOT_KV_FRACTION",
     0.5,
@@ -348,7 +340,6 @@ ALL: tuple[Setting, ...] = (
     DECODE_ATTN,
     MATVEC_B1,
     FUSED_NORM,
-    FUSED_ACT,
     KV_FRACTION,
     PREFIX_CACHE,
     ATTN_PREFILL,

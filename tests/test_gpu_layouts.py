@@ -40,7 +40,6 @@ from ingot.runtime.gpu.kernels import (
     NormedQ8,
     SplitK,
     _k_slices,
-    act_quant_fusable,
     image_cc,
     layout_bytes,
     matmul2_smem,
@@ -157,7 +156,6 @@ def _kernels(sm_count=132, mma=False, cluster=False):
         "matvec_{}",
         "matvec_{}_b1",
         "matvec_{}_b1n",
-        "matvec_{}_b1q",
         "matmul_{}",
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
     )
@@ -268,28 +266,6 @@ def test_matvec_norm_launches_a_block_per_32_rows():
     assert launch.grid[0] == 4096 // 32 and launch.block == 32 * constants.MATVEC_NORM_WARPS
     n = len(W.args())
     assert _ptr_args(launch)[n:] == [1, 2, 0, 100, 4096, 14336, 5000, 21, 22, 23, 0]  # ..., bias none, pdl flags
-
-
-def test_matvec_gated_q8_launches_a_block_per_32_outputs():
-    W = _matrix("Q4_1", 2 * 1536, 576)
-    launch = _kernels().matvec_gated_q8(W, NormedQ8(11, 12, 13, 0.5), constants.MODE_SWIGLU, 21, 22)
-    assert launch.kernel.name == "matvec_q4_1_b1q"
-    assert launch.grid[0] == 1536 // 32 and launch.block == 32 * 32  # a warp an output, a q8x2 block a block
-    n = len(W.args())
-    assert _ptr_args(launch)[n:] == [11, 12, 1536, 576, constants.MODE_SWIGLU, 0, 13, 0, 21, 22]
-    assert launch._held[-3] == np.float32(0.5)  # eps
-
-
-def test_act_quant_fusable_only_after_a_fused_norm_into_a_quantized_down(monkeypatch):
-    x = NormedQ8(1, 2, 3, 1e-5)
-    gu, down = _matrix("Q4_K", 2 * 14336, 4096), _matrix("Q6_K", 4096, 14336)
-    assert act_quant_fusable(gu, down, x)
-    assert not act_quant_fusable(gu, down, (1, 2))  # q8x2 from rmsnorm_f32: in the buffer the product would write
-    assert not act_quant_fusable(gu, _matrix("F16", 4096, 14336), x)
-    assert not act_quant_fusable(GpuStack([_matrix("Q4_K", 14336, 4096), _matrix("Q5_K", 14336, 4096)]), down, x)
-    assert not act_quant_fusable(_matrix("Q4_0", 2 * 48, 256), _matrix("Q4_0", 256, 64), x)  # 48 outputs
-    monkeypatch.setenv("INGOT_FUSED_ACT", "0")
-    assert not act_quant_fusable(gu, down, x)
 
 
 def test_norm_fusable_only_for_one_quantized_projection_into_a_quantized_product(monkeypatch):

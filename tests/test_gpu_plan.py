@@ -65,7 +65,6 @@ class _Recorder(Kernels):
     embed = _record("embed")
     matvec = _record("matvec")
     matvec_norm = _record("matvec_norm")
-    matvec_gated_q8 = _record("matvec_gated_q8")
     matmul = _record("matmul")
     attn_decode = _record("attn_decode")
     attn_prefill = _record("attn_prefill")
@@ -221,15 +220,15 @@ def test_llama_launch_counts_are_unchanged():
 
 
 def test_one_sequence_fuses_each_pre_norm_into_the_residual_projection_before_it(monkeypatch):
-    """Single-stream decode (cuda/matvec.cu, the fused epilogues): every residual projection but none of the others
-    is a matvec_<type>_b1n carrying the next norm's weights (the next layer's attn_norm, the layer's ffn_norm, the
-    output norm), and the products after them (qkv, gate/up, head) read its NormedQ8; the gate/up product writes
-    the activation as the q8x2 the down projection reads (matvec_<type>_b1q): 5 launches a layer instead of 8, one
-    rmsnorm_f32 left (after the embedding). INGOT_FUSED_ACT=0 brings back quantize_q8x2, INGOT_FUSED_NORM=0 all 8."""
+    """Single-stream decode (cuda/matvec.cu, the fused norm): every residual projection but none of the others is a
+    matvec_<type>_b1n carrying the next norm's weights (the next layer's attn_norm, the layer's ffn_norm, the
+    output norm), and the products after them (qkv, gate/up, head) read its NormedQ8: 6 launches a layer instead
+    of 8, one rmsnorm_f32 left (after the embedding). INGOT_FUSED_NORM=0 gives back the 8."""
     c = config_of(SHAPES["tiny-k"])
     e = plan_engine(c)
     names = kernel_names(e._decode_launches(1))
-    layer = ["matvec_q8_0_b1", "attn_decode_tile_f16", "matvec_q8_0_b1n", "matvec_q8_0_b1q", "matvec_q8_0_b1n"]
+    layer = ["matvec_q8_0_b1", "attn_decode_tile_f16", "matvec_q8_0_b1n", "matvec_q8_0_b1", "quantize_q8x2"]
+    layer += ["matvec_q8_0_b1n"]
     assert names == ["embed_q8_0", "rmsnorm_f32", *layer * c.n_layers, "matvec_q8_0_b1", "sample_f32"]
     L = e.w.layers
     fused = e.k.of("matvec_norm")
@@ -240,17 +239,9 @@ def test_one_sequence_fuses_each_pre_norm_into_the_residual_projection_before_it
     out = NormedQ8(e.nq.ptr, e.nd.ptr, e.nss.ptr, c.norm_eps)
     assert all(args[2] == e.x.ptr and args[4] == out for args, _ in fused)
     readers = [args[1] for args, _ in e.k.of("matvec") if isinstance(args[1], NormedQ8)]
-    assert readers == [out] * c.n_layers  # qkv of every layer but the first, and the head
-    gated = e.k.of("matvec_gated_q8")  # gate/up: the activation written as the down projection's q8x2
-    assert [(args[0], args[1], args[2:]) for args, _ in gated] == [
-        (lw.wgu, out, (MODE_SWIGLU, e.xq.ptr, e.xd.ptr)) for lw in L
-    ]  # ... into xq/xd, which nothing reads between the attention's o projection and the down projection
-    monkeypatch.setenv("INGOT_FUSED_ACT", "0")
-    names = kernel_names(e._decode_launches(1))
-    assert names.count("quantize_q8x2") == c.n_layers and "matvec_q8_0_b1q" not in names
-    monkeypatch.setenv("INGOT_FUSED_NORM", "0")  # no pending norm: nothing for the gated product to fuse either
-    names = kernel_names(e._decode_launches(1))
-    assert names.count("rmsnorm_f32") == 2 * c.n_layers + 1 and names.count("quantize_q8x2") == c.n_layers
+    assert readers == [out] * (2 * c.n_layers)  # gate/up of every layer, qkv of every layer but the first, head
+    monkeypatch.setenv("INGOT_FUSED_NORM", "0")
+    assert kernel_names(e._decode_launches(1)).count("rmsnorm_f32") == 2 * c.n_layers + 1
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,6 @@ from ingot.runtime.gpu.kernels import (
     Kernels,
     NormedQ8,
     SplitK,
-    act_quant_fusable,
     decode_gemm_min_batch,
     kernel_images,
     norm_fusable,
@@ -313,8 +312,7 @@ Norm = tuple[DeviceBuffer, Any]  # an RMSNorm's weights, and the matrix its outp
 class _MatvecOps(_Ops):
     """Batch decode (up to gemm_min_batch - 1 sequences): matrix-vector products on q8x2 (quantized weights) or
     fp32 (F16 weights) activations, SwiGLU/GEGLU fused into the gate/up product; the whole step is captured in
-    a CUDA graph. Llama: 8 launches per layer; 5 for one sequence, where each pre-norm is fused into the residual
-    projection before it and the FFN activation's q8x2 into the gate/up product (cuda/matvec.cu)."""
+    a CUDA graph. Llama: 8 launches per layer."""
 
     def __init__(self, e: CudaEngine, n: int, *, splits: int = 1, x: int | None = None):
         super().__init__(e, n, e.x, e.step.ptr["tokens"], x)
@@ -353,10 +351,6 @@ class _MatvecOps(_Ops):
 
     def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
         e, F = self.e, self.c.ffn_dim
-        if act_quant_fusable(wgu, wdown, xin):  # straight into the q8x2 the down projection reads
-            assert isinstance(xin, NormedQ8)
-            self.L.append(self.k.matvec_gated_q8(wgu, xin, ACTIVATION_MODES[activation], e.xq.ptr, e.xd.ptr))
-            return self._q8()
         if wgu.uniform:
             self.L += self.k.matvec(wgu, xin, e.h.ptr, self.n, ldy=F, mode=ACTIVATION_MODES[activation])
         else:  # gate and up in different quant types: no fused epilogue pairs their rows

@@ -80,7 +80,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 10  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 9  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -92,7 +92,6 @@ KERNEL_ABI = 10  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-toke
 # 7: attn_prefill_mma_varlen_f16{,_hd256}: a prefill pass's sequences in one attention launch
 # 8: v8 decode attention merges up to MAX_SPLITS = 64 splits (v7's stays at 32: the host caps its grid)
 # 9: matvec_<type>_b1n (a residual projection with the next RMSNorm fused) and matvec_<type>_b1's (ss, eps)
-# 10: matvec_<type>_b1q (the gated product written as q8x2)
 
 
 def header() -> str:

@@ -114,7 +114,7 @@ PDL_KERNELS = frozenset(
         *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in MATMUL2_TILE_ROWS),
         *(f"matmul2r_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2R_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
-        *(f"matvec_{q.lower()}_b1{f}" for q in GPU_QTYPES if q != "F16" for f in ("n", "q")),
+        *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
         "convert_f32_f16",
@@ -624,21 +624,6 @@ def norm_fusable(W: GpuMatrix | GpuStack, W_next: GpuMatrix | GpuStack, ncols: i
     )
 
 
-def act_quant_fusable(W_gu: GpuMatrix | GpuStack, W_down: GpuMatrix | GpuStack, x) -> bool:
-    """Whether the gated product act(gate · x) * (up · x) writes its output as the q8x2 that W_down reads, in one
-    matvec_<type>_b1q (cuda/matvec.cu): x the fused norm's output (NormedQ8: one sequence; its q8x2 is not in the
-    buffer the product writes), [gate; up] one quantized matrix with outputs in whole blocks of 32, W_down
-    quantized; INGOT_FUSED_ACT=0: never."""
-    return (
-        settings.FUSED_ACT.get()
-        and isinstance(x, NormedQ8)
-        and len(W_gu.parts) == 1
-        and W_gu.quantized
-        and (W_gu.rows // 2) % QK == 0
-        and W_down.quantized
-    )
-
-
 PDL_LATE_MIN_BYTES = 4 << 20  # INGOT_PDL_TRIGGER=auto: matvecs reading this much trigger after their main loop
 
 
@@ -909,13 +894,6 @@ class Kernels:
         args = [*W.args(), *x, bias, resid, i32(W.rows), i32(W.cols), w_next, out.xq, out.xd, out.ss]
         args.append(i32(matvec_pdl_flags(kernel.pdl, W)))
         return Launch(kernel, (W.rows // QK,), 32 * MATVEC_NORM_WARPS, args, smem=self.norm_smem[W.qtype])
-
-    def matvec_gated_q8(self, W: GpuMatrix, x: NormedQ8, mode: int, yq: int, yd: int) -> Launch:
-        """act(gate · x) * (up · x) for W = [gate; up] at one column, written as q8x2 (yq, yd) for the down projection
-        (matvec_<type>_b1q: QK warps a block, one output each). Only where act_quant_fusable said so."""
-        kernel, rows = self.k[f"matvec_{W.qtype.lower()}_b1q"], W.rows // 2
-        args = [*W.args(), x.xq, x.xd, i32(rows), i32(W.cols), i32(mode), i32(matvec_pdl_flags(kernel.pdl, W))]
-        return Launch(kernel, (rows // QK,), QK * 32, [*args, x.ss, f32(x.eps), yq, yd])
 
     def quantize(self, x: int, xq: int, xd: int, n_values: int) -> Launch:
         """x fp32 [n_values] -> q8x2: xq int8 [2 * n_values], xd float4 [n_values / 32] (cuda/common.cuh)."""

@@ -371,38 +371,6 @@ def test_one_column_matvec_applies_a_pending_norm(gpu, rng, qtype, rows, cols):
         assert rel_err(gpu.get(out, np.float32, (rows,)), act(g) * u) < 1e-4, mode
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED)
-@pytest.mark.parametrize("rows,cols", [(96, 256), (1536, 576), (1440, 4096)])
-def test_gated_matvec_writes_the_down_projections_q8x2(gpu, rng, qtype, rows, cols):
-    """matvec_<type>_b1q: act(gate · x) * (up · x) of a pending norm's input (NormedQ8), rows outputs in blocks of
-    32 written as q8x2, in both gated modes. Its fp32 values are matvec_<type>_b1's (the same loop, scale and
-    activation), so its codes dequantize to q8x2 of that kernel's output within 1e-6 (ptxas may contract a mul
-    and add differently; a level off by one at a rounding boundary is ~1e-7 of the norm); and to the float64
-    reference within 1e-4 (the input's q8x2 budget, as test_one_column_matvec_applies_a_pending_norm)."""
-    cols = width(qtype, cols)
-    eps = float(rng.uniform(0.5, 2.0))
-    x = rng.standard_normal(cols).astype(np.float32)
-    w = rng.uniform(0.5, 1.5, cols).astype(np.float32)
-    xq, xd = q8x2(x * w)
-    ss = np.zeros(K.SHARED["MV_NORM_MAX"][0] // 32, np.float32)
-    ss[: cols // 32] = (x.astype(np.float64).reshape(-1, 32) ** 2).sum(axis=1)
-    xin = NormedQ8(gpu.put(xq).ptr, gpu.put(xd).ptr, gpu.put(ss).ptr, eps)
-    h = (x / np.sqrt((x.astype(np.float64) ** 2).mean() + eps) * w)[None, :]
-    Wg, Wgref = make_weight(gpu, rng, qtype, 2 * rows, cols)
-    g, u = (h @ Wgref[:rows].T)[0], (h @ Wgref[rows:].T)[0]
-    for mode, act in ((K.MODE_SWIGLU, _silu), (K.MODE_GEGLU, _gelu_tanh)):
-        yq, yd = gpu.empty(2 * rows), gpu.empty(16 * rows // 32)
-        launch = gpu.k.matvec_gated_q8(Wg, xin, mode, yq.ptr, yd.ptr)
-        assert launch.kernel.name == f"matvec_{qtype.lower()}_b1q"
-        gpu.run(launch)
-        got = dequant_q8x2(gpu.get(yq, np.int8, (rows // 32, 64)), gpu.get(yd, np.float32, (rows // 32, 4))).ravel()
-        f32 = gpu.empty(4 * rows)
-        _run_steps(gpu, gpu.k.matvec(Wg, xin, f32.ptr, 1, ldy=rows, mode=mode))
-        same = dequant_q8x2(*q8x2(gpu.get(f32, np.float32, (rows,)))).ravel()
-        assert rel_err(got, same) < 1e-6, mode
-        assert rel_err(got, act(g) * u) < 1e-4, mode
-
-
 def _stack(gpu, rng, qtypes, rows, cols):
     parts, refs = zip(*(make_weight(gpu, rng, q, r, cols) for q, r in zip(qtypes, rows, strict=True)), strict=True)
     return GpuStack(list(parts)), np.concatenate(refs)
