@@ -7,7 +7,8 @@
 //      k and v (fp16) into the cache before it reads any key;
 //   2. split-KV flash-decoding over the keys [lo, p] the token sees (lo = p - window + 1 on a sliding-window
 //      layer, else 0): the pages holding them are cut into runs of per_split = ceil(npages / S) pages, so at
-//      short context each block takes one 32-key page and at long context S blocks share it evenly. The number
+//      short context each block takes one 32-key page and at long context S blocks share it evenly (up to
+//      ATT_ONE_SPLIT_PAGES pages run as one split: there a merge costs more than the pages' round trips). The number
 //      of ACTIVE splits, ceil(npages / per_split), is derived in the kernel from pos[] (device memory: the CUDA
 //      graph is replayed with new positions, nothing patched); blocks past it return before doing anything;
 //   3. with one active split the block writes the output itself; otherwise each block writes an unnormalized
@@ -81,7 +82,8 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     // and values, the RoPE row and the norm weights. The qkv product's output waits for it.
     const int p = pos[b], len = p + 1, lo = window > 0 ? max(0, p - window + 1) : 0;
     const int first_page = lo / PAGE, npages = p / PAGE - first_page + 1;
-    const int per_split = (npages + S - 1) / S, active = (npages + per_split - 1) / per_split;
+    const int per_split = npages <= ATT_ONE_SPLIT_PAGES ? npages : (npages + S - 1) / S;
+    const int active = (npages + per_split - 1) / per_split;
     if (split >= active) {                        // (block-uniform: before any barrier)
         INGOT_PDL_ENTRY();                        // the chain stays transitive: every block waits (common.cuh)
         return;

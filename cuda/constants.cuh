@@ -2,30 +2,31 @@
 // The host's launch geometry (runtime/gpu/kernels.py) reads the same numbers from that module.
 #pragma once
 
-#define QK              32    // values per quantization block, for every quant type the GPU kernels take
-#define PAGE            32    // tokens per KV-cache page
-#define MODE_STORE      0     // matvec/matmul epilogue: y = W x (+ bias)
-#define MODE_ADD        1     // matvec/matmul epilogue: y += W x (+ bias), the residual
-#define MODE_SWIGLU     2     // matvec epilogue: y = silu(W_gate x) * (W_up x), W = [gate; up] stacked
-#define MODE_GEGLU      3     // matvec epilogue: y = gelu_tanh(W_gate x) * (W_up x), W = [gate; up] stacked
-#define PDL_PREFETCH    1     // matvec `pdl` flag: prefetch the first weights into L2 before the PDL wait
-#define PDL_LATE        2     // matvec `pdl` flag: let the next kernel launch only after this one's main loop
-#define MV_WARPS        4     // warps per matvec block (2 rows each; 1 row pair each in the gated modes)
-#define MV_COLS         4     // batch columns (sequences) per matvec block
-#define MVN_WARPS       16    // warps per matvec_<type>_b1n block: 32 rows, one q8x2 block of the fused norm's output
-#define MV_NORM_MAX     4096  // widest row a fused norm's consumer (matvec_<type>_b1) sums: a float4 of partials a lane
-#define MATMUL_BM       64    // matmul tile rows (tokens)
-#define MATMUL_BN       64    // matmul tile columns (output features)
-#define MATMUL2_BN      128   // pipelined mma matmul (matmul2_*): tile columns (output features)
-#define MATMUL2_STAGES  4     // pipelined mma matmul: cp.async stages of 32 along K
-#define MATMUL2_THREADS 256   // pipelined mma matmul: threads per block (8 warps)
-#define MATMUL2R_STAGES 3     // pipelined mma matmul, fragment-dequantizing (matmul2r_*): cp.async stages
-#define MATMUL2_SLICES  8     // pipelined mma matmul: split-K slices at most (a thread-block cluster, portable size)
-#define NORM_REGS       8     // rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)
-#define ATT_WARPS       4     // warps per attention block
-#define ATT_QPW         4     // prefill attention: queries per warp
-#define MAX_SPLITS      64    // split-KV partials per (sequence, head): v8's merge takes MAX_SPLITS / 32 a lane
-#define SAMPLE_THREADS  1024  // threads per sampling block
-#define PREP_THREADS    256   // threads per sample_prep_f32 block (one chunk of a large vocabulary)
-#define CAND_SLOTS      4     // sample_f32, top-k over chunks: candidate logits kept per thread
-#define DRAW_MAX        128   // sample_f32, top-k over chunks: most drawable candidates sorted for the draw
+#define QK                  32    // values per quantization block, for every quant type the GPU kernels take
+#define PAGE                32    // tokens per KV-cache page
+#define MODE_STORE          0     // matvec/matmul epilogue: y = W x (+ bias)
+#define MODE_ADD            1     // matvec/matmul epilogue: y += W x (+ bias), the residual
+#define MODE_SWIGLU         2     // matvec epilogue: y = silu(W_gate x) * (W_up x), W = [gate; up] stacked
+#define MODE_GEGLU          3     // matvec epilogue: y = gelu_tanh(W_gate x) * (W_up x), W = [gate; up] stacked
+#define PDL_PREFETCH        1     // matvec `pdl` flag: prefetch the first weights into L2 before the PDL wait
+#define PDL_LATE            2     // matvec `pdl` flag: let the next kernel launch only after this one's main loop
+#define MV_WARPS            4     // warps per matvec block (2 rows each; 1 row pair each in the gated modes)
+#define MV_COLS             4     // batch columns (sequences) per matvec block
+#define MVN_WARPS           16    // warps per matvec_<type>_b1n block: 32 rows, one q8x2 block of the fused norm's output
+#define MV_NORM_MAX         4096  // widest row a fused norm's consumer (matvec_<type>_b1) sums: a float4 of partials a lane
+#define MATMUL_BM           64    // matmul tile rows (tokens)
+#define MATMUL_BN           64    // matmul tile columns (output features)
+#define MATMUL2_BN          128   // pipelined mma matmul (matmul2_*): tile columns (output features)
+#define MATMUL2_STAGES      4     // pipelined mma matmul: cp.async stages of 32 along K
+#define MATMUL2_THREADS     256   // pipelined mma matmul: threads per block (8 warps)
+#define MATMUL2R_STAGES     3     // pipelined mma matmul, fragment-dequantizing (matmul2r_*): cp.async stages
+#define MATMUL2_SLICES      8     // pipelined mma matmul: split-K slices at most (a thread-block cluster, portable size)
+#define NORM_REGS           8     // rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)
+#define ATT_WARPS           4     // warps per attention block
+#define ATT_QPW             4     // prefill attention: queries per warp
+#define ATT_ONE_SPLIT_PAGES 2     // decode attention: keys on at most this many pages run as one split (no merge)
+#define MAX_SPLITS          64    // split-KV partials per (sequence, head): v8's merge takes MAX_SPLITS / 32 a lane
+#define SAMPLE_THREADS      1024  // threads per sampling block
+#define PREP_THREADS        256   // threads per sample_prep_f32 block (one chunk of a large vocabulary)
+#define CAND_SLOTS          4     // sample_f32, top-k over chunks: candidate logits kept per thread
+#define DRAW_MAX            128   // sample_f32, top-k over chunks: most drawable candidates sorted for the draw

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ingot.runtime.gpu.constants import MAX_SPLITS, PAGE
+from ingot.runtime.gpu.constants import ATT_ONE_SPLIT_PAGES, MAX_SPLITS, PAGE
 from ingot.runtime.gpu.kernels import (
     SAMPLE_CHUNK,
     SAMPLE_PREP_MIN_V,
@@ -38,14 +38,18 @@ def test_active_splits_partition_the_visible_keys(window, splits):
             assert e0 == b1 and b1 % PAGE == 0  # contiguous, cut at page boundaries
         assert all(e > b for b, e in ranges)  # no active split is empty
         npages = pos // PAGE - lo // PAGE + 1
-        per_split = -(-npages // splits)
+        per_split = npages if npages <= ATT_ONE_SPLIT_PAGES else -(-npages // splits)
         assert all(-(-e // PAGE) - b // PAGE <= per_split for b, e in ranges)  # pages per split, as the kernel
 
 
 def test_short_context_uses_one_block_per_page():
-    """tg128 from an empty context: one split (direct output, no merge) up to position 31, then one per page."""
+    """tg128 from an empty context: one split (direct output, no merge) while the keys fit ATT_ONE_SPLIT_PAGES (2)
+    pages, up to position 63, then one per page."""
+    assert ATT_ONE_SPLIT_PAGES == 2
     assert decode_split_ranges(0, 0, 32) == [(0, 1)]
     assert decode_split_ranges(31, 0, 32) == [(0, 32)]
+    assert decode_split_ranges(63, 0, 32) == [(0, 64)]
+    assert decode_split_ranges(64, 0, 32) == [(0, 32), (32, 64), (64, 65)]
     assert decode_split_ranges(127, 0, 32) == [(0, 32), (32, 64), (64, 96), (96, 128)]
     assert len(decode_split_ranges(16383, 0, 32)) == 32  # long context: every split, 16 pages each
     assert len(decode_split_ranges(16400, 512, 32)) == 17  # a local layer: 512 keys over 17 pages (unaligned)

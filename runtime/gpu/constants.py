@@ -34,6 +34,7 @@ SHARED: dict[str, tuple[int, str]] = {
     "NORM_REGS": (8, "rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)"),
     "ATT_WARPS": (4, "warps per attention block"),
     "ATT_QPW": (4, "prefill attention: queries per warp"),
+    "ATT_ONE_SPLIT_PAGES": (2, "decode attention: keys on at most this many pages run as one split (no merge)"),
     "MAX_SPLITS": (64, "split-KV partials per (sequence, head): v8's merge takes MAX_SPLITS / 32 a lane"),
     "SAMPLE_THREADS": (1024, "threads per sampling block"),
     "PREP_THREADS": (256, "threads per sample_prep_f32 block (one chunk of a large vocabulary)"),
@@ -65,6 +66,7 @@ PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
 ATT_WARPS = SHARED["ATT_WARPS"][0]
 PREFILL_MMA_ROWS = 16 * ATT_WARPS  # tensor-core prefill: one m16 tile of packed query rows per warp (BQ there)
 MAX_SPLITS = SHARED["MAX_SPLITS"][0]
+ATT_ONE_SPLIT_PAGES = SHARED["ATT_ONE_SPLIT_PAGES"][0]
 SAMPLE_THREADS = SHARED["SAMPLE_THREADS"][0]
 PREP_THREADS = SHARED["PREP_THREADS"][0]
 CAND_SLOTS = SHARED["CAND_SLOTS"][0]
@@ -80,7 +82,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 9  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 11  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -92,6 +94,8 @@ KERNEL_ABI = 9  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token
 # 7: attn_prefill_mma_varlen_f16{,_hd256}: a prefill pass's sequences in one attention launch
 # 8: v8 decode attention merges up to MAX_SPLITS = 64 splits (v7's stays at 32: the host caps its grid)
 # 9: matvec_<type>_b1n (a residual projection with the next RMSNorm fused) and matvec_<type>_b1's (ss, eps)
+# 10: (matvec_<type>_b1q, measured slower and reverted: never landed)
+# 11: ATT_ONE_SPLIT_PAGES: decode attention runs up to 2 pages of keys as one split
 
 
 def header() -> str:

@@ -22,6 +22,7 @@ from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.archs import installed_kernel_dir
 from ingot.runtime.gpu.compat import decide, driver_from_cuda_int
 from ingot.runtime.gpu.constants import (
+    ATT_ONE_SPLIT_PAGES,
     ATT_WARPS,
     CAND_SLOTS,
     DRAW_MAX,
@@ -692,10 +693,11 @@ def decode_splits(sm_count: int, B: int, n_kv_heads: int, per_sm: int, cap: int 
 def decode_split_ranges(pos: int, window: int, splits: int) -> list[tuple[int, int]]:
     """The key ranges [k_begin, k_end) of the ACTIVE splits of v8's decode attention (cuda/attention_decode.cu
     computes the same from pos[b] on the device) for a token at position pos: the pages holding the visible
-    keys [lo, pos] (lo = pos - window + 1 on a sliding-window layer) cut into runs of ceil(npages / splits)."""
+    keys [lo, pos] (lo = pos - window + 1 on a sliding-window layer) cut into runs of ceil(npages / splits), or
+    one run of up to ATT_ONE_SPLIT_PAGES pages."""
     lo = max(0, pos - window + 1) if window > 0 else 0
     first_page, npages = lo // PAGE, pos // PAGE - lo // PAGE + 1
-    per_split = -(-npages // splits)
+    per_split = npages if npages <= ATT_ONE_SPLIT_PAGES else -(-npages // splits)
     active = -(-npages // per_split)
     ranges = []
     for s in range(active):

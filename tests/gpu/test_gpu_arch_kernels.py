@@ -152,8 +152,9 @@ def test_attention_decode_windows_and_norms(gpu, rng, hd, H, Hkv, window, scale,
 
 
 # Lengths around what the v8 kernel (cuda/attention_decode.cu) cuts: one key, the one-split direct output (up to
-# 32 keys), page boundaries +-1, many pages per split (600, 1500), and 5000 keys (157 pages: past 32 splits of
-# one page, past v7's 32 splits x 4 pages; 53 active of v8's 64 splits); B = 1..5 sequences of mixed lengths.
+# 64 keys: ATT_ONE_SPLIT_PAGES), page boundaries +-1, many pages per split (600, 1500), and 5000 keys (157 pages:
+# past 32 splits of one page, past v7's 32 splits x 4 pages; 53 active of v8's 64 splits); B = 1..5 sequences of
+# mixed lengths.
 DECODE_LENGTHS = [[1], [2, 32], [31, 33, 64], [65, 600, 1, 1500], [5000, 2, 97, 33, 1024]]
 DECODE_SHAPES = [  # hd, H, Hkv: GQA 1, 4 and 8 over the three head sizes
     (64, 3, 3),
