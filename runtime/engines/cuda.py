@@ -17,7 +17,7 @@ stream), with the optional steps in brackets:
     x        += [rmsnorm](Wdown · f)
 then logits = Whead · rmsnorm(x) * out_norm and a token per sequence is sampled on the GPU.
 
-Decode (one token for each of B sequences) is the hot path: its launches (8 per layer for Llama) are captured
+Decode (one token for each of B sequences) is the hot path: its launches (8 per layer for Llama, 6 at B=1) are captured
 once per batch size B into a CUDA graph and replayed with one cuGraphLaunch per step. Everything that changes
 between steps — token ids, positions, block tables, sampling parameters — lives in device memory written by one
 host->device copy before the replay, so no graph node is ever patched; the only readback is the B sampled
@@ -312,7 +312,8 @@ Norm = tuple[DeviceBuffer, Any]  # an RMSNorm's weights, and the matrix its outp
 class _MatvecOps(_Ops):
     """Batch decode (up to gemm_min_batch - 1 sequences): matrix-vector products on q8x2 (quantized weights) or
     fp32 (F16 weights) activations, SwiGLU/GEGLU fused into the gate/up product; the whole step is captured in
-    a CUDA graph. Llama: 8 launches per layer."""
+    a CUDA graph. Llama: 8 launches per layer; 6 for one sequence, whose pre-norms are fused into the residual
+    projection before each (matvec_<type>_b1n, residual below)."""
 
     def __init__(self, e: CudaEngine, n: int, *, splits: int = 1, x: int | None = None):
         super().__init__(e, n, e.x, e.step.ptr["tokens"], x)
