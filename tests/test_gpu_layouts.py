@@ -266,6 +266,16 @@ def test_matvec_norm_launches_a_block_per_32_rows():
     assert launch.grid[0] == 4096 // 32 and launch.block == 32 * constants.MATVEC_NORM_WARPS
     n = len(W.args())
     assert _ptr_args(launch)[n:] == [1, 2, 0, 100, 4096, 14336, 5000, 21, 22, 23, 0]  # ..., bias none, pdl flags
+    for bad, x in ((_matrix("Q4_0", 48, 256), (1, 2)), (_matrix("F16", 64, 256), (1, 2)), (W, out)):
+        with pytest.raises(IncompatibleError, match="INGOT_FUSED_NORM=0"):
+            _kernels().matvec_norm(bad, x, 100, DeviceBuffer(5000, 4 * 4096, "w_next"), out)
+
+
+def test_the_f16_one_column_kernel_gets_no_norm_arguments():
+    """matvec_f16_b1 (fp32 activations) has no (ss, eps) parameters: its launch passes exactly its own."""
+    W = _matrix("F16", 64, 256)
+    (launch,) = _kernels().matvec(W, 1, 100, 1, ldy=64)
+    assert launch.kernel.name == "matvec_f16_b1" and len(launch._held) == len(W.args()) + 9
 
 
 def test_norm_fusable_only_for_one_quantized_projection_into_a_quantized_product(monkeypatch):

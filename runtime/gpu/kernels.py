@@ -879,7 +879,7 @@ class Kernels:
                         i32(ldy),
                         i32(mode),
                         i32(matvec_pdl_flags(kernel.pdl, part)),
-                        *(b1 if name.endswith("_b1") else []),
+                        *(b1 if name.endswith("_b1") and part.quantized else []),  # matvec_f16_b1 has none
                     ],
                 )
             )
@@ -892,6 +892,12 @@ class Kernels:
         """resid[:] += W · x (one column, x q8x2), then the next norm's input as `out` reads it: q8x2(resid * w_next)
         into (out.xq, out.xd) and the sums of squares of resid's 32-value blocks into out.ss (matvec_<type>_b1n,
         one block of MATVEC_NORM_WARPS warps per 32 rows). Only where norm_fusable said so."""
+        if not (W.quantized and W.rows % QK == 0 and W.rows <= MATVEC_NORM_MAX) or isinstance(x, NormedQ8):
+            raise IncompatibleError(
+                f"matvec_norm takes a quantized matrix of at most {MATVEC_NORM_MAX} rows in whole blocks of 32 and "
+                f"a plain q8x2 input; got {W.qtype} [{W.rows}, {W.cols}] and {type(x).__name__}",
+                hint="set INGOT_FUSED_NORM=0 (an engine bug: norm_fusable should have refused it)",
+            )
         kernel = self.k[f"matvec_{W.qtype.lower()}_b1n"]
         args = [*W.args(), *x, bias, resid, i32(W.rows), i32(W.cols), w_next, out.xq, out.xd, out.ss]
         args.append(i32(matvec_pdl_flags(kernel.pdl, W)))

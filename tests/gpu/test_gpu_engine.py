@@ -161,6 +161,12 @@ def test_fused_norm_matches_the_norm_kernel(engines, monkeypatch):
     model, _, gpu = engines
     if gpu.strict:
         pytest.skip("tiny models only")
+    # The shared engine's one-sequence graph, captured now if no test before did, under the default setting; what
+    # it fuses is read now too (both read INGOT_FUSED_NORM when they are built).
+    gpu._graph(1)
+    fused = [w.kernel.name for w in gpu._decode_launches(1) if w.kernel.name.endswith("_b1n")]
+    lw = gpu.w.layers[0]  # pre-norm blocks of quantized matrices (not the F16 variants)
+    assert bool(fused) == (not model.config.block.post_norms and norm_fusable(lw.wo, lw.wgu, 1)), fused
     monkeypatch.setenv("INGOT_FUSED_NORM", "0")
     plain = CudaEngine(model, max_seqs=1, max_ctx=512)
     try:
@@ -172,9 +178,6 @@ def test_fused_norm_matches_the_norm_kernel(engines, monkeypatch):
             eng.prefill(s, tokens)
             outs.append(np.stack([eng.decode_logits([s], [t])[0] for t in feed]))
             eng.release(s)
-        fused = [w.kernel.name for w in gpu._decode_launches(1) if w.kernel.name.endswith("_b1n")]
-        lw = gpu.w.layers[0]  # pre-norm blocks of quantized matrices (not the F16 variants)
-        assert bool(fused) == (not model.config.block.post_norms and norm_fusable(lw.wo, lw.wgu, 1)), fused
         assert not [w for w in plain._decode_launches(1) if w.kernel.name.endswith("_b1n")]
         for step, (a, b) in enumerate(zip(*outs, strict=True)):
             assert rel_err(a, b) < Q8X2_TOL, f"step {step}: {rel_err(a, b):.2e}"
