@@ -590,12 +590,17 @@ def decode_gemm_min_batch(layer_bytes: dict[str, int], mma: bool, frag: bool) ->
     return DECODE_GEMM_MIN_BATCH_FRAG if 2 * frag_bytes >= total else DECODE_GEMM_MIN_BATCH_TILE
 
 
+def one_column_kernel(ncols: int) -> bool:
+    """Whether a matvec of ncols columns runs the one-column kernels (matvec_<type>_b1: single-sequence decode,
+    fewer registers than the any-column kernel and so more warps per SM, cuda/matvec.cu); INGOT_MATVEC_B1=0: never.
+    Only they take a fused norm's scale."""
+    return ncols == 1 and settings.MATVEC_B1.get()
+
+
 def matvec_kernel(qtype: str, ncols: int) -> str:
-    """The matvec kernel for ncols columns: one column (single-sequence decode) has its own, which keeps fewer
-    registers than the any-column kernel and so runs more warps per SM (cuda/matvec.cu); INGOT_MATVEC_B1=0
-    falls back to the any-column one."""
-    one = ncols == 1 and settings.MATVEC_B1.get()
-    return f"matvec_{qtype.lower()}{'_b1' if one else ''}"
+    """The matvec kernel for ncols columns: the one-column kernel where one_column_kernel says so, else the
+    any-column one."""
+    return f"matvec_{qtype.lower()}{'_b1' if one_column_kernel(ncols) else ''}"
 
 
 class NormedQ8(NamedTuple):
@@ -616,8 +621,7 @@ def norm_fusable(W: GpuMatrix | GpuStack, W_next: GpuMatrix | GpuStack, ncols: i
     INGOT_FUSED_NORM=0: never."""
     return (
         settings.FUSED_NORM.get()
-        and ncols == 1
-        and settings.MATVEC_B1.get()
+        and one_column_kernel(ncols)
         and len(W.parts) == 1
         and W.quantized
         and W_next.quantized
@@ -763,10 +767,10 @@ class Kernels:
         """Dynamic shared memory for the kernel `name` (MATVEC_NORM_WARPS warps a block) that leaves room for one of
         its blocks per SM when it is launched with PDL (0 without PDL, or when the occupancy calculator says even
         that allows two)."""
-        kernel, threads = self.k[name], 32 * MATVEC_NORM_WARPS
-        smem = self.device.info.max_smem_optin // 2 + 1
+        kernel = self.k[name]
         if not kernel.pdl:
             return 0
+        smem, threads = self.device.info.max_smem_optin // 2 + 1, 32 * MATVEC_NORM_WARPS
         kernel.allow_dynamic_smem(smem)
         return smem if kernel.blocks_per_sm(threads, smem) == 1 else 0
 
@@ -846,7 +850,7 @@ class Kernels:
                 hint="run gate and up as MODE_STORE into one buffer, then the activation kernel",
             )
         normed = isinstance(x, NormedQ8)
-        if normed and not (ncols == 1 and settings.MATVEC_B1.get() and W.quantized and W.cols <= MATVEC_NORM_MAX):
+        if normed and not (one_column_kernel(ncols) and W.quantized and W.cols <= MATVEC_NORM_MAX):
             raise IncompatibleError(
                 f"a pending norm's scale is applied by the one-column matvec of a quantized matrix at most "
                 f"{MATVEC_NORM_MAX} wide, not at {ncols} columns of {W.cols}",
