@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -1129,23 +1129,29 @@ class Kernels:
             smem=self.decode_smem(cfg.head_dim, version),
         )
 
-    def attn_decode_splits(self, B: int, cfg) -> int:
-        """The decode attention grid's splits for B sequences on this GPU (attn_decode's `splits`):
-        INGOT_DECODE_SPLITS, else decode_splits from the kernel's occupancy (the driver's, for its registers
-        and shared memory: 4 blocks an SM at head_dim 64/128 on sm_90, 3 elsewhere and at 256)."""
+    def _split_rule(self, cfg) -> Callable[[int], int]:
+        """splits(B), the decode attention grid's splits for B sequences on this GPU: INGOT_DECODE_SPLITS, else
+        decode_splits from the kernel's occupancy (the driver's, for its registers and shared memory: 4 blocks an
+        SM at head_dim 64/128 on sm_90, 3 elsewhere and at 256), asked once."""
         version = settings.DECODE_ATTN.get()
         cap = self._split_cap(version)
         forced = settings.DECODE_SPLITS.get()
         if forced:
-            return min(forced, cap)
+            return lambda B: min(forced, cap)
         kernel = self.k[self._attn_kernel(self._decode_name(version), cfg.head_dim)]
-        per_sm = kernel.blocks_per_sm(ATT_WARPS * 32, self.decode_smem(cfg.head_dim, version))
-        return decode_splits(self.device.info.sm_count, B, cfg.n_kv_heads, max(per_sm, 1), cap)
+        per_sm = max(kernel.blocks_per_sm(ATT_WARPS * 32, self.decode_smem(cfg.head_dim, version)), 1)
+        sm_count = self.device.info.sm_count
+        return lambda B: decode_splits(sm_count, B, cfg.n_kv_heads, per_sm, cap)
+
+    def attn_decode_splits(self, B: int, cfg) -> int:
+        """The decode attention grid's splits for B sequences on this GPU (attn_decode's `splits`, _split_rule)."""
+        return self._split_rule(cfg)(B)
 
     def attn_decode_split_room(self, B: int, cfg) -> int:
         """The most (sequence, split) pairs a decode attention grid of up to B sequences has: the rows of the
-        partials buffers (the widest b * attn_decode_splits(b) for b <= B; B at the least)."""
-        return max(b * self.attn_decode_splits(b, cfg) for b in range(1, B + 1))
+        partials buffers (the widest b * splits(b) for b <= B; B at the least)."""
+        splits = self._split_rule(cfg)
+        return max(b * splits(b) for b in range(1, B + 1))
 
     @staticmethod
     def _decode_name(version: str) -> str:
