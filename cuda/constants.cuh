@@ -14,6 +14,11 @@
 #define MV_COLS             4     // batch columns (sequences) per matvec block
 #define MVN_WARPS           16    // warps per matvec_<type>_b1n block: 32 rows, one q8x2 block of the fused norm's output
 #define MV_NORM_MAX         4096  // widest row a fused norm's consumer (matvec_<type>_b1) sums: a float4 of partials a lane
+#define MVM_WARPS           4     // warps per matvec_<type>_mma block (16 rows, K split between the warps)
+#define MVM_ROWS            16    // rows per matvec_<type>_mma block: one m16 tile (8 outputs in the gated modes)
+#define MVM_STAGES          3     // cp.async stages of each matvec_<type>_mma warp's own pipeline
+#define MVM_CHUNK           8     // 32-weight blocks per row in a matvec_<type>_mma stage (128 bytes of Q4 quants)
+#define MVM_COLS            8     // most batch columns (sequences) matvec_<type>_mma takes: two mma of 4 sequences x 2 levels
 #define MATMUL_BM           64    // matmul tile rows (tokens)
 #define MATMUL_BN           64    // matmul tile columns (output features)
 #define MATMUL2_BN          128   // pipelined mma matmul (matmul2_*): tile columns (output features)

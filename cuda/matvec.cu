@@ -29,6 +29,7 @@
 //                      scale, a scalar per row, taken out of the dot. Each lane loads one float4 of the cols / 32
 //                      partials before the main loop (so cols <= MV_NORM_MAX) and every warp sums them in the same
 //                      order (warp_sum's butterfly), so all rows get the same bits.
+#include "mma.cuh"       // mma_u8s8: the narrow kernel's integer tensor-core product
 #include "weights.cuh"   // XBlock, dot helpers and the generic weight structs of the soa-v2 types
 
 struct Q4_0W {
@@ -315,6 +316,253 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
     }
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 #undef MATVEC_KERNELS
+
+// --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1; compute capability 8.0+)
+//
+// 2..MVM_COLS columns (a decode batch of 2-8 sequences). The any-column kernel above reads a column's whole q8x2
+// block (80 bytes) per 16 bytes of weights and pays 2 x 16 dp4a per 32 weights and column: its 4-column step is
+// 2.3x the one-column one on the 8B, and the 16-row GEMM tile that replaced it from 3 sequences pads 12 of its 16
+// rows (cuda/PERF.md v18, v19). Here one mma.sync m16n8k32 (u8 x s8 -> s32, exact) takes one 32-weight block of 16
+// rows against 4 sequences at both q8x2 levels:
+//   A (16 x 32 u8)  lane (g = lane/4, t = lane%4) takes word t of the block in rows g and g+8: bytes 4t..4t+3 hold
+//                   weights 4t.. (low nibbles) and 16+4t.. (high), which is the fragment's k order (mma.cuh), so a
+//                   word becomes two fragment registers with three integer ops.
+//   B (32 x 8 s8)   column n = sequence n%4 at level n/4 (coarse, fine); lane (g, t) loads words t and 4+t of its
+//                   32 bytes, which every block of the grid reads (L1 / L2 hits after the first).
+//   C (16 x 8 s32)  lane (g, t) holds rows g, g+8 x columns 2t, 2t+1: sequences 2t%4 and 2t%4+1 at level t/2. Each is
+//                   scaled in fp32 by its block's scales as the dp4a kernel does, the coarse lane taking the sum
+//                   term (Q4_0: dw * (d1*C1 + d2*C2 - 8*s); Q4_1: dw * (d1*C1 + d2*C2) + m*s), and the two levels'
+//                   sums meet once at the end (lanes t and t^2).
+// A block of MVM_WARPS warps owns 16 rows (in the gated modes 8 outputs: rows g gate, g+8 up, so act(gate) * up is
+// in one lane) and splits K between its warps in chunks of MVM_CHUNK blocks (warp w takes chunks w, w + MVM_WARPS,
+// ...). Nothing the products read comes through registers from global memory: each warp runs its own
+// MVM_STAGES-deep cp.async pipeline of chunks into its part of the dynamic shared memory, a stage holding the
+// chunk's 16 rows of quants (128 bytes a row, coalesced) and scales, and the activations' q8x2 words and block
+// scales of its 4 or 8 sequences. (Measured on an H100, 8B at 4 sequences, cuda/PERF.md v22: loading each lane's
+// words straight from global memory held 16 KiB in flight an SM, 754 tok/s; staging the weights but not the
+// activations, 943, its warps stalled 66-76% on the activations' L1/L2 loads.) Shared-memory rows are padded so
+// that a fragment load hits 32 distinct banks: quant rows by 16 bytes (the 8 rows g of a load), activation rows
+// (a sequence's 8 blocks at one level, 256 bytes) by 16, and the fine level 4 rows on (bank = 16 * level + 4 * seq
+// + 8 * block + t). The warps' partial sums meet in the same shared memory at the end.
+#define MVM_QROW (MVM_CHUNK * 16 + 16)   // bytes of one row's quants in a stage, padded
+#define MVM_XROW (MVM_CHUNK * QK + 16)   // bytes of one sequence's q8x2 level in a stage, padded
+
+// A stage: quants [16][MVM_QROW], d (and m) f16 [16][MVM_CHUNK], per group of 4 sequences the q8x2 words
+// [2 levels][4][MVM_XROW] and block scales float4 [4][MVM_CHUNK]. kernels.py matvec_mma_smem computes the same.
+template <bool MIN, int NG>
+__host__ __device__ constexpr int mvm_stage_bytes() {
+    return MVM_ROWS * MVM_QROW + MVM_ROWS * MVM_CHUNK * 2 * (MIN ? 2 : 1) + NG * (2 * 4 * MVM_XROW + 4 * MVM_CHUNK * 16);
+}
+
+template <bool MIN>
+struct Q4M {   // Q4_0 (MIN false) and Q4_1 as the narrow kernel reads them
+    const uint8_t* qs; const __half* d; const __half* m; int nb;
+    __device__ __forceinline__ void prefetch(long long r, int line) const {   // 128 bytes of quants, the scales
+        const long long b = r * nb;
+        if (line * 8 < nb) prefetch_l2(qs + 16 * b + line * 128);
+        if (line == 0) { prefetch_l2(d + b); if (MIN) prefetch_l2(m + b); }
+    }
+    // acc += a block's share of one (row, sequence) at one level: c the level's integer sum, dl its scale, s the
+    // sequence's block sum on the coarse level's lane (0 on the fine one's)
+    __device__ __forceinline__ static void add(float& acc, float dw, float mw, int c, float dl, float s) {
+        const float v = dl * i2f_exact(c);
+        if (MIN) acc = fmaf(dw, v, fmaf(mw, s, acc));
+        else acc = fmaf(dw, fmaf(-8.0f, s, v), acc);
+    }
+};
+
+// Row i (0..15) of the block's A tile: rows base + i (clamped to the last row: a block past the end re-reads it and
+// drops the sums), or in the gated modes gate (i < 8) and up (i >= 8) of output blockIdx.x * 8 + i % 8.
+__device__ __forceinline__ long long mvm_row(int mode, int rows, int i) {
+    if (gated(mode)) return min((long long)blockIdx.x * 8 + i % 8, (long long)rows - 1) + (i >= 8 ? rows : 0);
+    return min((long long)blockIdx.x * MVM_ROWS + i, (long long)rows - 1);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <bool MIN, int NG>
+__device__ __forceinline__ void matvec_mma(const Q4M<MIN>& w, const int8_t* __restrict__ xq,
+                                           const float4* __restrict__ xd, const float* __restrict__ bias,
+                                           float* __restrict__ y, int rows, int cols, int ncols, int ldy, int mode,
+                                           int pdl) {
+    constexpr int STAGE = mvm_stage_bytes<MIN, NG>(), D_OFF = MVM_ROWS * MVM_QROW;
+    constexpr int M_OFF = D_OFF + MVM_ROWS * MVM_CHUNK * 2, X_OFF = M_OFF + (MIN ? MVM_ROWS * MVM_CHUNK * 2 : 0);
+    constexpr int XG = 2 * 4 * MVM_XROW + 4 * MVM_CHUNK * 16, XD_OFF = 2 * 4 * MVM_XROW;   // a group's bytes
+    static_assert(MVM_ROWS == 16 && MVM_CHUNK == 8 && STAGE % 16 == 0 && X_OFF % 16 == 0, "the mappings below");
+    extern __shared__ __align__(16) unsigned char mvm_smem[];
+    {
+        unsigned have;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+        if (have < (unsigned)(MVM_WARPS * MVM_STAGES * STAGE)) __trap();
+    }
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4, nb = cols / QK;
+    unsigned char* mine = mvm_smem + warp * MVM_STAGES * STAGE;
+    // This lane's copies of a chunk: quant pieces (16 bytes) e = lane + 32i -> row e/8, piece e%8 (a row's 128
+    // bytes in 8 consecutive lanes); scale words (2 blocks) e = lane + 32j -> row e/4, word e%4; per group, q8x2
+    // pieces e = lane + 32i -> sequence i, block (e%32)/4, quarter e%4 (coarse, coarse, fine, fine), and block
+    // scales e = lane -> sequence lane/8, block lane%8. A sequence past ncols copies zeros.
+    // 32-bit offsets from the arrays' starts (fewer registers than pointers; kernels.py narrow_mma_kernel keeps
+    // matrices of 4 GiB of quants off this kernel). Copies past the row's end are zero-filled without a read, so
+    // the products of a part-filled last chunk are zero.
+    unsigned qo[4], so[2], xo[NG][4], xdo[NG];
+    bool xok[NG][4], xdok[NG];
+#pragma unroll
+    for (int i = 0; i < 4; i++) qo[i] = (unsigned)(mvm_row(mode, rows, lane / 8 + 4 * i) * nb + lane % 8) * 16;
+#pragma unroll
+    for (int j = 0; j < 2; j++) so[j] = (unsigned)(mvm_row(mode, rows, lane / 4 + 8 * j) * nb + 2 * (lane % 4));
+#pragma unroll
+    for (int ng = 0; ng < NG; ng++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int seq = ng * 4 + i;
+            xok[ng][i] = seq < ncols;
+            xo[ng][i] = (unsigned)((min(seq, ncols - 1) * nb + lane / 4) * 2 * QK + (lane % 4) * 16);
+        }
+        const int seq = ng * 4 + lane / 8;
+        xdok[ng] = seq < ncols;
+        xdo[ng] = (unsigned)(min(seq, ncols - 1) * nb + lane % 8);
+    }
+    auto copy = [&](int chunk, int stage) {
+        unsigned char* S = mine + stage * STAGE;
+        const int kb0 = chunk * MVM_CHUNK;
+        const bool q_in = kb0 + lane % 8 < nb, s_in = kb0 + 2 * (lane % 4) < nb, x_in = kb0 + lane / 4 < nb;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            cp_async16(S + (lane / 8 + 4 * i) * MVM_QROW + (lane % 8) * 16, w.qs + qo[i] + kb0 * 16, q_in);
+#pragma unroll
+        for (int j = 0; j < 2; j++) {   // nb is even (kernels.py): a word is two blocks of one row
+            const int off = (lane / 4 + 8 * j) * MVM_CHUNK * 2 + (lane % 4) * 4;
+            cp_async4(S + D_OFF + off, w.d + so[j] + kb0, s_in);
+            if (MIN) cp_async4(S + M_OFF + off, w.m + so[j] + kb0, s_in);
+        }
+#pragma unroll
+        for (int ng = 0; ng < NG; ng++) {
+            unsigned char* X = S + X_OFF + ng * XG;
+#pragma unroll
+            for (int i = 0; i < 4; i++)   // quarter lane%4: coarse, coarse, fine, fine
+                cp_async16(X + ((lane % 4) / 2 * 4 + i) * MVM_XROW + (lane / 4) * QK + (lane % 2) * 16,
+                           xq + xo[ng][i] + kb0 * 2 * QK, xok[ng][i] && x_in);
+            cp_async16(X + XD_OFF + lane * 16, xd + xdo[ng] + kb0, xdok[ng] && q_in);
+        }
+    };
+    const bool fine = t >= 2;
+    float acc[NG][4] = {};
+    const int chunks = (nb + MVM_CHUNK - 1) / MVM_CHUNK;
+    const int n = warp < chunks ? (chunks - warp + MVM_WARPS - 1) / MVM_WARPS : 0;   // this warp's chunks
+#pragma unroll
+    for (int s = 0; s < MVM_STAGES - 1; s++) {
+        if (s < n) copy(warp + s * MVM_WARPS, s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < n; i++) {
+        if (i + MVM_STAGES - 1 < n) copy(warp + (i + MVM_STAGES - 1) * MVM_WARPS, (i + MVM_STAGES - 1) % MVM_STAGES);
+        cp_async_commit();
+        cp_async_wait<MVM_STAGES - 1>();   // chunk i has landed (this lane's copies) ...
+        __syncwarp();                      // ... and every lane's
+        const unsigned char* S = mine + (i % MVM_STAGES) * STAGE;
+#pragma unroll
+        for (int k = 0; k < MVM_CHUNK; k++) {   // every block: a part-filled last chunk's tail is zeros
+            const unsigned q0 = *reinterpret_cast<const unsigned*>(S + g * MVM_QROW + k * 16 + t * 4);
+            const unsigned q1 = *reinterpret_cast<const unsigned*>(S + (g + 8) * MVM_QROW + k * 16 + t * 4);
+            const __half* sd = reinterpret_cast<const __half*>(S + D_OFF);
+            const float d0 = __half2float(sd[g * MVM_CHUNK + k]), d1 = __half2float(sd[(g + 8) * MVM_CHUNK + k]);
+            float m0 = 0.0f, m1 = 0.0f;
+            if (MIN) {
+                const __half* sm = reinterpret_cast<const __half*>(S + M_OFF);
+                m0 = __half2float(sm[g * MVM_CHUNK + k]); m1 = __half2float(sm[(g + 8) * MVM_CHUNK + k]);
+            }
+            const unsigned a[4] = {q0 & 0x0F0F0F0Fu, q1 & 0x0F0F0F0Fu, (q0 >> 4) & 0x0F0F0F0Fu, (q1 >> 4) & 0x0F0F0F0Fu};
+#pragma unroll
+            for (int ng = 0; ng < NG; ng++) {
+                // B: sequence g%4 at level g/4, words t and 4+t; C: sequences 2t%4 + j at level t/2
+                const unsigned char* X = S + X_OFF + ng * XG;
+                const unsigned char* xb = X + ((g / 4) * 4 + g % 4) * MVM_XROW + k * QK + t * 4;
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(xb), b1 = *reinterpret_cast<const unsigned*>(xb + 16);
+                const float4* xs = reinterpret_cast<const float4*>(X + XD_OFF);
+                const float4 x0 = xs[((2 * t) % 4) * MVM_CHUNK + k], x1 = xs[((2 * t) % 4 + 1) * MVM_CHUNK + k];
+                const float dl0 = fine ? x0.y : x0.x, s0 = fine ? 0.0f : x0.z;
+                const float dl1 = fine ? x1.y : x1.x, s1 = fine ? 0.0f : x1.z;
+                int c[4];
+                mma_u8s8(c, a, b0, b1);
+                Q4M<MIN>::add(acc[ng][0], d0, m0, c[0], dl0, s0);
+                Q4M<MIN>::add(acc[ng][1], d0, m0, c[1], dl1, s1);
+                Q4M<MIN>::add(acc[ng][2], d1, m1, c[2], dl0, s0);
+                Q4M<MIN>::add(acc[ng][3], d1, m1, c[3], dl1, s1);
+            }
+        }
+        __syncwarp();   // every lane is done with this stage before a later copy refills it
+    }
+    cp_async_wait<0>();
+    if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
+    __syncthreads();   // the stages become the warps' partial sums: red[warp][value][lane]
+    float* red = reinterpret_cast<float*>(mvm_smem);
+#pragma unroll
+    for (int ng = 0; ng < NG; ng++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) red[(warp * NG * 4 + ng * 4 + i) * WARP + lane] = acc[ng][i];
+    __syncthreads();
+    // Warp q sums pair q (group q/2, the lane's column j = q%2 in rows g and g+8) over the warps, then the levels.
+    for (int q = warp; q < 2 * NG; q += MVM_WARPS) {
+        const int ng = q / 2, j = q % 2;
+        float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MVM_WARPS; k++) {
+            v0 += red[(k * NG * 4 + ng * 4 + j) * WARP + lane];
+            v1 += red[(k * NG * 4 + ng * 4 + 2 + j) * WARP + lane];
+        }
+        v0 += __shfl_xor_sync(0xffffffff, v0, 2);
+        v1 += __shfl_xor_sync(0xffffffff, v1, 2);
+        const int seq = ng * 4 + 2 * t + j;
+        if (fine || seq >= ncols) continue;
+        float* yc = y + (size_t)seq * ldy;
+        if (gated(mode)) {
+            const long long o = (long long)blockIdx.x * 8 + g;
+            if (o < rows) yc[o] = (mode == MODE_SWIGLU ? silu(v0) : gelu_tanh(v0)) * v1;
+        } else {
+            const long long base = (long long)blockIdx.x * MVM_ROWS + g;
+            const float v[2] = {v0, v1};
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const long long row = base + 8 * h;
+                if (row >= rows) continue;
+                const float o = v[h] + (bias ? bias[row] : 0.0f);
+                if (mode == MODE_ADD) yc[row] += o; else yc[row] = o;
+            }
+        }
+    }
+}
+#define MVM_RUN(MIN, NG) matvec_mma<MIN, NG>(w, xq, xd, bias, y, rows, cols, ncols, ldy, mode, pdl)
+#else
+#define MVM_RUN(MIN, NG) (void)w   // sm_75: never launched (kernels.py narrow_mma_kernel)
+#endif
+
+// Under PDL, the first KiB of the block's 16 rows and their scales into L2 before the wait.
+template <bool MIN>
+__device__ __forceinline__ void prefetch_rows_mma(const Q4M<MIN>& w, int rows, int mode) {
+    const int i = threadIdx.x;   // MVM_WARPS * WARP = 128 lanes: 8 lines of 16 rows
+    w.prefetch(mvm_row(mode, rows, i % MVM_ROWS), i / MVM_ROWS);
+}
+
+// Grid: ceil(rows / 16) blocks (ceil(outputs / 8) in the gated modes) of MVM_WARPS warps, kernels.py matvec_mma_smem
+// bytes of dynamic shared memory; arguments as matvec_<type> (2 <= ncols <= MVM_COLS, cols % 64 == 0). Q4_0 passes
+// no m.
+#define FOR_EACH_MATVEC_MMA_TYPE(X)            \
+    X(q4_0, false, Q4_0_PARAMS, nullptr)       \
+    X(q4_1, true, Q4_1_PARAMS, m)
+
+#define MVM_W(MARG) reinterpret_cast<const uint8_t*>(qs), d, MARG, cols / QK
+#define MATVEC_MMA_KERNEL(NAME, MIN, PARAMS, MARG)                                                              \
+    extern "C" __global__ void __launch_bounds__(MVM_WARPS * WARP)                                              \
+    matvec_##NAME##_mma(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,      \
+                        int cols, int ncols, int ldy, int mode, int pdl) {                                       \
+        INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows_mma(Q4M<MIN>{MVM_W(MARG)}, rows, mode));               \
+        if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
+        const Q4M<MIN> w{MVM_W(MARG)};                                                                           \
+        if (ncols > 4) MVM_RUN(MIN, 2); else MVM_RUN(MIN, 1);                                                    \
+    }
+FOR_EACH_MATVEC_MMA_TYPE(MATVEC_MMA_KERNEL)
+#undef MATVEC_MMA_KERNEL
+#undef MVM_W
+#undef MVM_RUN
 
 // F16 weights take fp32 activations: each lane reads 8 weights (16 bytes) and 8 floats per step.
 template <int NC>

@@ -1,5 +1,6 @@
 // The sm_80 tensor-core and async-copy instructions as inline functions, for the kernels that stage tiles in
-// shared memory and multiply them with mma.sync (attention_prefill.cu, matmul.cu's matmul2_*). Compute
+// shared memory and multiply them with mma.sync (attention_prefill.cu, matmul.cu's matmul2_*), and the integer mma
+// of the narrow decode matvec (matvec.cu's matvec_<type>_mma). Compute
 // capability 8.0 and newer only: outside that the file defines nothing (sm_75 keeps those kernels' other paths).
 #pragma once
 #include "common.cuh"
@@ -46,6 +47,17 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d[16x8 s32] = a[16x32 u8, row] * b[32x8 s8, col] (integer, exact). Fragments (g = lane/4, c = lane%4), 4 bytes a
+// register, byte i of a register at k + i:
+//   a0 (row g, k 4c..4c+3), a1 (row g+8, k 4c..), a2 (row g, k 16+4c..), a3 (row g+8, k 16+4c..);
+//   b0 (k 4c..4c+3, col g), b1 (k 16+4c.., col g);  d0,d1 (row g, cols 2c, 2c+1), d2,d3 (row g+8, same cols).
+__device__ __forceinline__ void mma_u8s8(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
 }
 
 #endif

@@ -133,6 +133,14 @@ MATVEC_B1 = Setting(
     "1 or 0",
     "Single-sequence decode runs the one-column matrix-vector kernels (matvec_<type>_b1); 0 uses the any-batch ones.",
 )
+MATVEC_MMA = Setting(
+    "INGOT_MATVEC_MMA",
+    True,
+    _flag,
+    "1 or 0",
+    "Decode batches of 2-8 sequences run their Q4_0/Q4_1 matrix-vector products on the integer tensor cores"
+    " (matvec_<type>_mma, compute capability 8.0+); 0 uses the dp4a kernels.",
+)
 FUSED_NORM = Setting(
     "INGOT_FUSED_NORM",
     True,
@@ -339,6 +347,7 @@ ALL: tuple[Setting, ...] = (
     DECODE_SPLITS,
     DECODE_ATTN,
     MATVEC_B1,
+    MATVEC_MMA,
     FUSED_NORM,
     KV_FRACTION,
     PREFIX_CACHE,

@@ -30,6 +30,7 @@ from ingot.runtime.gpu.kernels import (
     MATMUL2_RAW_ROW,
     MATMUL2_THREADS,
     MATMUL2_TILE_ROWS,
+    MATVEC_MMA_MIN_COLS,
     MAX_CLUSTER_SLICES,
     MAX_K_SLICES,
     SPLIT_K_TILES_PER_SM,
@@ -47,6 +48,7 @@ from ingot.runtime.gpu.kernels import (
     matmul2r_smem,
     matmul_geometry,
     matmul_uses_mma,
+    matvec_mma_smem,
     norm_fusable,
     prefill_split_k_need,
     split_k_floats,
@@ -145,9 +147,10 @@ class _FakeKernel:
 def _kernels(sm_count=132, mma=False, cluster=False):
     """Kernels without a device: the launch geometry only (kernel lookups give named stand-ins). mma: the GEMMs are
     the pipelined matmul2_* (a GPU of compute capability >= 8.0 with INGOT_MATMUL=mma), else WMMA's; cluster: their
-    split-K slices are summed in thread-block clusters (sm_90+, INGOT_SPLIT_K=cluster)."""
+    split-K slices are summed in thread-block clusters (sm_90+, INGOT_SPLIT_K=cluster). The GPU is an sm_90 with mma,
+    else an sm_75 (no tensor-core kernels)."""
     k = Kernels.__new__(Kernels)
-    k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count))
+    k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count, cc=90 if mma else 75))
     k.matmul_mma = mma
     k.matmul_frag = mma  # Q4_0 / Q4_1 through matmul2r_* (INGOT_MATMUL=mma)
     k.split_k_cluster = cluster
@@ -156,6 +159,7 @@ def _kernels(sm_count=132, mma=False, cluster=False):
         "matvec_{}",
         "matvec_{}_b1",
         "matvec_{}_b1n",
+        "matvec_{}_mma",
         "matmul_{}",
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
     )
@@ -221,6 +225,41 @@ def test_one_column_runs_the_b1_kernel_and_the_setting_turns_it_off(monkeypatch,
     assert launch.grid[:2] == (-(-64 // constants.MATVEC_ROWS_PER_BLOCK), -(-ncols // constants.MATVEC_COLS))
     monkeypatch.setenv("INGOT_MATVEC_B1", "0")
     (launch,) = _kernels().matvec(W, xin, 100, ncols, ldy=64)
+    assert launch.kernel.name == f"matvec_{qtype.lower()}"
+
+
+@pytest.mark.parametrize("mode", [constants.MODE_STORE, constants.MODE_ADD, constants.MODE_SWIGLU])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_two_to_eight_columns_run_the_tensor_core_matvec(monkeypatch, qtype, mode):
+    """matvec_<type>_mma (cuda/matvec.cu) takes 3..MVM_COLS columns of Q4_0 / Q4_1 on compute capability 8.0+ where
+    the model allows it (narrow): one block of MVM_WARPS warps per 16 rows (8 outputs gated), every column in the
+    block (blockIdx.y unused). One or two columns, more than MVM_COLS, another type, an odd number of blocks a row,
+    4 GiB of quants, an older GPU, a model that did not allow it or INGOT_MATVEC_MMA=0 keep the dp4a kernels."""
+    W = _matrix(qtype, 1000, 512)  # 1000 rows: a last block of 8 (gated: 500 outputs, a last block of 4)
+    outputs = 500 if mode == constants.MODE_SWIGLU else 1000
+    for ncols in range(MATVEC_MMA_MIN_COLS, constants.MATVEC_MMA_COLS + 1):
+        (launch,) = _kernels(mma=True).matvec(W, (1, 2), 100, ncols, ldy=1000, mode=mode, narrow=True)
+        per_block = constants.MATVEC_MMA_ROWS // (2 if mode == constants.MODE_SWIGLU else 1)
+        assert launch.kernel.name == f"matvec_{qtype.lower()}_mma"
+        assert launch.grid[:2] == (-(-outputs // per_block), 1) and launch.block == 32 * constants.MATVEC_MMA_WARPS
+        assert _ptr_args(launch)[len(W.args()) :] == [1, 2, 0, 100, outputs, 512, ncols, 1000, mode, 0]
+        kib = {("Q4_0", 1): 61.5, ("Q4_1", 1): 64.5, ("Q4_0", 2): 93, ("Q4_1", 2): 96}[qtype, -(-ncols // 4)]
+        assert launch.smem == matvec_mma_smem(qtype, ncols) == kib * 1024
+    (launch,) = _kernels(mma=True).matvec(W, (1, 2), 100, 4, ldy=1000, mode=mode)  # the model did not allow it
+    assert launch.kernel.name == f"matvec_{qtype.lower()}"
+    for k, ncols, M in (
+        (_kernels(mma=True), 1, W),
+        (_kernels(mma=True), 2, W),
+        (_kernels(mma=True), constants.MATVEC_MMA_COLS + 1, W),
+        (_kernels(mma=True), 4, _matrix("Q4_K", 1000, 512)),
+        (_kernels(mma=True), 4, _matrix(qtype, 1000, 544)),  # 17 blocks a row: scale words would straddle rows
+        (_kernels(mma=True), 4, _matrix(qtype, 1 << 17, 1 << 16)),  # 4 GiB of quants: past 32-bit offsets
+        (_kernels(mma=False), 4, W),
+    ):
+        (launch,) = k.matvec(M, (1, 2), 100, ncols, ldy=1000, mode=mode, narrow=True)
+        assert not launch.kernel.name.endswith("_mma"), (ncols, M.qtype)
+    monkeypatch.setenv("INGOT_MATVEC_MMA", "0")
+    (launch,) = _kernels(mma=True).matvec(W, (1, 2), 100, 4, ldy=1000, mode=mode, narrow=True)
     assert launch.kernel.name == f"matvec_{qtype.lower()}"
 
 

@@ -20,7 +20,15 @@ from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
 from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
 from ingot.runtime.gpu.driver import Copy, DeviceBuffer, Kernel, Launch
-from ingot.runtime.gpu.kernels import GpuMatrix, Kernels, NormedQ8, SplitK, decode_gemm_min_batch, mark_pdl
+from ingot.runtime.gpu.kernels import (
+    GpuMatrix,
+    Kernels,
+    NormedQ8,
+    SplitK,
+    decode_gemm_min_batch,
+    mark_pdl,
+    narrow_mma_model,
+)
 from ingot.runtime.model.architectures import ARCHITECTURES, Architecture
 from ingot.runtime.model.gguf import Model, QTensor, expected_shapes
 from ingot.runtime.model.quants import QUANT_TYPES
@@ -45,7 +53,7 @@ class _Recorder(Kernels):
     """The real launch geometry, with fake kernels, recording the arguments of the ops the block is made of."""
 
     def __init__(self):
-        self.device = SimpleNamespace(info=SimpleNamespace(sm_count=132))
+        self.device = SimpleNamespace(info=SimpleNamespace(sm_count=132, cc=90))
         self.k = _FakeKernels()
         self.sample_smem_limit = 0  # the sampler's global-memory path: no smem opt-in to fake
         self.prefill_mma = True  # a GPU of compute capability >= 8.0: the tensor-core prefill attention
@@ -116,9 +124,10 @@ def plan_engine(c, qtype: str = "Q8_0", uneven_gu: bool = False) -> CudaEngine:
     e.config, e.k = c, _Recorder()
     e.qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     e.gemm_min_batch, e.max_pages = GEMM_MIN_BATCH, 64
+    e.narrow_mma = False
     e.split_room = e.k.attn_decode_split_room(64, c)
     e.mask_words = (c.n_vocab + 31) // 32
-    e.dev = SimpleNamespace(info=SimpleNamespace(sm_count=132))
+    e.dev = SimpleNamespace(info=SimpleNamespace(sm_count=132, cc=90))
     for name in BUFFERS:  # addresses only: room for every offset the launch lists take into them
         setattr(e, name, pool.alloc(1 << 20, name))
     e._all_logits = pool.alloc(4096, "all logits")
@@ -843,3 +852,15 @@ def test_layer_matrix_bytes_average_a_layer_by_type():
 )
 def test_decode_gemm_min_batch_per_model(shape, quant, mma, frag, want):
     assert decode_gemm_min_batch(layer_matrix_bytes(_model_of(shape, quant)), mma, frag) == want
+
+
+@pytest.mark.parametrize(
+    "shape, quant, want",
+    [
+        ("smollm2-135m", "Q4_1", True),  # 2.2 MB layers: b4 +16%, b8 +12% on an H100 (PERF.md v22)
+        ("qwen3-0.6b", "Q4_0", True),
+        ("llama3-8b", "Q4_0", False),  # 123 MB layers: 0.8-1.1 TB/s, slower than the GEMM from 3 and dp4a at 2
+    ],
+)
+def test_narrow_mma_matvec_per_model(shape, quant, want):
+    assert narrow_mma_model(layer_matrix_bytes(_model_of(shape, quant))) is want

@@ -73,6 +73,7 @@ from ingot.runtime.gpu.kernels import (
     SplitK,
     decode_gemm_min_batch,
     kernel_images,
+    narrow_mma_model,
     norm_fusable,
     sample_chunk_bytes,
 )
@@ -327,7 +328,7 @@ class _MatvecOps(_Ops):
         return ({"yq": e.xq, "yd": e.xd}, self._q8()) if W.quantized else ({"y": e.xf}, e.xf.ptr)
 
     def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
-        self.L += self.k.matvec(W, xin, out, self.n, ldy=ld, bias=bias)
+        self.L += self.k.matvec(W, xin, out, self.n, ldy=ld, bias=bias, narrow=self.e.narrow_mma)
 
     def attention(self, layer: int, lw: LayerWeights) -> Act:
         q8 = lw.wo.quantized  # the merge also writes the q8x2 form the output projection reads
@@ -338,7 +339,8 @@ class _MatvecOps(_Ops):
         return self._q8() if q8 else e.att.ptr
 
     def project(self, W, xin: Act, mode: int) -> None:
-        self.L += self.k.matvec(W, xin, self.x if mode == MODE_ADD else self.o, self.n, ldy=self.c.dim, mode=mode)
+        out = self.x if mode == MODE_ADD else self.o
+        self.L += self.k.matvec(W, xin, out, self.n, ldy=self.c.dim, mode=mode, narrow=self.e.narrow_mma)
 
     def residual(self, W, xin: Act, post_norm: DeviceBuffer | None, then: Norm | None) -> Act | None:
         """One sequence, pre-norm: x += W · xin with the next norm in the same launch (matvec_<type>_b1n); the
@@ -353,9 +355,10 @@ class _MatvecOps(_Ops):
     def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
         e, F = self.e, self.c.ffn_dim
         if wgu.uniform:
-            self.L += self.k.matvec(wgu, xin, e.h.ptr, self.n, ldy=F, mode=ACTIVATION_MODES[activation])
+            mode = ACTIVATION_MODES[activation]
+            self.L += self.k.matvec(wgu, xin, e.h.ptr, self.n, ldy=F, mode=mode, narrow=e.narrow_mma)
         else:  # gate and up in different quant types: no fused epilogue pairs their rows
-            self.L += self.k.matvec(wgu, xin, e.gu.ptr, self.n, ldy=2 * F)
+            self.L += self.k.matvec(wgu, xin, e.gu.ptr, self.n, ldy=2 * F, narrow=e.narrow_mma)
             self.L.append(self.k.gated_act(activation, e.gu.ptr, F, self.n, hf=e.h.ptr))
         if not wdown.quantized:
             return e.h.ptr
@@ -601,6 +604,8 @@ class CudaEngine:
             self.gemm_min_batch = gemm_min_batch or decode_gemm_min_batch(
                 layer_matrix_bytes(model), self.k.matmul_mma, self.k.matmul_frag
             )
+            # ... and narrower ones of small models, Q4_0 / Q4_1 on the integer tensor cores (matvec_<type>_mma)
+            self.narrow_mma = narrow_mma_model(layer_matrix_bytes(model))
             self.w = upload_weights(model, self.pool, self.stream, self.k)
             self._alloc_cache(kv_pages)
             self._alloc_buffers()

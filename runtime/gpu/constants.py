@@ -24,6 +24,11 @@ SHARED: dict[str, tuple[int, str]] = {
     "MV_COLS": (4, "batch columns (sequences) per matvec block"),
     "MVN_WARPS": (16, "warps per matvec_<type>_b1n block: 32 rows, one q8x2 block of the fused norm's output"),
     "MV_NORM_MAX": (4096, "widest row a fused norm's consumer (matvec_<type>_b1) sums: a float4 of partials a lane"),
+    "MVM_WARPS": (4, "warps per matvec_<type>_mma block (16 rows, K split between the warps)"),
+    "MVM_ROWS": (16, "rows per matvec_<type>_mma block: one m16 tile (8 outputs in the gated modes)"),
+    "MVM_STAGES": (3, "cp.async stages of each matvec_<type>_mma warp's own pipeline"),
+    "MVM_CHUNK": (8, "32-weight blocks per row in a matvec_<type>_mma stage (128 bytes of Q4 quants)"),
+    "MVM_COLS": (8, "most batch columns (sequences) matvec_<type>_mma takes: two mma of 4 sequences x 2 levels"),
     "MATMUL_BM": (64, "matmul tile rows (tokens)"),
     "MATMUL_BN": (64, "matmul tile columns (output features)"),
     "MATMUL2_BN": (128, "pipelined mma matmul (matmul2_*): tile columns (output features)"),
@@ -54,6 +59,11 @@ MATVEC_ROWS_PER_BLOCK = 2 * SHARED["MV_WARPS"][0]
 MATVEC_NORM_WARPS = SHARED["MVN_WARPS"][0]
 assert 2 * MATVEC_NORM_WARPS == QK, "a matvec_<type>_b1n block's rows are one q8x2 block of the norm's output"
 MATVEC_NORM_MAX = SHARED["MV_NORM_MAX"][0]
+MATVEC_MMA_WARPS = SHARED["MVM_WARPS"][0]
+MATVEC_MMA_COLS = SHARED["MVM_COLS"][0]
+MATVEC_MMA_ROWS = SHARED["MVM_ROWS"][0]
+MATVEC_MMA_STAGES = SHARED["MVM_STAGES"][0]
+MATVEC_MMA_CHUNK = SHARED["MVM_CHUNK"][0]
 MATMUL_TILE = SHARED["MATMUL_BM"][0]
 assert SHARED["MATMUL_BM"][0] == SHARED["MATMUL_BN"][0], "kernels.py sizes matmul grids with one square tile"
 MATMUL2_BN = SHARED["MATMUL2_BN"][0]
@@ -82,7 +92,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 11  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 12  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -96,6 +106,7 @@ KERNEL_ABI = 11  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-toke
 # 9: matvec_<type>_b1n (a residual projection with the next RMSNorm fused) and matvec_<type>_b1's (ss, eps)
 # 10: (matvec_<type>_b1q, measured slower and reverted: never landed)
 # 11: ATT_ONE_SPLIT_PAGES: decode attention runs up to 2 pages of keys as one split
+# 12: matvec_<type>_mma (Q4_0, Q4_1): 2..MVM_COLS columns on the integer tensor cores
 
 
 def header() -> str:

@@ -34,6 +34,11 @@ from ingot.runtime.gpu.constants import (
     MATMUL2R_STAGES,
     MATMUL_TILE,
     MATVEC_COLS,
+    MATVEC_MMA_CHUNK,
+    MATVEC_MMA_COLS,
+    MATVEC_MMA_ROWS,
+    MATVEC_MMA_STAGES,
+    MATVEC_MMA_WARPS,
     MATVEC_NORM_MAX,
     MATVEC_NORM_WARPS,
     MATVEC_ROWS_PER_BLOCK,
@@ -102,6 +107,12 @@ MATMUL2R_TYPES = ("Q4_0", "Q4_1")  # the types matmul2r_* dequantizes into the m
 MATMUL2R_TILE_ROWS = (16, 32, 64, 128)
 MATMUL2_PREFILL_MIN_ROWS = 32
 
+# The types matvec_<type>_mma (cuda/matvec.cu: 2..MATVEC_MMA_COLS columns on the integer tensor cores, mma.sync
+# m16n8k32 u8 x s8) serves, from this compute capability.
+MATVEC_MMA_TYPES = ("Q4_0", "Q4_1")
+MATVEC_MMA_MIN_CC = 80
+MATVEC_MMA_MIN_COLS = 3  # at 2 it measured no faster than the dp4a kernel (cuda/PERF.md v22)
+
 # The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).
 ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
 
@@ -116,6 +127,7 @@ PDL_KERNELS = frozenset(
         *(f"matmul2r_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2R_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
+        *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
         "convert_f32_f16",
@@ -597,9 +609,48 @@ def one_column_kernel(ncols: int) -> bool:
     return ncols == 1 and settings.MATVEC_B1.get()
 
 
-def matvec_kernel(qtype: str, ncols: int) -> str:
-    """The matvec kernel for ncols columns: the one-column kernel where one_column_kernel says so, else the
-    any-column one."""
+def matvec_mma_smem(qtype: str, ncols: int) -> int:
+    """Dynamic shared memory of matvec_<type>_mma at ncols columns (cuda/matvec.cu mvm_stage_bytes): each warp's
+    MATVEC_MMA_STAGES stages of 16 rows x (MATVEC_MMA_CHUNK blocks of 16 quant bytes + 16 bytes of padding), their
+    f16 scales (d, and m for Q4_1), and per group of 4 sequences their q8x2 words (2 levels x 4 x (MATVEC_MMA_CHUNK
+    x 32 + 16) bytes) and block scales (4 x MATVEC_MMA_CHUNK float4). Q4_0 / Q4_1: 61.5 / 64.5 KiB up to 4
+    columns (three blocks an SM on sm_90), 93 / 96 KiB above (two; one on sm_86 / 89 / 120's 99 KiB)."""
+    groups = -(-ncols // 4)
+    scales = 2 if qtype == "Q4_1" else 1
+    quants = MATVEC_MMA_ROWS * (MATVEC_MMA_CHUNK * 16 + 16) + MATVEC_MMA_ROWS * MATVEC_MMA_CHUNK * 2 * scales
+    acts = groups * (2 * 4 * (MATVEC_MMA_CHUNK * QK + 16) + 4 * MATVEC_MMA_CHUNK * 16)
+    return MATVEC_MMA_WARPS * MATVEC_MMA_STAGES * (quants + acts)
+
+
+def narrow_mma_model(layer_bytes: dict[str, int]) -> bool:
+    """Whether a model's decode batches may run matvec_<type>_mma (the integer tensor cores, cuda/matvec.cu):
+    models whose layers are under DECODE_GEMM_LAYER_BYTES. Measured on an H100 (cuda/PERF.md v22), tg128 against
+    the dp4a kernel: SmolLM2-shaped (2.2 MB layers) +16% at 4 sequences and +12% at 8; on the 8B (123 MB layers) the
+    kernel reached 0.8-1.1 TB/s, slower than the fragment GEMM from 3 sequences and than the dp4a kernel at 2."""
+    return sum(layer_bytes.values()) < DECODE_GEMM_LAYER_BYTES
+
+
+def narrow_mma_kernel(qtype: str, ncols: int, cc: int, rows: int, cols: int) -> bool:
+    """Whether a matvec of ncols columns of a [rows, cols] qtype matrix may run matvec_<type>_mma (the caller
+    decides per model: narrow_mma_model) on a GPU of compute capability cc: MATVEC_MMA_MIN_COLS..MATVEC_MMA_COLS
+    columns of MATVEC_MMA_TYPES, rows of whole pairs of blocks (its scales are copied 4 bytes at a time) and under
+    4 GiB of quants (32-bit offsets), from MATVEC_MMA_MIN_CC; INGOT_MATVEC_MMA=0: never."""
+    return (
+        MATVEC_MMA_MIN_COLS <= ncols <= MATVEC_MMA_COLS
+        and qtype in MATVEC_MMA_TYPES
+        and cols % (2 * QK) == 0
+        and rows * cols // 2 < 1 << 32
+        and cc >= MATVEC_MMA_MIN_CC
+        and settings.MATVEC_MMA.get()
+    )
+
+
+def matvec_kernel(qtype: str, ncols: int, cc: int, rows: int, cols: int, narrow: bool = False) -> str:
+    """The matvec kernel for ncols columns of a [rows, cols] qtype matrix: the one-column kernel where
+    one_column_kernel says so, the tensor-core one where the caller allows it (narrow) and narrow_mma_kernel says
+    so, else the any-column one."""
+    if narrow and narrow_mma_kernel(qtype, ncols, cc, rows, cols):
+        return f"matvec_{qtype.lower()}_mma"
     return f"matvec_{qtype.lower()}{'_b1' if one_column_kernel(ncols) else ''}"
 
 
@@ -756,6 +807,9 @@ class Kernels:
         # the registers let two of them share an SM some SMs took two and others none (the 8B's tg128 380 tok/s
         # against 420 at one an SM: cuda/PERF.md v21). Just over half an SM's shared memory keeps them one to an SM.
         self.norm_smem = {q: self._one_block_an_sm(f"matvec_{q.lower()}_b1n") for q in GPU_QTYPES if q != "F16"}
+        if device.info.cc >= MATVEC_MMA_MIN_CC:
+            for q in MATVEC_MMA_TYPES:
+                self.k[f"matvec_{q.lower()}_mma"].allow_dynamic_smem(matvec_mma_smem(q, MATVEC_MMA_COLS))
         for hd in self.prefill_head_dims:
             self.k[self._prefill_kernel(hd)].allow_dynamic_smem(self.prefill_bytes(hd))
             if self.prefill_mma:  # the several-sequence launch of the same kernel (attn_prefill_varlen)
@@ -839,11 +893,13 @@ class Kernels:
         ldy: int,
         mode: int = MODE_STORE,
         bias: DeviceBuffer | None = None,
+        narrow: bool = False,
     ) -> list[Launch]:
         """y[c, :] (op)= W · x[c, :] for c < ncols. x is (xq, xd) q8x2 for quantized W, fp32 for F16 W, or a
         NormedQ8 (one column: the fused norm's output, norm_fusable). Gated modes (MODE_SWIGLU, MODE_GEGLU): W stacks
         [gate; up] in one matrix and y gets act(gate·x) * (up·x), rows/2 outputs per column. A GpuStack gets one
-        launch per part, writing its rows at the part's offset."""
+        launch per part, writing its rows at the part's offset. narrow: the model allows matvec_<type>_mma
+        (narrow_mma_model; narrow_mma_kernel decides per matrix)."""
         if mode in GATED_MODES and len(W.parts) > 1:
             raise IncompatibleError(
                 f"a gated matvec needs [gate; up] in one matrix, got a stack of {[p.qtype for p in W.parts]}",
@@ -859,19 +915,24 @@ class Kernels:
         launches, offset = [], 0
         for part in W.parts:
             rows = part.rows // 2 if mode in GATED_MODES else part.rows
-            per_block = MATVEC_ROWS_PER_BLOCK // 2 if mode in GATED_MODES else MATVEC_ROWS_PER_BLOCK
-            grid = ((rows + per_block - 1) // per_block, (ncols + MATVEC_COLS - 1) // MATVEC_COLS)
             xs = list(x[:2]) if part.quantized else [x]
             part_bias = None if bias is None else bias.at(4 * offset)
-            name = matvec_kernel(part.qtype, ncols)
-            kernel = self.k[name]
+            name = matvec_kernel(part.qtype, ncols, self.device.info.cc, part.rows, part.cols, narrow)
+            kernel, smem = self.k[name], 0
+            if name.endswith("_mma"):  # one block of MATVEC_MMA_WARPS warps per 16 rows (8 gated outputs)
+                per_block = MATVEC_MMA_ROWS // 2 if mode in GATED_MODES else MATVEC_MMA_ROWS
+                grid, threads = ((rows + per_block - 1) // per_block, 1), 32 * MATVEC_MMA_WARPS
+                smem = matvec_mma_smem(part.qtype, ncols)
+            else:
+                per_block = MATVEC_ROWS_PER_BLOCK // 2 if mode in GATED_MODES else MATVEC_ROWS_PER_BLOCK
+                grid, threads = ((rows + per_block - 1) // per_block, (ncols + MATVEC_COLS - 1) // MATVEC_COLS), 128
             # the one-column kernel's fused-norm arguments: the partial sums (null: none) and eps
             b1 = [x.ss, f32(x.eps)] if normed else [None, f32(0.0)]
             launches.append(
                 Launch(
                     kernel,
                     grid,
-                    128,
+                    threads,
                     [
                         *part.args(),
                         *xs,
@@ -885,6 +946,7 @@ class Kernels:
                         i32(matvec_pdl_flags(kernel.pdl, part)),
                         *(b1 if name.endswith("_b1") and part.quantized else []),  # matvec_f16_b1 has none
                     ],
+                    smem=smem,
                 )
             )
             offset += part.rows

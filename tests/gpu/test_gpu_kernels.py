@@ -24,6 +24,7 @@ from ingot.runtime.gpu.kernels import (
     MATMUL2_TILE_ROWS,
     MATMUL2R_TILE_ROWS,
     MATMUL2R_TYPES,
+    MATVEC_MMA_MIN_COLS,
     SAMPLE_CHUNK,
     SUPERBLOCK_TYPES,
     GpuMatrix,
@@ -264,6 +265,43 @@ def test_matvec_add_and_gated(gpu, rng, qtype, ncols):
     y = gpu.put(resid)
     _run_steps(gpu, gpu.k.matvec(W, xin, y.ptr, ncols, ldy=2 * F, mode=K.MODE_ADD))
     assert rel_err(gpu.get(y, np.float32, (ncols, 2 * F)), resid + xref @ Wref.T) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (37, 832), (203, 4096), (40, 14336)])
+def test_tensor_core_matvec_against_numpy(gpu, rng, monkeypatch, qtype, rows, cols):
+    """matvec_<type>_mma (cuda/matvec.cu: 3..MVM_COLS columns on the integer tensor cores) at every column count and
+    in every mode, against the numpy product of the q8x2 activation's exact dequantization: odd row counts leave the
+    last block part-empty (its rows re-read the last one and must be dropped), 3, 5..7 columns part of a
+    sequence group, 2 blocks of 32 along a row idle warps and 26 a part-filled last chunk of 8 (zero-filled copies).
+    The integer sums are exact, so the bound is
+    the dp4a kernel's (test_matvec_store_with_bias): fp32 rounding of the per-block scaling and its sum, 1e-5."""
+    if gpu.dev.info.cc < 80:
+        pytest.skip("matvec_<type>_mma needs compute capability 8.0 (mma.sync m16n8k32)")
+    monkeypatch.setenv("INGOT_MATVEC_MMA", "1")
+    Ws, Wsref = make_weight(gpu, rng, qtype, 2 * rows + 1, cols)
+    Wg, Wgref = make_weight(gpu, rng, qtype, 2 * rows, cols)  # [gate; up]
+    bias = rng.standard_normal(2 * rows + 1).astype(np.float32)
+    for ncols in range(MATVEC_MMA_MIN_COLS, K.MATVEC_MMA_COLS + 1):
+        x = rng.standard_normal((ncols, cols)).astype(np.float32)
+        xin, xref = _activation(gpu, Ws, x)
+        resid = rng.standard_normal((ncols, 2 * rows + 1)).astype(np.float32)
+        g, u = xref @ Wgref[:rows].T, xref @ Wgref[rows:].T
+        cases = (
+            (K.MODE_STORE, Ws, 2 * rows + 1, None, xref @ Wsref.T + bias),
+            (K.MODE_ADD, Ws, 2 * rows + 1, resid, resid + xref @ Wsref.T + bias),
+            (K.MODE_SWIGLU, Wg, rows, None, _silu(g) * u),
+            (K.MODE_GEGLU, Wg, rows, None, _gelu_tanh(g) * u),
+        )
+        for mode, W, n, start, ref in cases:
+            y = gpu.put(start) if start is not None else gpu.empty(4 * ncols * n)
+            b = gpu.put(bias) if n > rows else None
+            launches = gpu.k.matvec(W, xin, y.ptr, ncols, ldy=n, mode=mode, bias=b, narrow=True)
+            assert [launch.kernel.name for launch in launches] == [f"matvec_{qtype.lower()}_mma"]
+            _run_steps(gpu, launches)
+            out = gpu.get(y, np.float32, (ncols, n))
+            # gated: 1e-4, the product's ~1e-5 through the activation's slope (test_matvec_add_and_gated)
+            assert rel_err(out, ref) < (1e-4 if mode in (K.MODE_SWIGLU, K.MODE_GEGLU) else 1e-5), (ncols, mode)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
