@@ -319,10 +319,11 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 
 // --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1; compute capability 8.0+)
 //
-// 2..MVM_COLS columns (a decode batch of 2-8 sequences). The any-column kernel above reads a column's whole q8x2
-// block (80 bytes) per 16 bytes of weights and pays 2 x 16 dp4a per 32 weights and column: its 4-column step is
-// 2.3x the one-column one on the 8B, and the 16-row GEMM tile that replaced it from 3 sequences pads 12 of its 16
-// rows (cuda/PERF.md v18, v19). Here one mma.sync m16n8k32 (u8 x s8 -> s32, exact) takes one 32-weight block of 16
+// 2..MVM_COLS columns (a decode batch of 2-8 sequences; the host runs it from 3 sequences of small models only, where
+// it measured faster: kernels.py narrow_mma_model, cuda/PERF.md v22). The any-column kernel above reads a column's
+// whole q8x2 block (80 bytes) per 16 bytes of weights and pays 2 x 16 dp4a per 32 weights and column: its 4-column
+// step is 2.3x the one-column one on the 8B, and the 16-row GEMM tile that replaced it from 3 sequences pads 12 of
+// its 16 rows (cuda/PERF.md v18, v19). Here one mma.sync m16n8k32 (u8 x s8 -> s32, exact) takes one 32-weight block of 16
 // rows against 4 sequences at both q8x2 levels:
 //   A (16 x 32 u8)  lane (g = lane/4, t = lane%4) takes word t of the block in rows g and g+8: bytes 4t..4t+3 hold
 //                   weights 4t.. (low nibbles) and 16+4t.. (high), which is the fragment's k order (mma.cuh), so a
@@ -351,7 +352,8 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 // [2 levels][4][MVM_XROW] and block scales float4 [4][MVM_CHUNK]. kernels.py matvec_mma_smem computes the same.
 template <bool MIN, int NG>
 __host__ __device__ constexpr int mvm_stage_bytes() {
-    return MVM_ROWS * MVM_QROW + MVM_ROWS * MVM_CHUNK * 2 * (MIN ? 2 : 1) + NG * (2 * 4 * MVM_XROW + 4 * MVM_CHUNK * 16);
+    return MVM_ROWS * MVM_QROW + MVM_ROWS * MVM_CHUNK * 2 * (MIN ? 2 : 1) +
+           NG * (2 * 4 * MVM_XROW + 4 * MVM_CHUNK * 16);
 }
 
 template <bool MIN>
@@ -470,13 +472,15 @@ __device__ __forceinline__ void matvec_mma(const Q4M<MIN>& w, const int8_t* __re
                 const __half* sm = reinterpret_cast<const __half*>(S + M_OFF);
                 m0 = __half2float(sm[g * MVM_CHUNK + k]); m1 = __half2float(sm[(g + 8) * MVM_CHUNK + k]);
             }
-            const unsigned a[4] = {q0 & 0x0F0F0F0Fu, q1 & 0x0F0F0F0Fu, (q0 >> 4) & 0x0F0F0F0Fu, (q1 >> 4) & 0x0F0F0F0Fu};
+            const unsigned a[4] = {q0 & 0x0F0F0F0Fu, q1 & 0x0F0F0F0Fu, (q0 >> 4) & 0x0F0F0F0Fu,
+                                   (q1 >> 4) & 0x0F0F0F0Fu};
 #pragma unroll
             for (int ng = 0; ng < NG; ng++) {
                 // B: sequence g%4 at level g/4, words t and 4+t; C: sequences 2t%4 + j at level t/2
                 const unsigned char* X = S + X_OFF + ng * XG;
                 const unsigned char* xb = X + ((g / 4) * 4 + g % 4) * MVM_XROW + k * QK + t * 4;
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(xb), b1 = *reinterpret_cast<const unsigned*>(xb + 16);
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(xb);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(xb + 16);
                 const float4* xs = reinterpret_cast<const float4*>(X + XD_OFF);
                 const float4 x0 = xs[((2 * t) % 4) * MVM_CHUNK + k], x1 = xs[((2 * t) % 4 + 1) * MVM_CHUNK + k];
                 const float dl0 = fine ? x0.y : x0.x, s0 = fine ? 0.0f : x0.z;
