@@ -625,8 +625,8 @@ def matvec_mma_smem(qtype: str, ncols: int) -> int:
 def narrow_mma_model(layer_bytes: dict[str, int]) -> bool:
     """Whether a model's decode batches may run matvec_<type>_mma (the integer tensor cores, cuda/matvec.cu):
     models whose layers are under DECODE_GEMM_LAYER_BYTES. Measured on an H100 (cuda/PERF.md v22), tg128 against
-    the dp4a kernel: SmolLM2-shaped (2.2 MB layers) +16% at 4 sequences and +12% at 8; on the 8B (123 MB layers) the
-    kernel reached 0.8-1.1 TB/s, slower than the fragment GEMM from 3 sequences and than the dp4a kernel at 2."""
+    the dp4a kernel: the real SmolLM2 (2.2 MB layers) +6% at 3 sequences, +14% at 4, +8% at 8; on the 8B (123 MB
+    layers) the kernel reached 0.8-1.1 TB/s, slower than the fragment GEMM from 3 sequences and the dp4a kernel at 2."""
     return sum(layer_bytes.values()) < DECODE_GEMM_LAYER_BYTES
 
 
