@@ -323,8 +323,8 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 // it measured faster: kernels.py narrow_mma_model, cuda/PERF.md v22). The any-column kernel above reads a column's
 // whole q8x2 block (80 bytes) per 16 bytes of weights and pays 2 x 16 dp4a per 32 weights and column: its 4-column
 // step is 2.3x the one-column one on the 8B, and the 16-row GEMM tile that replaced it from 3 sequences pads 12 of
-// its 16 rows (cuda/PERF.md v18, v19). Here one mma.sync m16n8k32 (u8 x s8 -> s32, exact) takes one 32-weight block of 16
-// rows against 4 sequences at both q8x2 levels:
+// its 16 rows (cuda/PERF.md v18, v19). Here one mma.sync m16n8k32 (u8 x s8 -> s32, exact) takes one 32-weight
+// block of 16 rows against 4 sequences at both q8x2 levels:
 //   A (16 x 32 u8)  lane (g = lane/4, t = lane%4) takes word t of the block in rows g and g+8: bytes 4t..4t+3 hold
 //                   weights 4t.. (low nibbles) and 16+4t.. (high), which is the fragment's k order (mma.cuh), so a
 //                   word becomes two fragment registers with three integer ops.
@@ -341,7 +341,7 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 // chunk's 16 rows of quants (128 bytes a row, coalesced) and scales, and the activations' q8x2 words and block
 // scales of its 4 or 8 sequences. (Measured on an H100, 8B at 4 sequences, cuda/PERF.md v22: loading each lane's
 // words straight from global memory held 16 KiB in flight an SM, 754 tok/s; staging the weights but not the
-// activations, 943, its warps stalled 66-76% on the activations' L1/L2 loads.) Shared-memory rows are padded so
+// activations, 943, its warps stalled 41-76% on the activations' L1/L2 loads.) Shared-memory rows are padded so
 // that a fragment load hits 32 distinct banks: quant rows by 16 bytes (the 8 rows g of a load), activation rows
 // (a sequence's 8 blocks at one level, 256 bytes) by 16, and the fine level 4 rows on (bank = 16 * level + 4 * seq
 // + 8 * block + t). The warps' partial sums meet in the same shared memory at the end.
