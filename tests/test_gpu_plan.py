@@ -864,3 +864,19 @@ def test_decode_gemm_min_batch_per_model(shape, quant, mma, frag, want):
 )
 def test_narrow_mma_matvec_per_model(shape, quant, want):
     assert narrow_mma_model(layer_matrix_bytes(_model_of(shape, quant))) is want
+
+
+def test_a_small_model_runs_three_to_eight_sequences_through_the_tensor_core_matvec():
+    """The engine hands its narrow_mma (narrow_mma_model: layers under 64 MiB) to every matvec of a batch decode:
+    SmolLM2's Q4_1 matrices, the head included, run matvec_q4_1_mma at 3-8 sequences; 2 sequences, and a model not
+    marked, keep the dp4a kernel. The launch list is otherwise the same."""
+    c = config_of(SHAPES["smollm2-135m"])
+    e = plan_engine(c, "Q4_1")
+    e.gemm_min_batch = 16  # decode_gemm_min_batch's for SmolLM2: 8 sequences still take the matvecs
+    plain = {B: kernel_names(e._decode_launches(B)) for B in (2, 4, 8)}
+    e.narrow_mma = True
+    assert kernel_names(e._decode_launches(2)) == plain[2]
+    for B in (4, 8):
+        narrow = kernel_names(e._decode_launches(B))
+        assert narrow.count("matvec_q4_1_mma") == 4 * c.n_layers + 1 == plain[B].count("matvec_q4_1")
+        assert [n.replace("matvec_q4_1_mma", "matvec_q4_1") for n in narrow] == plain[B]
