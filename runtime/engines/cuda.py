@@ -327,8 +327,12 @@ class _MatvecOps(_Ops):
         e = self.e
         return ({"yq": e.xq, "yd": e.xd}, self._q8()) if W.quantized else ({"y": e.xf}, e.xf.ptr)
 
+    def _matvec(self, W, xin: Act, out: int, ld: int, **kw) -> None:
+        """W · xin for this batch into out (row stride ld), as the model allows (narrow_mma: matvec_<type>_mma)."""
+        self.L += self.k.matvec(W, xin, out, self.n, ldy=ld, narrow=self.e.narrow_mma, **kw)
+
     def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
-        self.L += self.k.matvec(W, xin, out, self.n, ldy=ld, bias=bias, narrow=self.e.narrow_mma)
+        self._matvec(W, xin, out, ld, bias=bias)
 
     def attention(self, layer: int, lw: LayerWeights) -> Act:
         q8 = lw.wo.quantized  # the merge also writes the q8x2 form the output projection reads
@@ -339,8 +343,7 @@ class _MatvecOps(_Ops):
         return self._q8() if q8 else e.att.ptr
 
     def project(self, W, xin: Act, mode: int) -> None:
-        out = self.x if mode == MODE_ADD else self.o
-        self.L += self.k.matvec(W, xin, out, self.n, ldy=self.c.dim, mode=mode, narrow=self.e.narrow_mma)
+        self._matvec(W, xin, self.x if mode == MODE_ADD else self.o, self.c.dim, mode=mode)
 
     def residual(self, W, xin: Act, post_norm: DeviceBuffer | None, then: Norm | None) -> Act | None:
         """One sequence, pre-norm: x += W · xin with the next norm in the same launch (matvec_<type>_b1n); the
@@ -355,10 +358,9 @@ class _MatvecOps(_Ops):
     def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
         e, F = self.e, self.c.ffn_dim
         if wgu.uniform:
-            mode = ACTIVATION_MODES[activation]
-            self.L += self.k.matvec(wgu, xin, e.h.ptr, self.n, ldy=F, mode=mode, narrow=e.narrow_mma)
+            self._matvec(wgu, xin, e.h.ptr, F, mode=ACTIVATION_MODES[activation])
         else:  # gate and up in different quant types: no fused epilogue pairs their rows
-            self.L += self.k.matvec(wgu, xin, e.gu.ptr, self.n, ldy=2 * F, narrow=e.narrow_mma)
+            self._matvec(wgu, xin, e.gu.ptr, 2 * F)
             self.L.append(self.k.gated_act(activation, e.gu.ptr, F, self.n, hf=e.h.ptr))
         if not wdown.quantized:
             return e.h.ptr
@@ -601,11 +603,12 @@ class CudaEngine:
                 )
             # Decode batches at least this wide use the tensor-core GEMMs (weights read once for all sequences,
             # split-K for parallelism) instead of the dp4a matrix-vector kernels (up to 4 sequences per pass).
+            layer_bytes = layer_matrix_bytes(model)
             self.gemm_min_batch = gemm_min_batch or decode_gemm_min_batch(
-                layer_matrix_bytes(model), self.k.matmul_mma, self.k.matmul_frag
+                layer_bytes, self.k.matmul_mma, self.k.matmul_frag
             )
             # ... and narrower ones of small models, Q4_0 / Q4_1 on the integer tensor cores (matvec_<type>_mma)
-            self.narrow_mma = narrow_mma_model(layer_matrix_bytes(model))
+            self.narrow_mma = narrow_mma_model(layer_bytes)
             self.w = upload_weights(model, self.pool, self.stream, self.k)
             self._alloc_cache(kv_pages)
             self._alloc_buffers()

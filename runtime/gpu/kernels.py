@@ -592,14 +592,19 @@ DECODE_GEMM_MIN_BATCH_TILE = 8  # the other types' matmul2 (dequantized through 
 DECODE_GEMM_MIN_BATCH_SMALL = 16  # launch-bound layers (and any GPU without the mma GEMMs)
 
 
+def launch_bound_layers(layer_bytes: dict[str, int]) -> bool:
+    """Whether a model's decoder layers (layer_bytes: one layer's matrix bytes by quant type) are launch-bound:
+    under DECODE_GEMM_LAYER_BYTES."""
+    return sum(layer_bytes.values()) < DECODE_GEMM_LAYER_BYTES
+
+
 def decode_gemm_min_batch(layer_bytes: dict[str, int], mma: bool, frag: bool) -> int:
     """The narrowest decode batch that runs the GEMMs. layer_bytes: one decoder layer's matrix bytes by quant type;
     mma, frag: the GEMM kernels in use (Kernels.matmul_mma, .matmul_frag). INGOT_DECODE_GEMM_MIN_BATCH overrides."""
-    total = sum(layer_bytes.values())
-    if not mma or total < DECODE_GEMM_LAYER_BYTES:
+    if not mma or launch_bound_layers(layer_bytes):
         return DECODE_GEMM_MIN_BATCH_SMALL
     frag_bytes = sum(n for q, n in layer_bytes.items() if q in MATMUL2R_TYPES) if frag else 0
-    return DECODE_GEMM_MIN_BATCH_FRAG if 2 * frag_bytes >= total else DECODE_GEMM_MIN_BATCH_TILE
+    return DECODE_GEMM_MIN_BATCH_FRAG if 2 * frag_bytes >= sum(layer_bytes.values()) else DECODE_GEMM_MIN_BATCH_TILE
 
 
 def one_column_kernel(ncols: int) -> bool:
@@ -624,10 +629,10 @@ def matvec_mma_smem(qtype: str, ncols: int) -> int:
 
 def narrow_mma_model(layer_bytes: dict[str, int]) -> bool:
     """Whether a model's decode batches may run matvec_<type>_mma (the integer tensor cores, cuda/matvec.cu):
-    models whose layers are under DECODE_GEMM_LAYER_BYTES. Measured on an H100 (cuda/PERF.md v22), tg128 against
+    models whose layers are launch-bound (launch_bound_layers). Measured on an H100 (cuda/PERF.md v22), tg128 against
     the dp4a kernel: the real SmolLM2 (2.2 MB layers) +6% at 3 sequences, +14% at 4, +8% at 8; on the 8B (123 MB
     layers) the kernel reached 0.8-1.1 TB/s, slower than the fragment GEMM from 3 sequences and the dp4a kernel at 2."""
-    return sum(layer_bytes.values()) < DECODE_GEMM_LAYER_BYTES
+    return launch_bound_layers(layer_bytes)
 
 
 def narrow_mma_kernel(qtype: str, ncols: int, cc: int, rows: int, cols: int) -> bool:
