@@ -1008,3 +1008,171 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 #undef MATMUL2R_KERNELS
 #undef MM2R_RUN
 
+
+// =====================================================================================================================
+// matmul2w_<type>_bm128 (Q4_0, Q4_1; sm_90a only: Hopper's warpgroup MMA): matmul2r's product, tiling (128 tokens x
+// 128 features a block, 256 threads), split-K and epilogue (mm2_store), with the multiply on wgmma instead of
+// mma.sync. Why (cuda/PERF.md v23, ncu on the 8B's gate+up at 512 rows): matmul2r's warps each ldmatrix the whole
+// 128-row A tile for 16 columns, so shared memory (L1 69% busy, 28% of its wavefronts excess) and not the tensor
+// cores bound it at ~255 TFLOP/s; wgmma reads both operands from shared memory in the tensor cores' own access
+// pattern, nothing through registers.
+// Per stage (KB = 2 quantization blocks = 64 weights along K = one 128-byte row of fp16):
+//   copies (cp.async, MATMUL2W_STAGES stages ahead): the A tile [128][64] fp16 in the 128-byte swizzle (chunk j of
+//   row r at chunk j ^ r%8: mma.cuh wgmma_desc_sw128), the quant bytes [128][48] and the scale windows [128][32] of
+//   d (and m) as matmul2r copies them (Mm2rShape<128>: the same KB and window arithmetic);
+//   dequantize: thread t makes block t%2 of weight row t/2 (deq_q4_half: matmul2's fp16 values, bit for bit) into
+//   the swizzled fp16 tile sB [128][64]; each thread then fences its shared-memory writes (and its landed copies)
+//   to the async proxy, and a barrier passes them to the tensor cores;
+//   multiply: warpgroup w (warps 4w..4w+3) takes tokens 64w..64w+63: four m64n128k16 (k 0, 16, 32, 48), then waits.
+// One fp16 tile and two barriers a stage: the wgmma of one block overlaps the dequantization of the other block
+// sharing its SM (two a SM: 95 KiB of shared memory for Q4_0, 107 KiB for Q4_1, 128 registers).
+// Accumulators: warp w holds rows 16w + g (+8) and all 128 columns, n8 tile j as acc[0][j] = mma16816's layout, so
+// mm2_store takes them as Mm2Warps<128, 8> (8 warps along M, one along N). The sums inside a wgmma are not
+// mma.sync's in order: results match matmul2r's to fp32 rounding, not bit for bit (tests/gpu test_gpu_kernels.py).
+// Rows past M (A) and N (weights) and a slice's missing last block are zero-filled (cp.async src-size 0; the
+// dequantization writes zeros for a missing block, whose stale scale bytes could be anything).
+// =====================================================================================================================
+template <bool MIN>
+struct Mm2wShape {
+    static constexpr int KB = Mm2rShape<128>::KB, QROW = Mm2rShape<128>::QROW, SROW = Mm2rShape<128>::SROW;
+    static constexpr int A_BYTES = 128 * 64 * 2;                       // [128 tokens][64] fp16
+    static constexpr int Q_OFF = A_BYTES, S_OFF = Q_OFF + MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW;
+    static constexpr int STAGE = M_OFF + (MIN ? MM2_BN * SROW : 0);   // a multiple of 1024: every A tile aligned
+    static constexpr int B_BYTES = MM2_BN * 64 * 2;                    // [128 features][64] fp16
+    static constexpr int SMEM = MATMUL2W_STAGES * STAGE + B_BYTES + 1024;   // + aligning the dynamic base
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <bool MIN>
+__device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
+                                         const __half* __restrict__ mn, const __half* __restrict__ A,
+                                         const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
+                                         int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
+    using Sh = Mm2wShape<MIN>;
+    constexpr int TM = 128, KB = Sh::KB, QROW = Sh::QROW, SROW = Sh::SROW, STAGE = Sh::STAGE;
+    constexpr int STAGES = MATMUL2W_STAGES;
+    static_assert(KB == 2 && STAGE % 1024 == 0 && MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the layout");
+    extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
+    {
+        unsigned have;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+        if (have < (unsigned)Sh::SMEM) __trap();
+    }
+    unsigned char* const base = mm2_raw_smem + ((1024 - (smem_addr(mm2_raw_smem) & 1023)) & 1023);
+    unsigned char* const sB = base + STAGES * STAGE;
+    const int tid = threadIdx.x, wg = tid / 128;
+    const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
+    const int nb = K / QK, per = (nb + gridDim.z - 1) / gridDim.z;
+    const int kb0 = blockIdx.z * per, steps = max(0, min(nb, kb0 + per) - kb0);
+    const int stages = (steps + KB - 1) / KB;
+
+    // This thread's copies at stage 0 (a stage s adds s*KB blocks): quant block tid%2 of row tid/2, the scale
+    // windows of that row (chunk tid%2), A chunks e = tid + 256 j: row e/8, chunk e%8 (block chunk/4) into the
+    // swizzled chunk (e%8) ^ (row%8). 32-bit offsets as matmul2r (kernels.py matmul2r_serves).
+    const int r = tid / 2, blk = tid % 2, n = n0 + r;
+    const bool n_ok = n < N;
+    const unsigned q_src = ((unsigned)(n_ok ? n : N - 1) * nb + blk) * 16;
+    const uint8_t* q_base = qs + (long long)kb0 * 16;
+    const long long s_elem = (long long)(n_ok ? n : N - 1) * nb + kb0;
+    const __half* a_base = A + kb0 * QK;
+    unsigned a_src[4];
+    int a_dst[4], a_blk[4];
+    bool a_ok[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int e = tid + j * MM2_THREADS, row = e / 8, ch = e % 8, mrow = m0 + row;
+        a_ok[j] = mrow < M;
+        a_blk[j] = ch / 4;
+        a_src[j] = (unsigned)(a_ok[j] ? mrow : M - 1) * K + ch * 8;
+        a_dst[j] = row * 128 + ((ch ^ (row & 7)) << 4);
+    }
+    auto scale_copy = [&](unsigned char* st, int region, const __half* src, int s, int valid) {
+        const uintptr_t p = reinterpret_cast<uintptr_t>(src + s_elem + s * KB);
+        if (blk == 0 || ((p & 15) >> 1) + valid > 8)
+            cp_async16(st + region + r * SROW + 16 * blk, reinterpret_cast<const void*>((p & ~uintptr_t(15)) + 16 * blk),
+                       n_ok);
+    };
+    auto load_stage = [&](int s) {
+        unsigned char* st = base + (s % STAGES) * STAGE;
+        const int valid = min(KB, steps - s * KB);
+        cp_async16(st + Sh::Q_OFF + r * QROW + blk * 16, q_base + q_src + s * KB * 16, n_ok && blk < valid);
+        scale_copy(st, Sh::S_OFF, d, s, valid);
+        if (MIN) scale_copy(st, Sh::M_OFF, mn, s, valid);
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            cp_async16(st + a_dst[j], a_base + a_src[j] + s * KB * QK, a_ok[j] && a_blk[j] < valid);
+    };
+    // The row's scale window offset at stage 0 (matmul2r's o0, for this thread's row).
+    const int o0 = (int)(((reinterpret_cast<uintptr_t>(d) >> 1) + (unsigned)n * nb + kb0) & 7);
+    auto dequant = [&](int s) {
+        const unsigned char* st = base + (s % STAGES) * STAGE;
+        uint32_t lo[2][4], hi[2][4];
+        if (blk < min(KB, steps - s * KB)) {
+            const uint4 q = *reinterpret_cast<const uint4*>(st + Sh::Q_OFF + r * QROW + blk * 16);
+            const int o = ((o0 + s * KB) & 7) + blk;
+            const __half dd = reinterpret_cast<const __half*>(st + Sh::S_OFF + r * SROW)[o];
+            const __half mm = MIN ? reinterpret_cast<const __half*>(st + Sh::M_OFF + r * SROW)[o] : dd;
+            deq_q4_half<MIN>(make_uint2(q.x, q.y), dd, mm, lo[0], hi[0]);   // weights 0..7 and 16..23
+            deq_q4_half<MIN>(make_uint2(q.z, q.w), dd, mm, lo[1], hi[1]);   // weights 8..15 and 24..31
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) lo[h][i] = hi[h][i] = 0;
+        }
+        unsigned char* row = sB + r * 128;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {   // weights 32 blk + 8h.. = chunk 4 blk + h; + 16 = chunk 4 blk + 2 + h
+            *reinterpret_cast<uint4*>(row + (((4 * blk + h) ^ (r & 7)) << 4)) = make_uint4(lo[h][0], lo[h][1], lo[h][2], lo[h][3]);
+            *reinterpret_cast<uint4*>(row + (((4 * blk + 2 + h) ^ (r & 7)) << 4)) = make_uint4(hi[h][0], hi[h][1], hi[h][2], hi[h][3]);
+        }
+    };
+
+    float acc[1][16][4];
+#pragma unroll
+    for (int j = 0; j < 16; j++) acc[0][j][0] = acc[0][j][1] = acc[0][j][2] = acc[0][j][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < stages) load_stage(s);
+        cp_async_commit();
+    }
+    const unsigned long long db = wgmma_desc_sw128(sB);
+    for (int s = 0; s < stages; s++) {
+        cp_async_wait<STAGES - 2>();   // stage s landed (this thread's copies) ...
+        __syncthreads();               // ... everyone's; every warpgroup's wgmma of stage s-1 is done (sB, buffers)
+        if (s + STAGES - 1 < stages) load_stage(s + STAGES - 1);
+        cp_async_commit();
+        dequant(s);
+        fence_proxy_async();   // this thread's sB stores and landed copies, to the tensor cores' proxy
+        __syncthreads();
+        const unsigned long long da = wgmma_desc_sw128(base + (s % STAGES) * STAGE + wg * 64 * 128);
+        wgmma_pin(acc[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) wgmma_m64n128k16(acc[0], da + 2 * kk, db + 2 * kk);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(acc[0]);
+    }
+    cp_async_wait<0>();
+    INGOT_PDL_TRIGGER();
+    mm2_store<TM, 8>(acc, bias, C, M, N, ldc, mode, ws, counters);
+}
+#define MM2W_RUN(MIN) matmul2w<MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
+#else
+#define MM2W_RUN(MIN) __trap()   // not an sm_90a image: the host never launches it here (Kernels.matmul_wgmma)
+#endif
+
+// Each: grid (ceil(M/128), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2w_smem(type) bytes of
+// dynamic shared memory (Mm2wShape::SMEM); arguments as matmul2r_<type>_bm128 (Q4_0 passes m = nullptr).
+#define MATMUL2W_KERNELS(NAME, MIN)                                                                              \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
+    matmul2w_##NAME##_bm128(const uint8_t* qs, const __half* d, const __half* m, const __half* A,               \
+                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
+                            int* counters) {                                                                     \
+        INGOT_PDL_WAIT();                                                                                        \
+        MM2W_RUN(MIN);                                                                                           \
+    }
+FOR_EACH_MATMUL2R_TYPE(MATMUL2W_KERNELS)
+#undef MATMUL2W_KERNELS
+#undef MM2W_RUN

@@ -61,3 +61,60 @@ __device__ __forceinline__ void mma_u8s8(int (&d)[4], const unsigned (&a)[4], un
 }
 
 #endif
+
+// Hopper's warpgroup MMA (wgmma, sm_90a only: arch-specific, so these exist only in an sm_90a image; matmul.cu's
+// matmul2w_* is their one user). A warpgroup (4 consecutive warps, 128 threads) multiplies a 64 x 16 fp16 tile of
+// A by a 16 x 128 tile of B, both read by the tensor cores straight from shared memory through 64-bit matrix
+// descriptors, into 64 x 128 fp32 accumulators held 64 a thread: thread (warp w of the group, lane g*4 + c) holds
+// rows 16w + g and 16w + g + 8 of columns 8j + 2c, 8j + 2c + 1 as d[j][0..3] (mma16816's d layout per n8 tile j).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The descriptor of a K-major tile in the 128-byte swizzle (rows of 64 fp16 = 128 bytes, 8-row groups 1024 bytes
+// apart; 16-byte chunk j of row r stored at chunk j ^ (r % 8)), from a 1024-byte-aligned row 0: bits 0-13 the
+// address / 16, 16-29 the leading byte offset / 16 (unused by swizzled K-major layouts: 1), 32-45 the stride byte
+// offset / 16 (1024: the next 8 rows), 62-63 the swizzle (1: 128 bytes). The k-th 16-wide slice of the row is the
+// same descriptor 32*k bytes further (+2k): the swizzle applies to the address bits, so the offset composes.
+__device__ __forceinline__ unsigned long long wgmma_desc_sw128(const void* tile) {
+    const unsigned long long a = smem_addr(tile);
+    return ((a & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+// Every thread's prior register writes of d (and shared-memory writes made visible by a barrier) ordered before
+// the warpgroup's next wgmma.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// This thread's generic-proxy writes of shared memory (st.shared, landed cp.async) made visible to the async proxy
+// that wgmma reads through: each writer runs it before the barrier that precedes the wgmma.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// The accumulators pinned at this point of the program: the compiler sees wgmma write d only where it is issued,
+// so reads after wgmma_wait (and writes before a wgmma) go through this empty asm, which it cannot move across.
+__device__ __forceinline__ void wgmma_pin(float (&d)[16][4]) {
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+// d[64 x 128 fp32] += A[64 x 16 fp16, K-major] * B[16 x 128 fp16, K-major (B's rows are output columns)].
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "l"(da), "l"(db));
+}
+#endif

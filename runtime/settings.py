@@ -186,10 +186,11 @@ ATTN_PREFILL = Setting(
 MATMUL = Setting(
     "INGOT_MATMUL",
     "mma",
-    _one_of("mma", "mma-tile", "wmma"),
-    "mma, mma-tile or wmma",
-    "The GPU engine's GEMMs: mma (pipelined tensor-core kernels, compute capability >= 8.0), mma-tile (the same"
-    " with every type through an fp16 tile, v16's) or wmma (v9's, any GPU).",
+    _one_of("mma", "mma-sync", "mma-tile", "wmma"),
+    "mma, mma-sync, mma-tile or wmma",
+    "The GPU engine's GEMMs: mma (pipelined tensor-core kernels, compute capability >= 8.0; Q4_0/Q4_1 prefill tiles"
+    " on Hopper's wgmma where the kernels are an sm_90a image), mma-sync (the same without wgmma, v22's), mma-tile"
+    " (mma.sync with every type through an fp16 tile, v16's) or wmma (v9's, any GPU).",
 )
 PDL = Setting(
     "INGOT_PDL",

@@ -85,7 +85,7 @@ def real(tmp_path_factory):
 
 def test_default_policy_file_gives_a_reason_for_each_arch():
     sass = [e["arch"] for e in POLICY["sass"]]
-    assert sass == ["sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"]
+    assert sass == ["sm_75", "sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120"]
     assert [e["arch"] for e in POLICY["ptx"]] == ["compute_120"]
     assert all(len(e["why"]) > 20 for e in POLICY["sass"] + POLICY["ptx"])
     assert not {"-G", "-lineinfo", "--generate-line-info", "--device-debug"} & set(POLICY["flags"])

@@ -46,8 +46,10 @@ from ingot.runtime.gpu.kernels import (
     matmul2_smem,
     matmul2r_blocks,
     matmul2r_smem,
+    matmul2w_smem,
     matmul_geometry,
     matmul_uses_mma,
+    matmul_uses_wgmma,
     matvec_mma_smem,
     norm_fusable,
     prefill_split_k_need,
@@ -153,6 +155,7 @@ def _kernels(sm_count=132, mma=False, cluster=False):
     k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count, cc=90 if mma else 75))
     k.matmul_mma = mma
     k.matmul_frag = mma  # Q4_0 / Q4_1 through matmul2r_* (INGOT_MATMUL=mma)
+    k.matmul_wgmma = False  # ... not matmul2w_* (an sm_90a image: the tests that want it set it)
     k.split_k_cluster = cluster
     k.norm_smem = dict.fromkeys(GPU_QTYPES, 0)  # matvec_<type>_b1n's dynamic shared memory (one block an SM)
     names = (
@@ -162,6 +165,7 @@ def _kernels(sm_count=132, mma=False, cluster=False):
         "matvec_{}_mma",
         "matmul_{}",
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
+        "matmul2w_{}_bm128",
     )
     k.k = {n.format(q.lower()): _FakeKernel(n.format(q.lower())) for q in GPU_QTYPES for n in names}
     return k
@@ -601,6 +605,69 @@ def test_q4_gemms_take_the_fragment_kernel_with_its_arguments(qtype):
     (tile,) = k.matmul(W, 7, 1 << 30, 5, ldc=300)
     assert tile.kernel.name == f"matmul2_{qtype.lower()}_bm16" and tile.smem == matmul2_smem(qtype, 16)
     assert _ptr_args(tile)[: len(W.args()) + 1] == [*(b.ptr for b in W.args()), 7]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_prefill_tiles_take_the_wgmma_kernel_where_the_image_has_it(qtype):
+    """With an sm_90a image (matmul_wgmma), Q4_0 / Q4_1 GEMMs in 128-row tiles run matmul2w_<type>_bm128 with
+    matmul2r's arguments and grid and its own shared memory; decode widths (smaller tiles) and a 128-row tiling
+    whose slices sum in a cluster keep matmul2r; without it, the prefill keeps matmul2r too."""
+    W = _matrix(qtype, 28672, 4096)
+    k = _kernels(mma=True, cluster=True)
+    k.matmul_wgmma = True
+    (wide,) = k.matmul(W, 7, 1 << 30, 512, ldc=28672)
+    assert wide.kernel.name == f"matmul2w_{qtype.lower()}_bm128" and wide.smem == matmul2w_smem(qtype)
+    assert _ptr_args(wide)[:4] == [W.qs.ptr, W.d.ptr, W.m.ptr if qtype == "Q4_1" else 0, 7]
+    assert wide.grid == (4, 224, 1) and wide.block == MATMUL2_THREADS
+    (narrow,) = k.matmul(W, 7, 1 << 30, 5, ldc=28672)
+    assert narrow.kernel.name == f"matmul2r_{qtype.lower()}_bm16"
+    scratch = SplitK(DeviceBuffer(3 << 30, 1 << 30, "ws"), DeviceBuffer(5 << 30, 1 << 20, "counters"))
+    (split,) = k.matmul(_matrix(qtype, 4096, 4096), 7, 1 << 30, 100, ldc=4096, split_k=scratch)
+    assert split.kernel.name == f"matmul2w_{qtype.lower()}_bm128" and split.grid == (1, 32, 8)
+    assert _ptr_args(split)[-2:] == [3 << 30, 5 << 30]  # the slices sum through the scratch, as matmul2r's
+    clustered = _kernels(mma=True, cluster=True)
+    clustered.matmul_wgmma = True
+    (cl,) = clustered.matmul(_matrix(qtype, 1024, 4096), 7, 1 << 30, 100, ldc=1024, split_k=scratch)
+    assert cl.kernel.name == f"matmul2r_{qtype.lower()}_bm128" and cl.grid[2] > 1
+    k.matmul_wgmma = False
+    (sync,) = k.matmul(W, 7, 1 << 30, 512, ldc=28672)
+    assert sync.kernel.name == f"matmul2r_{qtype.lower()}_bm128"
+
+
+@pytest.mark.parametrize(
+    "image,setting,wgmma",
+    [
+        ("sm_90a", None, True),
+        ("sm_90a", "mma", True),
+        ("sm_90a", "mma-sync", False),
+        ("sm_90a", "mma-tile", False),
+        ("sm_90", None, False),
+        ("compute_90", None, False),
+        ("sm_100", None, False),
+        (None, None, False),
+    ],
+)
+def test_wgmma_needs_the_sm_90a_image(monkeypatch, image, setting, wgmma):
+    """wgmma exists only in arch-specific sm_90a code: a plain sm_90 build (or PTX JIT-compiled for a Hopper)
+    holds a matmul2w_* that traps, so the engine takes it only when the driver loads the sm_90a image, and not
+    under INGOT_MATMUL=mma-sync (v22's kernels) or the other settings."""
+    if setting is None:
+        monkeypatch.delenv("INGOT_MATMUL", raising=False)
+    else:
+        monkeypatch.setenv("INGOT_MATMUL", setting)
+    assert matmul_uses_wgmma(image) is wgmma
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_wgmma_gemm_shared_memory_fits_two_blocks_an_sm(qtype):
+    """matmul2w_smem is cuda/matmul.cu's Mm2wShape::SMEM (stages of A, quants and scale windows, the fp16 weight
+    tile, 1 KiB of alignment), and two blocks of it (each with the driver's 1 KiB) fit a Hopper SM's 228 KiB: the
+    kernel's __launch_bounds__(256, 2) counts on it."""
+    stage = 128 * 128 + 128 * (48 + 32 * (2 if qtype == "Q4_1" else 1))
+    assert stage % 1024 == 0 and matmul2w_smem(qtype) == constants.MATMUL2W_STAGES * stage + 128 * 128 + 1024
+    assert 2 * (matmul2w_smem(qtype) + 1024) <= 228 * 1024
+    src = (Path(__file__).parents[1] / "cuda" / "matmul.cu").read_text()
+    assert "static constexpr int SMEM = MATMUL2W_STAGES * STAGE + B_BYTES + 1024;" in src
 
 
 def test_q4_1_with_its_min_at_another_16_byte_offset_keeps_the_tile_kernel():

@@ -59,6 +59,7 @@ class _Recorder(Kernels):
         self.prefill_mma = True  # a GPU of compute capability >= 8.0: the tensor-core prefill attention
         self.matmul_mma = True  # ... and the pipelined mma.sync GEMMs (matmul2_*)
         self.matmul_frag = True  # ... Q4_0 / Q4_1 into the mma fragments (matmul2r_*)
+        self.matmul_wgmma = True  # ... and in 128-row tiles on Hopper's wgmma (matmul2w_*: an sm_90a image)
         self.split_k_cluster = True  # ... on sm_90+: split-K slices summed in thread-block clusters
         self.norm_smem = dict.fromkeys(QUANT_TYPES, 0)  # matvec_<type>_b1n's dynamic shared memory
         self.calls: list[tuple[str, tuple, dict]] = []

@@ -32,6 +32,7 @@ from ingot.runtime.gpu.constants import (
     MATMUL2_STAGES,
     MATMUL2_THREADS,
     MATMUL2R_STAGES,
+    MATMUL2W_STAGES,
     MATMUL_TILE,
     MATVEC_COLS,
     MATVEC_MMA_CHUNK,
@@ -125,6 +126,7 @@ PDL_KERNELS = frozenset(
         *(f"{op}_{q.lower()}" for op in ("embed", "matvec", "matmul") for q in GPU_QTYPES),
         *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in MATMUL2_TILE_ROWS),
         *(f"matmul2r_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2R_TILE_ROWS),
+        *(f"matmul2w_{q.lower()}_bm128" for q in MATMUL2R_TYPES),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
@@ -236,6 +238,21 @@ def matmul2r_smem(qtype: str, tm: int, cluster: bool = False) -> int:
     stage = MATMUL2_BN * (qrow + 32 * (2 if qtype == "Q4_1" else 1)) + tm * (QK * kb + 8) * 2
     pipeline = MATMUL2R_STAGES * stage
     return max(pipeline, 4 * tm * MATMUL2_BN) if cluster else pipeline
+
+
+def matmul2w_smem(qtype: str) -> int:
+    """Dynamic shared memory of matmul2w_<qtype>_bm128 (cuda/matmul.cu Mm2wShape::SMEM; the kernel traps if given
+    less): MATMUL2W_STAGES stages of the A tile [128][64] fp16, quant bytes [128][48] and scale windows [128][32] of
+    d (and of m: Q4_1), the fp16 weight tile [128][64], and 1 KiB to align the base to the swizzle's 1024 bytes."""
+    stage = 128 * 64 * 2 + MATMUL2_BN * (48 + 32 * (2 if qtype == "Q4_1" else 1))
+    return MATMUL2W_STAGES * stage + MATMUL2_BN * 64 * 2 + 1024
+
+
+def matmul_uses_wgmma(image: str | None) -> bool:
+    """Whether Q4_0 / Q4_1 GEMMs in 128-row tiles run matmul2w_* (Hopper's wgmma: only an sm_90a image holds it;
+    elsewhere the kernel traps) rather than matmul2r_*, for the matmul image the driver loads: INGOT_MATMUL=mma
+    (the default; mma-sync keeps matmul2r)."""
+    return image == "sm_90a" and settings.MATMUL.get() == "mma"
 
 
 def matmul2r_serves(part: GpuMatrix, tiling: GemmTiling, M: int) -> bool:
@@ -791,19 +808,25 @@ class Kernels:
         self.matmul_mma = matmul_uses_mma(device.info.cc)
         # ... of which Q4_0 and Q4_1 dequantize into the mma fragments (matmul2r_*) unless INGOT_MATMUL=mma-tile
         # (tests flip this one too: the two give the same bits).
-        self.matmul_frag = settings.MATMUL.get() == "mma"
+        self.matmul_frag = settings.MATMUL.get() in ("mma", "mma-sync")
         # Split-K slices summed in a thread-block cluster (sm_90+, INGOT_SPLIT_K; tests flip it too): a slice then
         # keeps its fp32 partial tile in the pipeline's shared memory, so the opt-in covers that as well. That path
         # is sm_90 code, so the matmul image the driver loads must be one too (compute_80 PTX JIT-compiled for an
         # H200 holds the older code, whose cluster branch traps).
         loaded = decide(fatbins["matmul"], device.info.cc, driver_from_cuda_int(None, device.info.driver_cuda))
         self.split_k_cluster = split_k_uses_clusters(min(device.info.cc, image_cc(loaded.image)))
+        # ... and the prefill's 128-row Q4_0 / Q4_1 tiles run on Hopper's wgmma (matmul2w_*) where that image is
+        # sm_90a (tests flip this one too: against matmul2r to fp32 rounding).
+        self.matmul_wgmma = matmul_uses_wgmma(loaded.image)
         if device.info.cc >= 80:
             for q in GPU_QTYPES:
                 for tm in MATMUL2_TILE_ROWS:
                     self.k[f"matmul2_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2_smem(q, tm, cluster=True))
                     if q in MATMUL2R_TYPES and tm in MATMUL2R_TILE_ROWS:
                         self.k[f"matmul2r_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2r_smem(q, tm, cluster=True))
+            if self.matmul_wgmma:
+                for q in MATMUL2R_TYPES:
+                    self.k[f"matmul2w_{q.lower()}_bm128"].allow_dynamic_smem(matmul2w_smem(q))
         # Its shared memory grows with the head size (scalar: 80 KiB at hd 256, more than sm_75's 64 KiB opt-in;
         # mma: 99 KiB); one opt-in per head size this GPU can hold.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
@@ -1047,11 +1070,13 @@ class Kernels:
                 assert tiles <= most_tiles and tiles * tiling.slices * tiling.tm * tiling.tn <= most_floats
             part_bias = None if bias is None else bias.at(4 * offset)
             frag = self.matmul_frag and matmul2r_serves(part, tiling, M) if tiling.mma else False
-            if frag:  # matmul2r_*: the same tiling, weights (qs, d, m: null for Q4_0) into the mma fragments
+            if frag:  # matmul2r_*: the same tiling, weights (qs, d, m: null for Q4_0) into the mma fragments ...
                 kernel, smem = (
                     f"matmul2r_{part.qtype.lower()}_bm{tiling.tm}",
                     matmul2r_smem(part.qtype, tiling.tm, tiling.cluster),
                 )
+                if self.matmul_wgmma and tiling.tm == 128 and not tiling.cluster:  # ... or matmul2w_*: on wgmma
+                    kernel, smem = f"matmul2w_{part.qtype.lower()}_bm128", matmul2w_smem(part.qtype)
                 weights = [part.qs, part.d, part.m if part.qtype == "Q4_1" else None]
             else:
                 kernel, smem, weights = tiling.kernel(part.qtype), tiling.smem(part.qtype), part.args()

@@ -33,6 +33,7 @@ from ingot.runtime.gpu.kernels import (
     i32,
     matmul2_smem,
     matmul2r_smem,
+    matmul2w_smem,
     sample_chunk_bytes,
 )
 
@@ -70,7 +71,7 @@ def _gemm_kernels(steps, kind: str) -> None:
         else:
             qtype, tm = name.split("_", 1)[1].upper().split("_BM")
             frag = kind == "mma" and qtype in MATMUL2R_TYPES and int(tm) in MATMUL2R_TILE_ROWS
-            assert name.startswith("matmul2r_" if frag else "matmul2_"), name
+            assert name.startswith(("matmul2r_", "matmul2w_") if frag else "matmul2_"), name
 
 
 def _run_steps(gpu, steps):
@@ -541,6 +542,58 @@ def test_fragment_gemm_gives_the_bits_of_the_tile_gemm(gpu, rng, qtype, tm, slic
     ref[:, :N] += gpu.get(A, np.float16, (M, K_)).astype(np.float64) @ Wh.T + gpu.get(bias, np.float32, (N,))
     assert rel_err(frag, ref) < 1e-3
     assert np.array_equal(frag[:, N:], resid[:, N:]), "columns past N (the stride's padding) were written"
+
+
+@pytest.mark.parametrize("qtype", MATMUL2R_TYPES)
+@pytest.mark.parametrize("M,K_,slices", [(131, 32 * 37, 1), (131, 32 * 37, 3), (300, 32 * 5, 1), (1, 32 * 64, 4)])
+def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, M, K_, slices):
+    """matmul2w_<type>_bm128 (Hopper's wgmma, sm_90a images) against matmul2r_<type>_bm128, both launched directly,
+    MODE_ADD onto a strided residual with a bias: M past a tile (131: a second tile of 3 rows; 300: three tiles; 1),
+    N = 203 (a second, part-full tile of features), K odd in blocks (37: every stage of 2 blocks full but the last;
+    5 unsplit; slices of 13 and 11 blocks starting at another scale-window offset). The same fp16 products summed
+    in another order inside the tensor cores: within 1e-5 of matmul2r (fp32 sums of <= 1,184 terms, measured
+    ~1e-7), and both within numpy's 1e-3; columns past N untouched."""
+    if not gpu.k.matmul_wgmma:
+        pytest.skip("matmul2w_* needs the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
+    N, ldc = 203, 208
+    W, Wref = make_weight(gpu, rng, qtype, N, K_)
+    A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
+    bias = gpu.put(rng.standard_normal(N).astype(np.float32))
+    resid = rng.standard_normal((M, ldc)).astype(np.float32)
+    grid = (-(-M // 128), -(-N // K.MATMUL2_BN), slices)
+    scratch = [None, None] if slices == 1 else [gpu.split_k.ws, gpu.split_k.counters]
+    out = {}
+    for name, smem in (
+        (f"matmul2r_{qtype.lower()}_bm128", matmul2r_smem(qtype, 128)),
+        (f"matmul2w_{qtype.lower()}_bm128", matmul2w_smem(qtype)),
+    ):
+        C = gpu.put(resid)
+        args = [W.qs, W.d, W.m, A, bias, C.ptr, i32(M), i32(N), i32(K_), i32(ldc), i32(K.MODE_ADD), *scratch]
+        gpu.run(Launch(gpu.k.k[name], grid, K.MATMUL2_THREADS, args, smem=smem))
+        out[name] = gpu.get(C, np.float32, (M, ldc))
+    frag, wg = out.values()
+    ref = resid.astype(np.float64)
+    Wh = Wref.astype(np.float16).astype(np.float64)
+    ref[:, :N] += gpu.get(A, np.float16, (M, K_)).astype(np.float64) @ Wh.T + gpu.get(bias, np.float32, (N,))
+    assert rel_err(wg, frag.astype(np.float64)) < 1e-5
+    assert rel_err(wg, ref) < 1e-3 and rel_err(frag, ref) < 1e-3
+    assert np.array_equal(wg[:, N:], resid[:, N:]), "columns past N (the stride's padding) were written"
+
+
+def test_prefill_gemm_runs_on_wgmma_through_the_engine_tiling(gpu, rng):
+    """Kernels.matmul at a prefill pass's width (512 rows of a 16,421-feature Q4_0 matrix: 128-row tiles, no split)
+    launches matmul2w where the image has wgmma, and its result is numpy's."""
+    if not gpu.k.matmul_wgmma:
+        pytest.skip("matmul2w_* needs the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
+    M, N, K_ = 512, 16384 + 37, 320
+    W, Wref = make_weight(gpu, rng, "Q4_0", N, K_)
+    A = rng.standard_normal((M, K_)).astype(np.float16)
+    C = gpu.empty(4 * M * N)
+    steps = gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, split_k=gpu.split_k, slice_rows=512)
+    assert [s.kernel.name for s in steps] == ["matmul2w_q4_0_bm128"]
+    _run_steps(gpu, steps)
+    Wh = Wref.astype(np.float16).astype(np.float64)
+    assert rel_err(gpu.get(C, np.float32, (M, N)), A.astype(np.float64) @ Wh.T) < 1e-3
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
