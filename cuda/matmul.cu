@@ -480,25 +480,28 @@ __host__ __device__ constexpr int mm2_smem_bytes() {
 // TM 128: 4 x 2, warp 32 x 64 (MT 2, NT 8): A and B fragments of a k16 step are 8 + 4 registers (a 64 x 32
 // warp tile would hold 16 + 4 and spill at the 128 registers 2 blocks per SM allow). TM 64, 32: 2 x 4 (32 x 32,
 // 16 x 32); TM 16: 1 x 8 (16 x 16: every weight row's fragments loaded by one warp, A by all eight). matmul2r
-// passes WM_ = 1 at every height (its header says why).
-template <int TM, int WM_ = TM == 128 ? 4 : TM == 16 ? 1 : 2>
+// passes WM_ = 1 at every height (its header says why). COLS: warps numbered along M first (warp w at wm = w % WM,
+// wn = w / WM: matmul2w at 64 rows, whose warpgroups of 4 consecutive warps split N); else along N first.
+template <int TM, int WM_ = TM == 128 ? 4 : TM == 16 ? 1 : 2, bool COLS = false>
 struct Mm2Warps {
     static constexpr int WM = WM_, WN = 8 / WM;
     static constexpr int MT = TM / WM / 16, NT = MM2_BN / WN / 8;
+    __device__ static int wm(int warp) { return COLS ? warp % WM : warp / WN; }
+    __device__ static int wn(int warp) { return COLS ? warp / WM : warp % WN; }
 };
 
 // The GEMM's end, shared by matmul2 and matmul2r: a block's accumulators (its TM x MM2_BN tile, Mm2Warps'
 // fragments of the caller's warp layout WM_) to C, the split-K slices summed first (the header's two ways:
 // cluster, or scratch + last block).
 
-template <int TM, int WM_>
-__device__ __forceinline__ void mm2_store(float (&acc)[Mm2Warps<TM, WM_>::MT][Mm2Warps<TM, WM_>::NT][4],
-                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N,
-                                          int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
-    using Warps = Mm2Warps<TM, WM_>;
-    constexpr int WM = Warps::WM, WN = Warps::WN, MT = Warps::MT, NT = Warps::NT;
+template <int TM, int WM_, bool COLS = false>
+__device__ __forceinline__ void mm2_store(
+    float (&acc)[Mm2Warps<TM, WM_, COLS>::MT][Mm2Warps<TM, WM_, COLS>::NT][4], const float* __restrict__ bias,
+    float* __restrict__ C, int M, int N, int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
+    using Warps = Mm2Warps<TM, WM_, COLS>;
+    constexpr int WM = Warps::WM, MT = Warps::MT, NT = Warps::NT;
     extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
-    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, wm = warp / WN, wn = warp % WN;
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, wm = Warps::wm(warp), wn = Warps::wn(warp);
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
     const int S = gridDim.z;
     if (S > 1 && ws == nullptr) {   // cluster split-K (see the header)
@@ -543,8 +546,8 @@ __device__ __forceinline__ void mm2_store(float (&acc)[Mm2Warps<TM, WM_>::MT][Mm
             for (int j = 0; j < 4; j++) {
                 const int f = 4 * g + j, q = f / MM2_THREADS, t = f % MM2_THREADS;
                 const int l = t % WARP, w = t / WARP, mt = q / (NT * 4), nt = (q / 4) % NT, e = q % 4;
-                const int gr = m0 + (w / WN) * (TM / WM) + l / 4 + mt * 16 + 8 * (e / 2);
-                const int gc = n0 + (w % WN) * (NT * 8) + 2 * (l % 4) + nt * 8 + e % 2;
+                const int gr = m0 + Warps::wm(w) * (TM / WM) + l / 4 + mt * 16 + 8 * (e / 2);
+                const int gc = n0 + Warps::wn(w) * (NT * 8) + 2 * (l % 4) + nt * 8 + e % 2;
                 if (gr >= M || gc >= N) continue;
                 float* out = C + (long long)gr * ldc + gc;
                 const float v = vals[j] + (bias ? bias[gc] : 0.0f);
@@ -1010,47 +1013,53 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 
 
 // =====================================================================================================================
-// matmul2w_<type>_bm128 (Q4_0, Q4_1; sm_90a only: Hopper's warpgroup MMA): matmul2r's product, tiling (128 tokens x
-// 128 features a block, 256 threads), split-K and epilogue (mm2_store), with the multiply on wgmma instead of
-// mma.sync. Why (cuda/PERF.md v23, ncu on the 8B's gate+up at 512 rows): matmul2r's warps each ldmatrix the whole
-// 128-row A tile for 16 columns, so shared memory (L1 69% busy, 28% of its wavefronts excess) and not the tensor
-// cores bound it at ~255 TFLOP/s; wgmma reads both operands from shared memory in the tensor cores' own access
-// pattern, nothing through registers.
+// matmul2w_<type>_bm<TM> (TM 128 and 64; Q4_0, Q4_1; sm_90a only: Hopper's warpgroup MMA): matmul2r's product,
+// tiling (TM tokens x 128 features a block, 256 threads), split-K and epilogue (mm2_store), with the multiply on
+// wgmma instead of mma.sync. Why (cuda/PERF.md v23, ncu on the 8B's gate+up at 512 rows): matmul2r's warps each
+// ldmatrix the whole A tile for 16 columns, so shared memory (L1 69% busy, 28% of its wavefronts excess) and not
+// the tensor cores bound it at ~255 TFLOP/s; wgmma reads both operands from shared memory in the tensor cores' own
+// access pattern, nothing through registers.
 // Per stage (KB = 2 quantization blocks = 64 weights along K = one 128-byte row of fp16):
-//   copies (cp.async, MATMUL2W_STAGES stages ahead): the A tile [128][64] fp16 in the 128-byte swizzle (chunk j of
+//   copies (cp.async, MATMUL2W_STAGES stages ahead): the A tile [TM][64] fp16 in the 128-byte swizzle (chunk j of
 //   row r at chunk j ^ r%8: mma.cuh wgmma_desc_sw128), the quant bytes [128][48] and the scale windows [128][32] of
 //   d (and m) as matmul2r copies them (Mm2rShape<128>: the same KB and window arithmetic);
 //   dequantize: thread t makes block t%2 of weight row t/2 (deq_q4_half: matmul2's fp16 values, bit for bit) into
 //   the swizzled fp16 tile sB [128][64]; each thread then fences its shared-memory writes (and its landed copies)
 //   to the async proxy, and a barrier passes them to the tensor cores;
-//   multiply: warpgroup w (warps 4w..4w+3) takes tokens 64w..64w+63: four m64n128k16 (k 0, 16, 32, 48), then waits.
-// One fp16 tile and two barriers a stage: the wgmma of one block overlaps the dequantization of the other block
-// sharing its SM (two a SM: 95 KiB of shared memory for Q4_0, 107 KiB for Q4_1, 128 registers).
-// Accumulators: warp w holds rows 16w + g (+8) and all 128 columns, n8 tile j as acc[0][j] = mma16816's layout, so
-// mm2_store takes them as Mm2Warps<128, 8> (8 warps along M, one along N). The sums inside a wgmma are not
-// mma.sync's in order: results match matmul2r's to fp32 rounding, not bit for bit (tests/gpu test_gpu_kernels.py).
+//   multiply: four k16 wgmma a warpgroup (warps 4w..4w+3), then it waits. TM 128: warpgroup w takes tokens
+//   64w..64w+63 x all 128 features (m64n128k16); TM 64: all 64 tokens x features 64w..64w+63 (m64n64k16).
+// One fp16 tile and two barriers a stage: the wgmma of one block overlaps the dequantization of another block
+// sharing its SM (TM 128: two an SM, 95 KiB of shared memory for Q4_0, 107 KiB for Q4_1, 128 registers; TM 64:
+// three, 71 / 83 KiB, ~80 registers).
+// Accumulators: warp w of group g holds its 16 tokens (rows 16(w%4) + lane/4, + 8) x the group's n8 tiles j as
+// acc[0][j] = mma16816's layout, so mm2_store takes them as Mm2Warps<128, 8> (8 x 1 warps) or Mm2Warps<64, 4, COLS>
+// (4 x 2, numbered along M first). The sums inside a wgmma are not mma.sync's in order: results match matmul2r's
+// to fp32 rounding, not bit for bit (tests/gpu test_gpu_kernels.py).
 // Rows past M (A) and N (weights) and a slice's missing last block are zero-filled (cp.async src-size 0; the
 // dequantization writes zeros for a missing block, whose stale scale bytes could be anything).
 // =====================================================================================================================
-template <bool MIN>
+template <int TM, bool MIN>
 struct Mm2wShape {
     static constexpr int KB = Mm2rShape<128>::KB, QROW = Mm2rShape<128>::QROW, SROW = Mm2rShape<128>::SROW;
-    static constexpr int A_BYTES = 128 * 64 * 2;                       // [128 tokens][64] fp16
+    static constexpr int A_BYTES = TM * 64 * 2;                        // [TM tokens][64] fp16
     static constexpr int Q_OFF = A_BYTES, S_OFF = Q_OFF + MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW;
     static constexpr int STAGE = M_OFF + (MIN ? MM2_BN * SROW : 0);   // a multiple of 1024: every A tile aligned
     static constexpr int B_BYTES = MM2_BN * 64 * 2;                    // [128 features][64] fp16
     static constexpr int SMEM = MATMUL2W_STAGES * STAGE + B_BYTES + 1024;   // + aligning the dynamic base
+    // warpgroup w: TM 128, tokens 64w.. x all 128 features; TM 64, all 64 tokens x features 64w..
+    static constexpr int WG_N = TM == 128 ? 128 : 64;                  // the wgmma's n
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <bool MIN>
+template <int TM, bool MIN>
 __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
                                          const __half* __restrict__ mn, const __half* __restrict__ A,
                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
                                          int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
-    using Sh = Mm2wShape<MIN>;
-    constexpr int TM = 128, KB = Sh::KB, QROW = Sh::QROW, SROW = Sh::SROW, STAGE = Sh::STAGE;
-    constexpr int STAGES = MATMUL2W_STAGES;
+    using Sh = Mm2wShape<TM, MIN>;
+    constexpr int KB = Sh::KB, QROW = Sh::QROW, SROW = Sh::SROW, STAGE = Sh::STAGE;
+    constexpr int STAGES = MATMUL2W_STAGES, WG_N = Sh::WG_N, AJ = TM * 8 / MM2_THREADS;
+    static_assert(TM == 128 || TM == 64, "a warpgroup's m is 64: two of them along M (128) or N (64)");
     static_assert(KB == 2 && STAGE % 1024 == 0 && MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the layout");
     extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
     {
@@ -1075,11 +1084,11 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
     const uint8_t* q_base = qs + (long long)kb0 * 16;
     const long long s_elem = (long long)(n_ok ? n : N - 1) * nb + kb0;
     const __half* a_base = A + kb0 * QK;
-    unsigned a_src[4];
-    int a_dst[4], a_blk[4];
-    bool a_ok[4];
+    unsigned a_src[AJ];
+    int a_dst[AJ], a_blk[AJ];
+    bool a_ok[AJ];
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < AJ; j++) {
         const int e = tid + j * MM2_THREADS, row = e / 8, ch = e % 8, mrow = m0 + row;
         a_ok[j] = mrow < M;
         a_blk[j] = ch / 4;
@@ -1089,8 +1098,8 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
     auto scale_copy = [&](unsigned char* st, int region, const __half* src, int s, int valid) {
         const uintptr_t p = reinterpret_cast<uintptr_t>(src + s_elem + s * KB);
         if (blk == 0 || ((p & 15) >> 1) + valid > 8)
-            cp_async16(st + region + r * SROW + 16 * blk, reinterpret_cast<const void*>((p & ~uintptr_t(15)) + 16 * blk),
-                       n_ok);
+            cp_async16(st + region + r * SROW + 16 * blk,
+                       reinterpret_cast<const void*>((p & ~uintptr_t(15)) + 16 * blk), n_ok);
     };
     auto load_stage = [&](int s) {
         unsigned char* st = base + (s % STAGES) * STAGE;
@@ -1099,7 +1108,7 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
         scale_copy(st, Sh::S_OFF, d, s, valid);
         if (MIN) scale_copy(st, Sh::M_OFF, mn, s, valid);
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < AJ; j++)
             cp_async16(st + a_dst[j], a_base + a_src[j] + s * KB * QK, a_ok[j] && a_blk[j] < valid);
     };
     // The row's scale window offset at stage 0 (matmul2r's o0, for this thread's row).
@@ -1123,20 +1132,22 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
         unsigned char* row = sB + r * 128;
 #pragma unroll
         for (int h = 0; h < 2; h++) {   // weights 32 blk + 8h.. = chunk 4 blk + h; + 16 = chunk 4 blk + 2 + h
-            *reinterpret_cast<uint4*>(row + (((4 * blk + h) ^ (r & 7)) << 4)) = make_uint4(lo[h][0], lo[h][1], lo[h][2], lo[h][3]);
-            *reinterpret_cast<uint4*>(row + (((4 * blk + 2 + h) ^ (r & 7)) << 4)) = make_uint4(hi[h][0], hi[h][1], hi[h][2], hi[h][3]);
+            *reinterpret_cast<uint4*>(row + (((4 * blk + h) ^ (r & 7)) << 4)) =
+                make_uint4(lo[h][0], lo[h][1], lo[h][2], lo[h][3]);
+            *reinterpret_cast<uint4*>(row + (((4 * blk + 2 + h) ^ (r & 7)) << 4)) =
+                make_uint4(hi[h][0], hi[h][1], hi[h][2], hi[h][3]);
         }
     };
 
-    float acc[1][16][4];
+    float acc[1][WG_N / 8][4];
 #pragma unroll
-    for (int j = 0; j < 16; j++) acc[0][j][0] = acc[0][j][1] = acc[0][j][2] = acc[0][j][3] = 0.0f;
+    for (int j = 0; j < WG_N / 8; j++) acc[0][j][0] = acc[0][j][1] = acc[0][j][2] = acc[0][j][3] = 0.0f;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < stages) load_stage(s);
         cp_async_commit();
     }
-    const unsigned long long db = wgmma_desc_sw128(sB);
+    const unsigned long long db = wgmma_desc_sw128(sB + (TM == 128 ? 0 : wg * 64 * 128));
     for (int s = 0; s < stages; s++) {
         cp_async_wait<STAGES - 2>();   // stage s landed (this thread's copies) ...
         __syncthreads();               // ... everyone's; every warpgroup's wgmma of stage s-1 is done (sB, buffers)
@@ -1145,34 +1156,38 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
         dequant(s);
         fence_proxy_async();   // this thread's sB stores and landed copies, to the tensor cores' proxy
         __syncthreads();
-        const unsigned long long da = wgmma_desc_sw128(base + (s % STAGES) * STAGE + wg * 64 * 128);
+        const unsigned long long da = wgmma_desc_sw128(base + (s % STAGES) * STAGE + (TM == 128 ? wg * 64 * 128 : 0));
         wgmma_pin(acc[0]);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wgmma_m64n128k16(acc[0], da + 2 * kk, db + 2 * kk);
+        for (int kk = 0; kk < 4; kk++) wgmma_ss<WG_N>(acc[0], da + 2 * kk, db + 2 * kk);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(acc[0]);
     }
     cp_async_wait<0>();
     INGOT_PDL_TRIGGER();
-    mm2_store<TM, 8>(acc, bias, C, M, N, ldc, mode, ws, counters);
+    // warp w: TM 128, tokens 16w.. x 128 features (8 x 1 warps); TM 64, tokens 16(w%4).. x features 64(w/4)..
+    // (4 x 2, numbered along M first)
+    mm2_store<TM, TM / 16, TM == 64>(acc, bias, C, M, N, ldc, mode, ws, counters);
 }
-#define MM2W_RUN(MIN) matmul2w<MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
+#define MM2W_RUN(TM, MIN) matmul2w<TM, MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
 #else
-#define MM2W_RUN(MIN) __trap()   // not an sm_90a image: the host never launches it here (Kernels.matmul_wgmma)
+#define MM2W_RUN(TM, MIN) __trap()   // not an sm_90a image: the host never launches it here (Kernels.matmul_wgmma)
 #endif
 
-// Each: grid (ceil(M/128), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2w_smem(type) bytes of
-// dynamic shared memory (Mm2wShape::SMEM); arguments as matmul2r_<type>_bm128 (Q4_0 passes m = nullptr).
-#define MATMUL2W_KERNELS(NAME, MIN)                                                                              \
-    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
-    matmul2w_##NAME##_bm128(const uint8_t* qs, const __half* d, const __half* m, const __half* A,               \
-                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
-                            int* counters) {                                                                     \
+// Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2w_smem(type, TM) bytes
+// of dynamic shared memory (Mm2wShape::SMEM); arguments as matmul2r_<type>_bm<TM> (Q4_0 passes m = nullptr).
+#define MATMUL2W_KERNEL(NAME, MIN, TM, BLOCKS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, BLOCKS)                                            \
+    matmul2w_##NAME##_bm##TM(const uint8_t* qs, const __half* d, const __half* m, const __half* A,              \
+                             const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,     \
+                             int* counters) {                                                                    \
         INGOT_PDL_WAIT();                                                                                        \
-        MM2W_RUN(MIN);                                                                                           \
+        MM2W_RUN(TM, MIN);                                                                                       \
     }
+#define MATMUL2W_KERNELS(NAME, MIN) MATMUL2W_KERNEL(NAME, MIN, 128, 2) MATMUL2W_KERNEL(NAME, MIN, 64, 3)
 FOR_EACH_MATMUL2R_TYPE(MATMUL2W_KERNELS)
 #undef MATMUL2W_KERNELS
+#undef MATMUL2W_KERNEL
 #undef MM2W_RUN

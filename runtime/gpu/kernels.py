@@ -107,6 +107,9 @@ MATMUL2R_TYPES = ("Q4_0", "Q4_1")  # the types matmul2r_* dequantizes into the m
 # us) and served 16-64 rows only.
 MATMUL2R_TILE_ROWS = (16, 32, 64, 128)
 MATMUL2_PREFILL_MIN_ROWS = 32
+# Where the loaded image is sm_90a (Kernels.matmul_wgmma), Q4_0 / Q4_1 in tiles of these heights run matmul2w_*
+# (wgmma: two warpgroups of m64 along M at 128 rows, along N at 64) when their slices do not sum in a cluster.
+MATMUL2W_TILE_ROWS = (64, 128)
 
 # The types matvec_<type>_mma (cuda/matvec.cu: 2..MATVEC_MMA_COLS columns on the integer tensor cores, mma.sync
 # m16n8k32 u8 x s8) serves, from this compute capability.
@@ -126,7 +129,7 @@ PDL_KERNELS = frozenset(
         *(f"{op}_{q.lower()}" for op in ("embed", "matvec", "matmul") for q in GPU_QTYPES),
         *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in MATMUL2_TILE_ROWS),
         *(f"matmul2r_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2R_TILE_ROWS),
-        *(f"matmul2w_{q.lower()}_bm128" for q in MATMUL2R_TYPES),
+        *(f"matmul2w_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2W_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
@@ -240,16 +243,16 @@ def matmul2r_smem(qtype: str, tm: int, cluster: bool = False) -> int:
     return max(pipeline, 4 * tm * MATMUL2_BN) if cluster else pipeline
 
 
-def matmul2w_smem(qtype: str) -> int:
-    """Dynamic shared memory of matmul2w_<qtype>_bm128 (cuda/matmul.cu Mm2wShape::SMEM; the kernel traps if given
-    less): MATMUL2W_STAGES stages of the A tile [128][64] fp16, quant bytes [128][48] and scale windows [128][32] of
+def matmul2w_smem(qtype: str, tm: int) -> int:
+    """Dynamic shared memory of matmul2w_<qtype>_bm<tm> (cuda/matmul.cu Mm2wShape::SMEM; the kernel traps if given
+    less): MATMUL2W_STAGES stages of the A tile [tm][64] fp16, quant bytes [128][48] and scale windows [128][32] of
     d (and of m: Q4_1), the fp16 weight tile [128][64], and 1 KiB to align the base to the swizzle's 1024 bytes."""
-    stage = 128 * 64 * 2 + MATMUL2_BN * (48 + 32 * (2 if qtype == "Q4_1" else 1))
+    stage = tm * 64 * 2 + MATMUL2_BN * (48 + 32 * (2 if qtype == "Q4_1" else 1))
     return MATMUL2W_STAGES * stage + MATMUL2_BN * 64 * 2 + 1024
 
 
 def matmul_uses_wgmma(image: str | None) -> bool:
-    """Whether Q4_0 / Q4_1 GEMMs in 128-row tiles run matmul2w_* (Hopper's wgmma: only an sm_90a image holds it;
+    """Whether Q4_0 / Q4_1 GEMMs in 64- and 128-row tiles run matmul2w_* (Hopper's wgmma: only an sm_90a image holds it;
     elsewhere the kernel traps) rather than matmul2r_*, for the matmul image the driver loads: INGOT_MATMUL=mma
     (the default; mma-sync keeps matmul2r)."""
     return image == "sm_90a" and settings.MATMUL.get() == "mma"
@@ -826,7 +829,8 @@ class Kernels:
                         self.k[f"matmul2r_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2r_smem(q, tm, cluster=True))
             if self.matmul_wgmma:
                 for q in MATMUL2R_TYPES:
-                    self.k[f"matmul2w_{q.lower()}_bm128"].allow_dynamic_smem(matmul2w_smem(q))
+                    for tm in MATMUL2W_TILE_ROWS:
+                        self.k[f"matmul2w_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2w_smem(q, tm))
         # Its shared memory grows with the head size (scalar: 80 KiB at hd 256, more than sm_75's 64 KiB opt-in;
         # mma: 99 KiB); one opt-in per head size this GPU can hold.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
@@ -1075,8 +1079,8 @@ class Kernels:
                     f"matmul2r_{part.qtype.lower()}_bm{tiling.tm}",
                     matmul2r_smem(part.qtype, tiling.tm, tiling.cluster),
                 )
-                if self.matmul_wgmma and tiling.tm == 128 and not tiling.cluster:  # ... or matmul2w_*: on wgmma
-                    kernel, smem = f"matmul2w_{part.qtype.lower()}_bm128", matmul2w_smem(part.qtype)
+                if self.matmul_wgmma and tiling.tm in MATMUL2W_TILE_ROWS and not tiling.cluster:  # ... on wgmma
+                    kernel, smem = f"matmul2w_{part.qtype.lower()}_bm{tiling.tm}", matmul2w_smem(part.qtype, tiling.tm)
                 weights = [part.qs, part.d, part.m if part.qtype == "Q4_1" else None]
             else:
                 kernel, smem, weights = tiling.kernel(part.qtype), tiling.smem(part.qtype), part.args()

@@ -24,6 +24,7 @@ from ingot.runtime.gpu.kernels import (
     MATMUL2_TILE_ROWS,
     MATMUL2R_TILE_ROWS,
     MATMUL2R_TYPES,
+    MATMUL2W_TILE_ROWS,
     MATVEC_MMA_MIN_COLS,
     SAMPLE_CHUNK,
     SUPERBLOCK_TYPES,
@@ -545,27 +546,30 @@ def test_fragment_gemm_gives_the_bits_of_the_tile_gemm(gpu, rng, qtype, tm, slic
 
 
 @pytest.mark.parametrize("qtype", MATMUL2R_TYPES)
-@pytest.mark.parametrize("M,K_,slices", [(131, 32 * 37, 1), (131, 32 * 37, 3), (300, 32 * 5, 1), (1, 32 * 64, 4)])
-def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, M, K_, slices):
-    """matmul2w_<type>_bm128 (Hopper's wgmma, sm_90a images) against matmul2r_<type>_bm128, both launched directly,
-    MODE_ADD onto a strided residual with a bias: M past a tile (131: a second tile of 3 rows; 300: three tiles; 1),
-    N = 203 (a second, part-full tile of features), K odd in blocks (37: every stage of 2 blocks full but the last;
-    5 unsplit; slices of 13 and 11 blocks starting at another scale-window offset). The same fp16 products summed
-    in another order inside the tensor cores: within 1e-5 of matmul2r (fp32 sums of <= 1,184 terms, measured
-    ~1e-7), and both within numpy's 1e-3; columns past N untouched."""
+@pytest.mark.parametrize("tm", MATMUL2W_TILE_ROWS)
+@pytest.mark.parametrize("M,K_,slices", [(3, 32 * 37, 1), (3, 32 * 37, 3), (-300, 32 * 5, 1), (1, 32 * 64, 4)])
+def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, tm, M, K_, slices):
+    """matmul2w_<type>_bm<tm> (Hopper's wgmma, sm_90a images) against matmul2r_<type>_bm<tm>, both launched
+    directly, MODE_ADD onto a strided residual with a bias: M past a tile (tm + 3: a second tile of 3 rows; 300:
+    several tiles, the last part-full; 1), N = 203 (a second, part-full tile of features), K odd in blocks (37:
+    every stage of 2 blocks full but the last; 5 unsplit; slices of 13 and 11 blocks starting at another
+    scale-window offset). The same fp16 products summed in another order inside the tensor cores: within 1e-5 of
+    matmul2r (fp32 sums of <= 1,184 terms, measured ~1e-7), and both within numpy's 1e-3; columns past N
+    untouched."""
     if not gpu.k.matmul_wgmma:
         pytest.skip("matmul2w_* needs the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
+    M = -M if M < 0 else M if M == 1 else tm + M
     N, ldc = 203, 208
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
     bias = gpu.put(rng.standard_normal(N).astype(np.float32))
     resid = rng.standard_normal((M, ldc)).astype(np.float32)
-    grid = (-(-M // 128), -(-N // K.MATMUL2_BN), slices)
+    grid = (-(-M // tm), -(-N // K.MATMUL2_BN), slices)
     scratch = [None, None] if slices == 1 else [gpu.split_k.ws, gpu.split_k.counters]
     out = {}
     for name, smem in (
-        (f"matmul2r_{qtype.lower()}_bm128", matmul2r_smem(qtype, 128)),
-        (f"matmul2w_{qtype.lower()}_bm128", matmul2w_smem(qtype)),
+        (f"matmul2r_{qtype.lower()}_bm{tm}", matmul2r_smem(qtype, tm)),
+        (f"matmul2w_{qtype.lower()}_bm{tm}", matmul2w_smem(qtype, tm)),
     ):
         C = gpu.put(resid)
         args = [W.qs, W.d, W.m, A, bias, C.ptr, i32(M), i32(N), i32(K_), i32(ldc), i32(K.MODE_ADD), *scratch]
@@ -591,6 +595,22 @@ def test_prefill_gemm_runs_on_wgmma_through_the_engine_tiling(gpu, rng):
     C = gpu.empty(4 * M * N)
     steps = gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, split_k=gpu.split_k, slice_rows=512)
     assert [s.kernel.name for s in steps] == ["matmul2w_q4_0_bm128"]
+    _run_steps(gpu, steps)
+    Wh = Wref.astype(np.float16).astype(np.float64)
+    assert rel_err(gpu.get(C, np.float32, (M, N)), A.astype(np.float64) @ Wh.T) < 1e-3
+
+
+def test_decode_gemm_runs_on_wgmma_through_the_engine_tiling(gpu, rng):
+    """Kernels.matmul at a decode batch of 40 sequences (a 4,133 x 2,048 Q4_0 matrix, split-K scratch: 64-row
+    tiles in K slices) launches matmul2w_q4_0_bm64 where the image has wgmma, and its result is numpy's."""
+    if not gpu.k.matmul_wgmma:
+        pytest.skip("matmul2w_* needs the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
+    M, N, K_ = 40, 4096 + 37, 2048
+    W, Wref = make_weight(gpu, rng, "Q4_0", N, K_)
+    A = rng.standard_normal((M, K_)).astype(np.float16)
+    C = gpu.empty(4 * M * N)
+    steps = gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, split_k=gpu.split_k)
+    assert [s.kernel.name for s in steps] == ["matmul2w_q4_0_bm64"] and steps[0].grid[2] > 1
     _run_steps(gpu, steps)
     Wh = Wref.astype(np.float16).astype(np.float64)
     assert rel_err(gpu.get(C, np.float32, (M, N)), A.astype(np.float64) @ Wh.T) < 1e-3
