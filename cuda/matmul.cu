@@ -1044,8 +1044,8 @@ struct Mm2wShape {
     static constexpr int A_BYTES = TM * 64 * 2;                        // [TM tokens][64] fp16
     static constexpr int Q_OFF = A_BYTES, S_OFF = Q_OFF + MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW;
     static constexpr int STAGE = M_OFF + (MIN ? MM2_BN * SROW : 0);   // a multiple of 1024: every A tile aligned
-    static constexpr int B_BYTES = MM2_BN * 64 * 2;                    // [128 features][64] fp16, a buffer
-    static constexpr int SMEM = MATMUL2W_STAGES * STAGE + MATMUL2W_BUFFERS * B_BYTES + 1024;   // + aligning
+    static constexpr int B_BYTES = MM2_BN * 64 * 2;                    // [128 features][64] fp16
+    static constexpr int SMEM = MATMUL2W_STAGES * STAGE + B_BYTES + 1024;   // + aligning the dynamic base
     // warpgroup w: TM 128, tokens 64w.. x all 128 features; TM 64, all 64 tokens x features 64w..
     static constexpr int WG_N = TM == 128 ? 128 : 64;                  // the wgmma's n
 };
@@ -1068,7 +1068,7 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
         if (have < (unsigned)Sh::SMEM) __trap();
     }
     unsigned char* const base = mm2_raw_smem + ((1024 - (smem_addr(mm2_raw_smem) & 1023)) & 1023);
-    unsigned char* const sB = base + STAGES * STAGE;   // [MATMUL2W_BUFFERS][128][64] fp16
+    unsigned char* const sB = base + STAGES * STAGE;
     const int tid = threadIdx.x, wg = tid / 128;
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
     const int nb = K / QK, per = (nb + gridDim.z - 1) / gridDim.z;
@@ -1129,7 +1129,7 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
 #pragma unroll
                 for (int i = 0; i < 4; i++) lo[h][i] = hi[h][i] = 0;
         }
-        unsigned char* row = sB + (s % MATMUL2W_BUFFERS) * Sh::B_BYTES + r * 128;
+        unsigned char* row = sB + r * 128;
 #pragma unroll
         for (int h = 0; h < 2; h++) {   // weights 32 blk + 8h.. = chunk 4 blk + h; + 16 = chunk 4 blk + 2 + h
             *reinterpret_cast<uint4*>(row + (((4 * blk + h) ^ (r & 7)) << 4)) =
@@ -1148,55 +1148,22 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
         cp_async_commit();
     }
     const unsigned long long db = wgmma_desc_sw128(sB + (TM == 128 ? 0 : wg * 64 * 128));
-    if constexpr (MATMUL2W_BUFFERS == 2) {
-        // Two fp16 weight tiles: stage s+1 is dequantized into one while the tensor cores multiply stage s from the
-        // other, and one barrier a stage. Stage s+1's copies must have landed at step s: one step after their
-        // issue (STAGES - 1 ahead of their multiply, STAGES - 2 ahead of their dequantization).
-        cp_async_wait<STAGES - 2>();   // stage 0 landed (this thread's copies) ...
-        fence_proxy_async();
-        __syncthreads();               // ... everyone's
-        dequant(0);
-        fence_proxy_async();
-        for (int s = 0; s < stages; s++) {
-            cp_async_wait<STAGES - 3>();   // stage s+1 landed (this thread's copies), to its proxy ...
-            fence_proxy_async();
-            __syncthreads();   // ... everyone's; sB[s%2] written everywhere; every wgmma of stage s-1 done
-            if (s + STAGES - 1 < stages) load_stage(s + STAGES - 1);
-            cp_async_commit();
-            const unsigned long long da =
-                wgmma_desc_sw128(base + (s % STAGES) * STAGE + (TM == 128 ? wg * 64 * 128 : 0));
-            const unsigned long long dbs = db + (unsigned long long)((s % 2) * Sh::B_BYTES >> 4);
-            wgmma_pin(acc[0]);
-            wgmma_fence();
+    for (int s = 0; s < stages; s++) {
+        cp_async_wait<STAGES - 2>();   // stage s landed (this thread's copies) ...
+        __syncthreads();               // ... everyone's; every warpgroup's wgmma of stage s-1 is done (sB, buffers)
+        if (s + STAGES - 1 < stages) load_stage(s + STAGES - 1);
+        cp_async_commit();
+        dequant(s);
+        fence_proxy_async();   // this thread's sB stores and landed copies, to the tensor cores' proxy
+        __syncthreads();
+        const unsigned long long da = wgmma_desc_sw128(base + (s % STAGES) * STAGE + (TM == 128 ? wg * 64 * 128 : 0));
+        wgmma_pin(acc[0]);
+        wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) wgmma_ss<WG_N>(acc[0], da + 2 * kk, dbs + 2 * kk);
-            wgmma_commit();
-            if (s + 1 < stages) {   // the other tile, while the tensor cores work
-                dequant(s + 1);
-                fence_proxy_async();
-            }
-            wgmma_wait<0>();
-            wgmma_pin(acc[0]);
-        }
-    } else {   // one tile: dequantize, barrier, multiply, wait (v23 as first measured)
-        for (int s = 0; s < stages; s++) {
-            cp_async_wait<STAGES - 2>();   // stage s landed (this thread's copies) ...
-            __syncthreads();               // ... everyone's; every warpgroup's wgmma of stage s-1 is done
-            if (s + STAGES - 1 < stages) load_stage(s + STAGES - 1);
-            cp_async_commit();
-            dequant(s);
-            fence_proxy_async();   // this thread's sB stores and landed copies, to the tensor cores' proxy
-            __syncthreads();
-            const unsigned long long da =
-                wgmma_desc_sw128(base + (s % STAGES) * STAGE + (TM == 128 ? wg * 64 * 128 : 0));
-            wgmma_pin(acc[0]);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) wgmma_ss<WG_N>(acc[0], da + 2 * kk, db + 2 * kk);
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_pin(acc[0]);
-        }
+        for (int kk = 0; kk < 4; kk++) wgmma_ss<WG_N>(acc[0], da + 2 * kk, db + 2 * kk);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(acc[0]);
     }
     cp_async_wait<0>();
     INGOT_PDL_TRIGGER();

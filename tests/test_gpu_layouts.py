@@ -662,18 +662,17 @@ def test_wgmma_needs_the_sm_90a_image(monkeypatch, image, setting, wgmma):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("tm", [128, 64])
-def test_wgmma_gemm_shared_memory_fits_two_blocks_an_sm_for_q4_0(qtype, tm):
-    """matmul2w_smem is cuda/matmul.cu's Mm2wShape::SMEM (stages of A, quants and scale windows, MATMUL2W_BUFFERS
-    fp16 weight tiles, 1 KiB of alignment), and for Q4_0 (the 8B's type) two blocks of it, each with the driver's
-    1 KiB, fit a Hopper SM's 228 KiB: the 128-row kernel's __launch_bounds__(256, 2) counts on it (Q4_1's extra
-    scale windows leave its 128-row kernel one block an SM with two weight tiles)."""
+@pytest.mark.parametrize("tm,blocks", [(128, 2), (64, 2)])
+def test_wgmma_gemm_shared_memory_fits_its_blocks_an_sm(qtype, tm, blocks):
+    """matmul2w_smem is cuda/matmul.cu's Mm2wShape::SMEM (stages of A, quants and scale windows, the fp16 weight
+    tile, 1 KiB of alignment), and two blocks of it (each with the driver's 1 KiB) fit a Hopper SM's 228 KiB: the
+    128-row kernel's __launch_bounds__(256, 2) counts on it (the 64-row one's three fit for Q4_0)."""
     stage = tm * 128 + 128 * (48 + 32 * (2 if qtype == "Q4_1" else 1))
-    tiles = constants.MATMUL2W_BUFFERS * 128 * 128
-    assert stage % 1024 == 0 and matmul2w_smem(qtype, tm) == constants.MATMUL2W_STAGES * stage + tiles + 1024
-    assert qtype == "Q4_1" or 2 * (matmul2w_smem(qtype, tm) + 1024) <= 228 * 1024
+    assert stage % 1024 == 0 and matmul2w_smem(qtype, tm) == constants.MATMUL2W_STAGES * stage + 128 * 128 + 1024
+    assert blocks * (matmul2w_smem(qtype, tm) + 1024) <= 228 * 1024
+    assert tm == 128 or qtype == "Q4_1" or 3 * (matmul2w_smem(qtype, tm) + 1024) <= 228 * 1024
     src = (Path(__file__).parents[1] / "cuda" / "matmul.cu").read_text()
-    assert "static constexpr int SMEM = MATMUL2W_STAGES * STAGE + MATMUL2W_BUFFERS * B_BYTES + 1024;" in src
+    assert "static constexpr int SMEM = MATMUL2W_STAGES * STAGE + B_BYTES + 1024;" in src
 
 
 def test_q4_1_with_its_min_at_another_16_byte_offset_keeps_the_tile_kernel():

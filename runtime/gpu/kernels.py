@@ -32,7 +32,6 @@ from ingot.runtime.gpu.constants import (
     MATMUL2_STAGES,
     MATMUL2_THREADS,
     MATMUL2R_STAGES,
-    MATMUL2W_BUFFERS,
     MATMUL2W_STAGES,
     MATMUL_TILE,
     MATVEC_COLS,
@@ -247,10 +246,9 @@ def matmul2r_smem(qtype: str, tm: int, cluster: bool = False) -> int:
 def matmul2w_smem(qtype: str, tm: int) -> int:
     """Dynamic shared memory of matmul2w_<qtype>_bm<tm> (cuda/matmul.cu Mm2wShape::SMEM; the kernel traps if given
     less): MATMUL2W_STAGES stages of the A tile [tm][64] fp16, quant bytes [128][48] and scale windows [128][32] of
-    d (and of m: Q4_1), MATMUL2W_BUFFERS fp16 weight tiles [128][64], and 1 KiB to align the base to the swizzle's
-    1024 bytes."""
+    d (and of m: Q4_1), the fp16 weight tile [128][64], and 1 KiB to align the base to the swizzle's 1024 bytes."""
     stage = tm * 64 * 2 + MATMUL2_BN * (48 + 32 * (2 if qtype == "Q4_1" else 1))
-    return MATMUL2W_STAGES * stage + MATMUL2W_BUFFERS * MATMUL2_BN * 64 * 2 + 1024
+    return MATMUL2W_STAGES * stage + MATMUL2_BN * 64 * 2 + 1024
 
 
 def matmul_uses_wgmma(image: str | None) -> bool:
