@@ -1191,3 +1191,244 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2W_KERNELS)
 #undef MATMUL2W_KERNELS
 #undef MATMUL2W_KERNEL
 #undef MM2W_RUN
+
+// =====================================================================================================================
+// matmul2t_<type>_bm<TM> (Q4_0, Q4_1; sm_90a only): decode widths (TM = 16, 32, 64 tokens) on wgmma with the roles
+// turned around: the WEIGHTS are wgmma's A operand, dequantized straight into registers (matmul2r's deq_q4_frag
+// per weight row, two rows making mma16816's A fragment), and the tokens are its B operand, read by the tensor
+// cores from shared memory: m64 x n<TM> x k16, so a 4-token batch pays for a 16-wide product and not a 64-row one,
+// and no fp16 weight tile is ever written. Same grid, tiles (TM tokens x 128 features a block), stages of KB blocks
+// and split-K contract as matmul2r_<type>_bm<TM> (the scratch path only: no cluster sum here).
+// Warpgroup w (warps 4w..4w+3) owns features 64w..64w+63 of the block, warp 4w+i the 16 from 64w + 16i; lane (g, c)
+// dequantizes rows 16i + g and + 8 of each block into the A fragments of its two k16 chunks.
+// Per stage: copies (cp.async, MATMUL2T_STAGES stages ahead) of the quant bytes and scale windows (Mm2rShape<TM>'s
+// layout) and of the tokens' [TM][32 KB] fp16 in 128-byte-swizzled regions of 64 along K; each thread fences its
+// landed copies to the async proxy before the stage's barrier; then it dequantizes the stage's KB blocks into
+// registers, its warpgroup issues 2 KB wgmma and waits for them before the registers are reused.
+// Accumulators: thread (warp i of group w, lane g*4 + c) holds features 64w + 16i + g (+8) x tokens 8j + 2c (+1) as
+// d[j][0..3]. Sums differ from matmul2r's in order only (fp32 rounding; tests/gpu test_gpu_kernels.py).
+// =====================================================================================================================
+template <int TM, bool MIN>
+struct Mm2tShape {
+    static constexpr int KB = Mm2rShape<TM>::KB, QROW = Mm2rShape<TM>::QROW, SROW = Mm2rShape<TM>::SROW;
+    static constexpr int REGION = TM * 128;                            // tokens [TM][64] fp16, one 64-wide K slice
+    static constexpr int B_BYTES = REGION * KB / 2;
+    static constexpr int Q_OFF = B_BYTES, S_OFF = Q_OFF + MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW;
+    static constexpr int STAGE = M_OFF + (MIN ? MM2_BN * SROW : 0);   // a multiple of 1024: every region aligned
+    static constexpr int SMEM = MATMUL2T_STAGES * STAGE + 1024;       // + aligning the dynamic base
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int TM>
+__device__ __forceinline__ void wgmma_rs(float (&d)[TM / 8][4], const uint32_t (&a)[4], unsigned long long db) {
+    if constexpr (TM == 16) wgmma_rs_m64n16k16(d, a, db);
+    else if constexpr (TM == 32) wgmma_rs_m64n32k16(d, a, db);
+    else if constexpr (TM == 64) wgmma_rs_m64n64k16(d, a, db);
+    else wgmma_rs_m64n128k16(d, a, db);
+}
+
+template <int TM, bool MIN>
+__device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
+                                         const __half* __restrict__ mn, const __half* __restrict__ A,
+                                         const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
+                                         int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
+    using Sh = Mm2tShape<TM, MIN>;
+    constexpr int KB = Sh::KB, QROW = Sh::QROW, SROW = Sh::SROW, STAGE = Sh::STAGE, STAGES = MATMUL2T_STAGES;
+    constexpr int NJ = TM / 8;   // n8 column groups of the accumulators
+    static_assert(STAGE % 1024 == 0 && Sh::REGION % 1024 == 0 && MM2_THREADS == 256 && MM2_BN == 128, "layout");
+    extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
+    {
+        unsigned have;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+        if (have < (unsigned)Sh::SMEM) __trap();
+    }
+    unsigned char* const base = mm2_raw_smem + ((1024 - (smem_addr(mm2_raw_smem) & 1023)) & 1023);
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, g = lane / 4, c = lane % 4;
+    const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
+    const int nb = K / QK, per = (nb + gridDim.z - 1) / gridDim.z;
+    const int kb0 = blockIdx.z * per, steps = max(0, min(nb, kb0 + per) - kb0);
+    const int stages = (steps + KB - 1) / KB;
+
+    // Copies, as matmul2r's: quant chunks e = tid + j*THREADS -> row e/KB, block e%KB; scale windows of row tid/2
+    // (chunk tid%2); token chunks e -> row e/(4 KB), 16-byte chunk ch = e%(4 KB) (block ch/4) into region ch/8 at
+    // the swizzled chunk (ch%8) ^ (row%8). Rows past N or M: zero-filled from a clamped, valid address.
+    constexpr int QJ = (MM2_BN * KB + MM2_THREADS - 1) / MM2_THREADS, AJ = (TM * 4 * KB + MM2_THREADS - 1) / MM2_THREADS;
+    const uint8_t* q_base = qs + (long long)kb0 * 16;
+    unsigned q_src[QJ];
+    int q_dst[QJ], q_blk[QJ];
+    bool q_ok[QJ];
+#pragma unroll
+    for (int j = 0; j < QJ; j++) {
+        const int e = tid + j * MM2_THREADS, row = e / KB, n = n0 + row;
+        q_blk[j] = e < MM2_BN * KB ? e % KB : KB;   // KB: no copy
+        q_ok[j] = n < N;
+        q_src[j] = ((unsigned)(n < N ? n : N - 1) * nb + e % KB) * 16;
+        q_dst[j] = Sh::Q_OFF + row * QROW + (e % KB) * 16;
+    }
+    const int s_row = tid / 2, s_chunk = tid % 2, s_n = n0 + s_row;
+    const long long s_elem = (long long)(s_n < N ? s_n : N - 1) * nb + kb0;
+    const __half* a_base = A + kb0 * QK;
+    unsigned a_src[AJ];
+    int a_dst[AJ], a_blk[AJ];
+    bool a_ok[AJ];
+#pragma unroll
+    for (int j = 0; j < AJ; j++) {
+        const int e = tid + j * MM2_THREADS, row = e / (4 * KB), ch = e % (4 * KB), mrow = m0 + row;
+        a_blk[j] = e < TM * 4 * KB ? ch / 4 : KB;
+        a_ok[j] = mrow < M;
+        a_src[j] = (unsigned)(mrow < M ? mrow : M - 1) * K + ch * 8;
+        a_dst[j] = (ch / 8) * Sh::REGION + (row % TM) * 128 + (((ch % 8) ^ (row & 7)) << 4);
+    }
+    auto scale_copy = [&](unsigned char* st, int region, const __half* src, int s, int valid) {
+        const uintptr_t p = reinterpret_cast<uintptr_t>(src + s_elem + s * KB);
+        if (s_chunk == 0 || ((p & 15) >> 1) + valid > 8)
+            cp_async16(st + region + s_row * SROW + 16 * s_chunk,
+                       reinterpret_cast<const void*>((p & ~uintptr_t(15)) + 16 * s_chunk), s_n < N);
+    };
+    auto load_stage = [&](int s) {
+        unsigned char* st = base + (s % STAGES) * STAGE;
+        const int valid = min(KB, steps - s * KB);
+#pragma unroll
+        for (int j = 0; j < QJ; j++)
+            if (q_blk[j] < valid) cp_async16(st + q_dst[j], q_base + q_src[j] + s * KB * 16, q_ok[j]);
+        scale_copy(st, Sh::S_OFF, d, s, valid);
+        if (MIN) scale_copy(st, Sh::M_OFF, mn, s, valid);
+#pragma unroll
+        for (int j = 0; j < AJ; j++)
+            if (a_blk[j] < KB) cp_async16(st + a_dst[j], a_base + a_src[j] + s * KB * QK, a_ok[j] && a_blk[j] < valid);
+    };
+
+    // The lane's weight rows f = 16 warp + g and f + 8 (warp = 4w + i: features 64w + 16i..), their scale windows'
+    // offset at stage 0 (the same for both rows: 8 rows further is 8 nb elements further).
+    const int f = warp * 16 + g;
+    const int o0 = (int)(((reinterpret_cast<uintptr_t>(d) >> 1) + (unsigned)(n0 + f) * nb + kb0) & 7);
+    const int q_lane = f * QROW + 4 * (c >> 1), s_lane = f * SROW;
+
+    float acc[NJ][4];
+#pragma unroll
+    for (int j = 0; j < NJ; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < stages) load_stage(s);
+        cp_async_commit();
+    }
+    for (int s = 0; s < stages; s++) {
+        cp_async_wait<STAGES - 2>();   // stage s landed (this thread's copies) ...
+        fence_proxy_async();           // ... visible to the tensor cores' proxy once the barrier has passed
+        __syncthreads();               // everyone's; every warpgroup's wgmma of stage s-1 done (buffer free)
+        if (s + STAGES - 1 < stages) load_stage(s + STAGES - 1);
+        cp_async_commit();
+        const unsigned char* st = base + (s % STAGES) * STAGE;
+        const int valid = min(KB, steps - s * KB);
+        uint32_t a[KB][2][4];   // block kk, chunk ks: the A fragment of rows f, f + 8
+#pragma unroll
+        for (int kk = 0; kk < KB; kk++) {
+            const int o = ((o0 + s * KB) & 7) + kk;
+            uint32_t b[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {   // row f + 8h
+                const unsigned char* q = st + q_lane + h * 8 * QROW + kk * 16;
+                const __half dd = reinterpret_cast<const __half*>(st + Sh::S_OFF + s_lane + h * 8 * SROW)[o];
+                const __half mm = MIN ? reinterpret_cast<const __half*>(st + Sh::M_OFF + s_lane + h * 8 * SROW)[o] : dd;
+                deq_q4_frag<MIN>(*reinterpret_cast<const uint32_t*>(q), *reinterpret_cast<const uint32_t*>(q + 8), c,
+                                 dd, mm, b[h]);
+            }
+#pragma unroll
+            for (int ks = 0; ks < 2; ks++) {
+                a[kk][ks][0] = b[0][2 * ks];       // row g, k 2c..
+                a[kk][ks][1] = b[1][2 * ks];       // row g + 8
+                a[kk][ks][2] = b[0][2 * ks + 1];   // row g, k 2c + 8..
+                a[kk][ks][3] = b[1][2 * ks + 1];
+            }
+        }
+        wgmma_pin_acc(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KB; kk++) {
+            if (kk >= valid) break;
+#pragma unroll
+            for (int ks = 0; ks < 2; ks++) {
+                const int k = kk * 32 + ks * 16;   // along the stage's K: region k/64, 32 bytes a k16 slice
+                const unsigned long long db = wgmma_desc_sw128(st + (k / 64) * Sh::REGION) + ((k % 64) * 2 >> 4);
+                wgmma_rs<TM>(acc, a[kk][ks], db);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin_acc(acc);
+#pragma unroll
+        for (int kk = 0; kk < KB; kk++)
+#pragma unroll
+            for (int ks = 0; ks < 2; ks++) wgmma_pin_regs(a[kk][ks]);
+    }
+    cp_async_wait<0>();
+    INGOT_PDL_TRIGGER();
+
+    // Split-K: the slices' accumulators through ws in register order, summed in slice order by the tile's last
+    // block (mm2_store's scratch path, for this layout).
+    const int S = gridDim.z;
+    if (S > 1) {
+        __shared__ bool is_last;
+        constexpr int TILE = TM * MM2_BN;
+        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+        float* mine = ws + ((size_t)tile * S + blockIdx.z) * TILE + tid;
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) mine[(j * 4 + e) * MM2_THREADS] = acc[j][e];
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) is_last = atomicAdd(counters + tile, 1) == S - 1;
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        if (tid == 0) counters[tile] = 0;
+#pragma unroll
+        for (int j = 0; j < NJ; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+        for (int z = 0; z < S; z++) {
+            const float* part = ws + ((size_t)tile * S + z) * TILE + tid;
+#pragma unroll
+            for (int j = 0; j < NJ; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[j][e] += __ldcg(part + (j * 4 + e) * MM2_THREADS);
+        }
+    }
+    // Epilogue: element e of group j is feature n0 + f + 8*(e/2), token m0 + 8j + 2c + e%2.
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int gc = n0 + f + 8 * h;
+        if (gc >= N) continue;
+        const float bv = bias ? bias[gc] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int e2 = 0; e2 < 2; e2++) {
+                const int gr = m0 + 8 * j + 2 * c + e2;
+                if (gr >= M) continue;
+                float* out = C + (long long)gr * ldc + gc;
+                const float v = acc[j][2 * h + e2] + bv;
+                *out = mode == MODE_ADD ? *out + v : v;
+            }
+    }
+}
+#define MM2T_RUN(TM, MIN) matmul2t<TM, MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
+#else
+#define MM2T_RUN(TM, MIN) __trap()   // not an sm_90a image: the host never launches it here (Kernels.matmul_wgmma)
+#endif
+
+// Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2t_smem(type, TM) bytes of
+// dynamic shared memory (Mm2tShape::SMEM); arguments as matmul2r_<type>_bm<TM> (ws and counters needed when split).
+#define MATMUL2T_KERNEL(NAME, MIN, TM, BLOCKS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, BLOCKS)                                            \
+    matmul2t_##NAME##_bm##TM(const uint8_t* qs, const __half* d, const __half* m, const __half* A,              \
+                             const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,     \
+                             int* counters) {                                                                    \
+        INGOT_PDL_WAIT();                                                                                        \
+        MM2T_RUN(TM, MIN);                                                                                       \
+    }
+#define MATMUL2T_KERNELS(NAME, MIN) \
+    MATMUL2T_KERNEL(NAME, MIN, 16, 3) MATMUL2T_KERNEL(NAME, MIN, 32, 3) MATMUL2T_KERNEL(NAME, MIN, 64, 3)
+FOR_EACH_MATMUL2R_TYPE(MATMUL2T_KERNELS)
+#undef MATMUL2T_KERNELS
+#undef MATMUL2T_KERNEL
+#undef MM2T_RUN
