@@ -46,7 +46,6 @@ from ingot.runtime.gpu.kernels import (
     matmul2_smem,
     matmul2r_blocks,
     matmul2r_smem,
-    matmul2t_smem,
     matmul2w_smem,
     matmul_geometry,
     matmul_uses_mma,
@@ -168,7 +167,6 @@ def _kernels(sm_count=132, mma=False, cluster=False):
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
         "matmul2w_{}_bm128",
         "matmul2w_{}_bm64",
-        *(f"matmul2t_{{}}_bm{tm}" for tm in (16, 32, 64)),
     )
     k.k = {n.format(q.lower()): _FakeKernel(n.format(q.lower())) for q in GPU_QTYPES for n in names}
     return k
@@ -623,7 +621,7 @@ def test_q4_prefill_tiles_take_the_wgmma_kernel_where_the_image_has_it(qtype):
     assert _ptr_args(wide)[:4] == [W.qs.ptr, W.d.ptr, W.m.ptr if qtype == "Q4_1" else 0, 7]
     assert wide.grid == (4, 224, 1) and wide.block == MATMUL2_THREADS
     (narrow,) = k.matmul(W, 7, 1 << 30, 5, ldc=28672)
-    assert narrow.kernel.name == f"matmul2t_{qtype.lower()}_bm16" and narrow.smem == matmul2t_smem(qtype, 16)
+    assert narrow.kernel.name == f"matmul2r_{qtype.lower()}_bm16"
     scratch = SplitK(DeviceBuffer(3 << 30, 1 << 30, "ws"), DeviceBuffer(5 << 30, 1 << 20, "counters"))
     (b64,) = k.matmul(W, 7, 1 << 30, 64, ldc=28672, split_k=scratch)
     assert b64.kernel.name == f"matmul2w_{qtype.lower()}_bm64" and b64.smem == matmul2w_smem(qtype, 64)
@@ -633,11 +631,7 @@ def test_q4_prefill_tiles_take_the_wgmma_kernel_where_the_image_has_it(qtype):
     clustered = _kernels(mma=True, cluster=True)
     clustered.matmul_wgmma = True
     (cl,) = clustered.matmul(_matrix(qtype, 1024, 4096), 7, 1 << 30, 100, ldc=1024, split_k=scratch)
-    assert cl.kernel.name == f"matmul2r_{qtype.lower()}_bm128" and cl.grid[2] > 1 and cl.cluster == cl.grid[2]
-    # decode widths: matmul2t, whose slices always sum through the scratch, even where matmul2r's would cluster
-    (dec,) = clustered.matmul(_matrix(qtype, 1024, 4096), 7, 1 << 30, 40, ldc=1024, split_k=scratch)
-    assert dec.kernel.name == f"matmul2t_{qtype.lower()}_bm64" and dec.grid[2] > 1 and dec.cluster == 1
-    assert _ptr_args(dec)[-2:] == [3 << 30, 5 << 30]
+    assert cl.kernel.name == f"matmul2r_{qtype.lower()}_bm128" and cl.grid[2] > 1
     k.matmul_wgmma = False
     (sync,) = k.matmul(W, 7, 1 << 30, 512, ldc=28672)
     assert sync.kernel.name == f"matmul2r_{qtype.lower()}_bm128"
@@ -665,19 +659,6 @@ def test_wgmma_needs_the_sm_90a_image(monkeypatch, image, setting, wgmma):
     else:
         monkeypatch.setenv("INGOT_MATMUL", setting)
     assert matmul_uses_wgmma(image) is wgmma
-
-
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("tm", [16, 32, 64])
-def test_swapped_wgmma_gemm_shared_memory(qtype, tm):
-    """matmul2t_smem is cuda/matmul.cu's Mm2tShape::SMEM: stages of the tokens' swizzled regions, quants and scale
-    windows (matmul2r's), each a multiple of 1 KiB (the swizzle's alignment), and two blocks an SM fit."""
-    kb = matmul2r_blocks(tm)
-    stage = tm * 64 * kb + 128 * (16 * kb + 16 * (kb % 2 == 0) + 32 * (2 if qtype == "Q4_1" else 1))
-    assert stage % 1024 == 0 and matmul2t_smem(qtype, tm) == constants.MATMUL2T_STAGES * stage + 1024
-    assert 2 * (matmul2t_smem(qtype, tm) + 1024) <= 228 * 1024
-    src = (Path(__file__).parents[1] / "cuda" / "matmul.cu").read_text()
-    assert "static constexpr int SMEM = MATMUL2T_STAGES * STAGE + 1024;" in src
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])

@@ -36,7 +36,6 @@ SHARED: dict[str, tuple[int, str]] = {
     "MATMUL2_THREADS": (256, "pipelined mma matmul: threads per block (8 warps)"),
     "MATMUL2R_STAGES": (3, "pipelined mma matmul, fragment-dequantizing (matmul2r_*): cp.async stages"),
     "MATMUL2W_STAGES": (3, "warpgroup-mma matmul (matmul2w_*, sm_90a): cp.async stages of 64 along K"),
-    "MATMUL2T_STAGES": (4, "warpgroup-mma decode matmul (matmul2t_*, sm_90a): cp.async stages"),
     "MATMUL2_SLICES": (8, "pipelined mma matmul: split-K slices at most (a thread-block cluster, portable size)"),
     "NORM_REGS": (8, "rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)"),
     "ATT_WARPS": (4, "warps per attention block"),
@@ -74,7 +73,6 @@ MATMUL2_THREADS = SHARED["MATMUL2_THREADS"][0]
 MATMUL2_SLICES = SHARED["MATMUL2_SLICES"][0]
 MATMUL2R_STAGES = SHARED["MATMUL2R_STAGES"][0]
 MATMUL2W_STAGES = SHARED["MATMUL2W_STAGES"][0]
-MATMUL2T_STAGES = SHARED["MATMUL2T_STAGES"][0]
 NORM_REGS = SHARED["NORM_REGS"][0]
 PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
 ATT_WARPS = SHARED["ATT_WARPS"][0]
@@ -111,8 +109,7 @@ KERNEL_ABI = 13  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-toke
 # 10: (matvec_<type>_b1q, measured slower and reverted: never landed)
 # 11: ATT_ONE_SPLIT_PAGES: decode attention runs up to 2 pages of keys as one split
 # 12: matvec_<type>_mma (Q4_0, Q4_1): 2..MVM_COLS columns on the integer tensor cores
-# 13: matmul2w_<type>_bm128 (Q4_0, Q4_1): the prefill GEMM on Hopper's wgmma (sm_90a images); MATMUL2W_STAGES;
-# matmul2t_<type>_bm{16,32,64}: decode widths on wgmma, weights from registers; MATMUL2T_STAGES
+# 13: matmul2w_<type>_bm128 (Q4_0, Q4_1): the prefill GEMM on Hopper's wgmma (sm_90a images); MATMUL2W_STAGES
 
 
 def header() -> str:

@@ -32,7 +32,6 @@ from ingot.runtime.gpu.constants import (
     MATMUL2_STAGES,
     MATMUL2_THREADS,
     MATMUL2R_STAGES,
-    MATMUL2T_STAGES,
     MATMUL2W_STAGES,
     MATMUL_TILE,
     MATVEC_COLS,
@@ -111,9 +110,6 @@ MATMUL2_PREFILL_MIN_ROWS = 32
 # Where the loaded image is sm_90a (Kernels.matmul_wgmma), Q4_0 / Q4_1 in tiles of these heights run matmul2w_*
 # (wgmma: two warpgroups of m64 along M at 128 rows, along N at 64) when their slices do not sum in a cluster.
 MATMUL2W_TILE_ROWS = (64, 128)
-# matmul2t_* (wgmma with the weights as its register operand, the tokens as its n) was written for these: its
-# results were wrong on the device (cuda/PERF.md v23); kept here for the record, reverted by the next commit.
-MATMUL2T_TILE_ROWS = (16, 32, 64)
 
 # The types matvec_<type>_mma (cuda/matvec.cu: 2..MATVEC_MMA_COLS columns on the integer tensor cores, mma.sync
 # m16n8k32 u8 x s8) serves, from this compute capability.
@@ -134,7 +130,6 @@ PDL_KERNELS = frozenset(
         *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in MATMUL2_TILE_ROWS),
         *(f"matmul2r_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2R_TILE_ROWS),
         *(f"matmul2w_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2W_TILE_ROWS),
-        *(f"matmul2t_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2T_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
@@ -254,16 +249,6 @@ def matmul2w_smem(qtype: str, tm: int) -> int:
     d (and of m: Q4_1), the fp16 weight tile [128][64], and 1 KiB to align the base to the swizzle's 1024 bytes."""
     stage = tm * 64 * 2 + MATMUL2_BN * (48 + 32 * (2 if qtype == "Q4_1" else 1))
     return MATMUL2W_STAGES * stage + MATMUL2_BN * 64 * 2 + 1024
-
-
-def matmul2t_smem(qtype: str, tm: int) -> int:
-    """Dynamic shared memory of matmul2t_<qtype>_bm<tm> (cuda/matmul.cu Mm2tShape::SMEM; the kernel traps if given
-    less): MATMUL2T_STAGES stages of the tokens [tm][32 KB] fp16 (64-wide swizzled regions), quant bytes
-    [128][16 KB (+16 when KB is even)] and scale windows [128][32] of d (and of m: Q4_1), and 1 KiB of alignment."""
-    kb = matmul2r_blocks(tm)
-    qrow = 16 * kb + (16 if kb % 2 == 0 else 0)
-    stage = tm * 64 * kb + MATMUL2_BN * (qrow + 32 * (2 if qtype == "Q4_1" else 1))
-    return MATMUL2T_STAGES * stage + 1024
 
 
 def matmul_uses_wgmma(image: str | None) -> bool:
@@ -846,8 +831,6 @@ class Kernels:
                 for q in MATMUL2R_TYPES:
                     for tm in MATMUL2W_TILE_ROWS:
                         self.k[f"matmul2w_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2w_smem(q, tm))
-                    for tm in MATMUL2T_TILE_ROWS:
-                        self.k[f"matmul2t_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2t_smem(q, tm))
         # Its shared memory grows with the head size (scalar: 80 KiB at hd 256, more than sm_75's 64 KiB opt-in;
         # mma: 99 KiB); one opt-in per head size this GPU can hold.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
@@ -1091,7 +1074,6 @@ class Kernels:
                 assert tiles <= most_tiles and tiles * tiling.slices * tiling.tm * tiling.tn <= most_floats
             part_bias = None if bias is None else bias.at(4 * offset)
             frag = self.matmul_frag and matmul2r_serves(part, tiling, M) if tiling.mma else False
-            cluster, part_scratch = tiling.cluster, scratch
             if frag:  # matmul2r_*: the same tiling, weights (qs, d, m: null for Q4_0) into the mma fragments ...
                 kernel, smem = (
                     f"matmul2r_{part.qtype.lower()}_bm{tiling.tm}",
@@ -1099,10 +1081,6 @@ class Kernels:
                 )
                 if self.matmul_wgmma and tiling.tm in MATMUL2W_TILE_ROWS and not tiling.cluster:  # ... on wgmma
                     kernel, smem = f"matmul2w_{part.qtype.lower()}_bm{tiling.tm}", matmul2w_smem(part.qtype, tiling.tm)
-                elif self.matmul_wgmma and tiling.tm in MATMUL2T_TILE_ROWS:  # ... or matmul2t_*: wgmma, swapped
-                    kernel, smem = f"matmul2t_{part.qtype.lower()}_bm{tiling.tm}", matmul2t_smem(part.qtype, tiling.tm)
-                    cluster, part_scratch = False, split_k  # its slices sum through the scratch (no cluster path)
-                    assert tiling.slices == 1 or split_k is not None
                 weights = [part.qs, part.d, part.m if part.qtype == "Q4_1" else None]
             else:
                 kernel, smem, weights = tiling.kernel(part.qtype), tiling.smem(part.qtype), part.args()
@@ -1121,11 +1099,11 @@ class Kernels:
                         i32(part.cols),
                         i32(ldc),
                         i32(mode),
-                        None if part_scratch is None else part_scratch.ws,  # null: the slices sum in their cluster
-                        None if part_scratch is None else part_scratch.counters,
+                        None if scratch is None else scratch.ws,  # null: the slices sum in their cluster
+                        None if scratch is None else scratch.counters,
                     ],
                     smem=smem,
-                    cluster=tiling.slices if cluster else 1,
+                    cluster=tiling.slices if tiling.cluster else 1,
                 )
             )
             offset += part.rows

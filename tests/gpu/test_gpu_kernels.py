@@ -34,7 +34,6 @@ from ingot.runtime.gpu.kernels import (
     i32,
     matmul2_smem,
     matmul2r_smem,
-    matmul2t_smem,
     matmul2w_smem,
     sample_chunk_bytes,
 )
@@ -583,61 +582,6 @@ def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, tm, M, 
     assert rel_err(wg, frag.astype(np.float64)) < 1e-5
     assert rel_err(wg, ref) < 1e-3 and rel_err(frag, ref) < 1e-3
     assert np.array_equal(wg[:, N:], resid[:, N:]), "columns past N (the stride's padding) were written"
-
-
-@pytest.mark.parametrize("qtype", MATMUL2R_TYPES)
-@pytest.mark.parametrize("tm", [16, 32, 64])
-@pytest.mark.parametrize("M,slices", [(1, 1), (-3, 3), (3, 1), (5, 4)])
-def test_swapped_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, tm, M, slices):
-    """matmul2t_<type>_bm<tm> (wgmma with the dequantized weights as its register operand and the tokens as its n)
-    against matmul2r_<type>_bm<tm>, both launched directly with MODE_ADD onto a strided residual and a bias: M of 1,
-    a few, or 3 past the tile (-3: tm + 3, a second tile of 3 tokens), N = 203 (a part-full second feature tile),
-    K = 37 blocks (stages of KB end part-full; slices of 13 / 10 / 11 blocks start at other scale-window offsets),
-    split through the scratch. Within 1e-5 of matmul2r (the same fp16 products summed in another order) and 1e-3
-    of numpy; columns past N untouched."""
-    if not gpu.k.matmul_wgmma:
-        pytest.skip("matmul2t_* needs the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
-    M = tm + 3 if M < 0 else M
-    N, ldc, K_ = 203, 208, 32 * 37
-    W, Wref = make_weight(gpu, rng, qtype, N, K_)
-    A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
-    bias = gpu.put(rng.standard_normal(N).astype(np.float32))
-    resid = rng.standard_normal((M, ldc)).astype(np.float32)
-    grid = (-(-M // tm), -(-N // K.MATMUL2_BN), slices)
-    scratch = [None, None] if slices == 1 else [gpu.split_k.ws, gpu.split_k.counters]
-    out = {}
-    for name, smem in (
-        (f"matmul2r_{qtype.lower()}_bm{tm}", matmul2r_smem(qtype, tm)),
-        (f"matmul2t_{qtype.lower()}_bm{tm}", matmul2t_smem(qtype, tm)),
-    ):
-        C = gpu.put(resid)
-        args = [W.qs, W.d, W.m, A, bias, C.ptr, i32(M), i32(N), i32(K_), i32(ldc), i32(K.MODE_ADD), *scratch]
-        gpu.run(Launch(gpu.k.k[name], grid, K.MATMUL2_THREADS, args, smem=smem))
-        out[name] = gpu.get(C, np.float32, (M, ldc))
-    frag, wg = out.values()
-    ref = resid.astype(np.float64)
-    Wh = Wref.astype(np.float16).astype(np.float64)
-    ref[:, :N] += gpu.get(A, np.float16, (M, K_)).astype(np.float64) @ Wh.T + gpu.get(bias, np.float32, (N,))
-    assert rel_err(wg, frag.astype(np.float64)) < 1e-5
-    assert rel_err(wg, ref) < 1e-3 and rel_err(frag, ref) < 1e-3
-    assert np.array_equal(wg[:, N:], resid[:, N:]), "columns past N (the stride's padding) were written"
-
-
-def test_decode_gemm_runs_on_swapped_wgmma_through_the_engine_tiling(gpu, rng):
-    """Kernels.matmul at a decode width (4 tokens of a 4,133 x 2,048 Q4_0 matrix, split-K scratch) launches
-    matmul2t where the image has wgmma, its slices summing through the scratch, and gives numpy's result."""
-    if not gpu.k.matmul_wgmma:
-        pytest.skip("matmul2t_* needs the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
-    N, K_ = 4096 + 37, 2048
-    W, Wref = make_weight(gpu, rng, "Q4_0", N, K_)
-    Wh = Wref.astype(np.float16).astype(np.float64)
-    for M, tm in ((4, 16),):
-        A = rng.standard_normal((M, K_)).astype(np.float16)
-        C = gpu.empty(4 * M * N)
-        steps = gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, split_k=gpu.split_k)
-        assert [s.kernel.name for s in steps] == [f"matmul2t_q4_0_bm{tm}"] and steps[0].grid[2] > 1
-        _run_steps(gpu, steps)
-        assert rel_err(gpu.get(C, np.float32, (M, N)), A.astype(np.float64) @ Wh.T) < 1e-3
 
 
 def test_prefill_gemm_runs_on_wgmma_through_the_engine_tiling(gpu, rng):
