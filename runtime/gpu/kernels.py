@@ -1045,7 +1045,8 @@ class Kernels:
         With self.split_k_cluster (sm_90+) a tile's slices run as one thread-block cluster and sum through its
         shared memory instead (the scratch unused; the same bits). A GpuStack gets one launch per part, writing
         its columns of C at the part's offset. The kernels and their tiling: matmul_geometry (self.matmul_mma: the
-        pipelined mma.sync ones, else WMMA)."""
+        pipelined mma.sync ones, else WMMA; with self.matmul_wgmma, Q4_0 / Q4_1 tiles of MATMUL2W_TILE_ROWS whose
+        slices do not sum in a cluster run matmul2w_*, the same tiling on Hopper's wgmma)."""
         if mode in GATED_MODES:
             raise ValueError("matmul has no gated epilogue: run the activation kernel on its output")
         sm = self.device.info.sm_count
