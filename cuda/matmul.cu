@@ -1178,16 +1178,21 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
 
 // Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2w_smem(type, TM) bytes
 // of dynamic shared memory (Mm2wShape::SMEM); arguments as matmul2r_<type>_bm<TM> (Q4_0 passes m = nullptr).
-#define MATMUL2W_KERNEL(NAME, MIN, TM, BLOCKS)                                                                   \
-    extern "C" __global__ void __launch_bounds__(MM2_THREADS, BLOCKS)                                            \
-    matmul2w_##NAME##_bm##TM(const uint8_t* qs, const __half* d, const __half* m, const __half* A,              \
-                             const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,     \
-                             int* counters) {                                                                    \
+#define MATMUL2W_KERNELS(NAME, MIN)                                                                              \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
+    matmul2w_##NAME##_bm128(const uint8_t* qs, const __half* d, const __half* m, const __half* A,               \
+                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
+                            int* counters) {                                                                     \
         INGOT_PDL_WAIT();                                                                                        \
-        MM2W_RUN(TM, MIN);                                                                                       \
+        MM2W_RUN(128, MIN);                                                                                      \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
+    matmul2w_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
+                           const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
+                           int* counters) {                                                                      \
+        INGOT_PDL_WAIT();                                                                                        \
+        MM2W_RUN(64, MIN);                                                                                       \
     }
-#define MATMUL2W_KERNELS(NAME, MIN) MATMUL2W_KERNEL(NAME, MIN, 128, 2) MATMUL2W_KERNEL(NAME, MIN, 64, 3)
 FOR_EACH_MATMUL2R_TYPE(MATMUL2W_KERNELS)
 #undef MATMUL2W_KERNELS
-#undef MATMUL2W_KERNEL
 #undef MM2W_RUN
