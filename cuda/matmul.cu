@@ -507,11 +507,7 @@ __device__ __forceinline__ void mm2_store(
     if (S > 1 && ws == nullptr) {   // cluster split-K (see the header)
 #if __CUDA_ARCH__ >= 900
         constexpr int TILE = TM * MM2_BN;
-        {
-            unsigned have;
-            asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-            if (have < (unsigned)(TILE * 4)) __trap();
-        }
+        require_dynamic_smem(TILE * 4);
         namespace cg = cooperative_groups;
         cg::cluster_group cluster = cg::this_cluster();
         float* part = reinterpret_cast<float*>(mm2_raw_smem) + tid;   // [MT*NT*4][MM2_THREADS], register order
@@ -626,11 +622,7 @@ __device__ __forceinline__ void matmul2(const T& src, const __half* __restrict__
     static_assert(MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the thread mappings below assume these");
     static_assert(MT >= 1 && NT % 2 == 0, "ldmatrix.x4 loads B for two n8 tiles");
     extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
-    {   // a launch with less dynamic shared memory than this layout needs would overrun it: fail loudly instead
-        unsigned have;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-        if (have < (unsigned)mm2_smem_bytes<TM, T>()) __trap();
-    }
+    require_dynamic_smem(mm2_smem_bytes<TM, T>());
     __half* sA = reinterpret_cast<__half*>(mm2_raw_smem);                 // [STAGES][TM][LDS]
     __half* sB = sA + MM2_STAGES * A_STAGE;                               // [2][BN][LDS] (unused when DIRECT)
     uint8_t* raw = reinterpret_cast<uint8_t*>(sB + (T::DIRECT ? 0 : 2 * B_TILE));   // [STAGES][RAW_STAGE]
@@ -843,11 +835,7 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
     static_assert(A_OFF + TM * LDA * 2 == STAGE && STAGE % 16 == 0, "stage layout");
     static_assert(MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the thread mappings below assume these");
     extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
-    {
-        unsigned have;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-        if (have < (unsigned)(MM2R_STAGES * STAGE)) __trap();
-    }
+    require_dynamic_smem(MM2R_STAGES * STAGE);
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, wm = warp / WN, wn = warp % WN;
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
     const int nb = K / QK, per = (nb + gridDim.z - 1) / gridDim.z;
@@ -1062,11 +1050,7 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
     static_assert(TM == 128 || TM == 64, "a warpgroup's m is 64: two of them along M (128) or N (64)");
     static_assert(KB == 2 && STAGE % 1024 == 0 && MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the layout");
     extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
-    {
-        unsigned have;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-        if (have < (unsigned)Sh::SMEM) __trap();
-    }
+    require_dynamic_smem(Sh::SMEM);
     unsigned char* const base = mm2_raw_smem + ((1024 - (smem_addr(mm2_raw_smem) & 1023)) & 1023);
     unsigned char* const sB = base + STAGES * STAGE;
     const int tid = threadIdx.x, wg = tid / 128;

@@ -391,11 +391,7 @@ __device__ __forceinline__ void matvec_mma(const Q4M<MIN>& w, const int8_t* __re
     constexpr int XG = 2 * 4 * MVM_XROW + 4 * MVM_CHUNK * 16, XD_OFF = 2 * 4 * MVM_XROW;   // a group's bytes
     static_assert(MVM_ROWS == 16 && MVM_CHUNK == 8 && STAGE % 16 == 0 && X_OFF % 16 == 0, "the mappings below");
     extern __shared__ __align__(16) unsigned char mvm_smem[];
-    {
-        unsigned have;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-        if (have < (unsigned)(MVM_WARPS * MVM_STAGES * STAGE)) __trap();
-    }
+    require_dynamic_smem(MVM_WARPS * MVM_STAGES * STAGE);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4, nb = cols / QK;
     unsigned char* mine = mvm_smem + warp * MVM_STAGES * STAGE;
     // This lane's copies of a chunk: quant pieces (16 bytes) e = lane + 32i -> row e/8, piece e%8 (a row's 128

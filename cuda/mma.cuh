@@ -7,6 +7,15 @@
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
+// A kernel whose shared-memory layout needs `bytes` of dynamic shared memory (the pipelined kernels that include
+// this file) traps when launched with less: it would overrun it otherwise (the host computes the same sizes:
+// kernels.py *_smem).
+__device__ __forceinline__ void require_dynamic_smem(unsigned bytes) {
+    unsigned have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < bytes) __trap();
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }

@@ -232,13 +232,20 @@ def matmul2r_blocks(tm: int) -> int:
     return 4 if tm <= 32 else 2
 
 
+def _q4_weight_stage_bytes(qtype: str, kb: int) -> int:
+    """The weights' part of a stage of kb quantization blocks in matmul2r_* and matmul2w_* (cuda/matmul.cu
+    Mm2rShape, whose layout matmul2w shares): quant bytes [128][16 kb (+16 when kb is even)] and scale windows
+    [128][32] of d (and of m: Q4_1)."""
+    qrow = 16 * kb + (16 if kb % 2 == 0 else 0)
+    return MATMUL2_BN * (qrow + 32 * (2 if qtype == "Q4_1" else 1))
+
+
 def matmul2r_smem(qtype: str, tm: int, cluster: bool = False) -> int:
     """Dynamic shared memory of matmul2r_<qtype>_bm<tm> (cuda/matmul.cu mm2r_stage_bytes; the kernel traps if given
     less): MATMUL2R_STAGES stages of quant bytes [128][16 KB (+16 when KB is even)], scale chunks [128][32] of d
     (and of m: Q4_1) and the A tile [tm][32 KB + 8] fp16. cluster: at least the fp32 partial tile, as matmul2_smem."""
     kb = matmul2r_blocks(tm)
-    qrow = 16 * kb + (16 if kb % 2 == 0 else 0)
-    stage = MATMUL2_BN * (qrow + 32 * (2 if qtype == "Q4_1" else 1)) + tm * (QK * kb + 8) * 2
+    stage = _q4_weight_stage_bytes(qtype, kb) + tm * (QK * kb + 8) * 2
     pipeline = MATMUL2R_STAGES * stage
     return max(pipeline, 4 * tm * MATMUL2_BN) if cluster else pipeline
 
@@ -247,7 +254,7 @@ def matmul2w_smem(qtype: str, tm: int) -> int:
     """Dynamic shared memory of matmul2w_<qtype>_bm<tm> (cuda/matmul.cu Mm2wShape::SMEM; the kernel traps if given
     less): MATMUL2W_STAGES stages of the A tile [tm][64] fp16, quant bytes [128][48] and scale windows [128][32] of
     d (and of m: Q4_1), the fp16 weight tile [128][64], and 1 KiB to align the base to the swizzle's 1024 bytes."""
-    stage = tm * 64 * 2 + MATMUL2_BN * (48 + 32 * (2 if qtype == "Q4_1" else 1))
+    stage = tm * 64 * 2 + _q4_weight_stage_bytes(qtype, matmul2r_blocks(128))  # KB 2: 64 weights along K
     return MATMUL2W_STAGES * stage + MATMUL2_BN * 64 * 2 + 1024
 
 
