@@ -26,6 +26,7 @@
 #define MATMUL2_THREADS     256   // pipelined mma matmul: threads per block (8 warps)
 #define MATMUL2R_STAGES     3     // pipelined mma matmul, fragment-dequantizing (matmul2r_*): cp.async stages
 #define MATMUL2W_STAGES     3     // warpgroup-mma matmul (matmul2w_*, sm_90a): cp.async stages of 64 along K
+#define MATMUL2T_STAGES     4     // warpgroup-mma decode matmul (matmul2t_*, sm_90a): cp.async stages
 #define MATMUL2_SLICES      8     // pipelined mma matmul: split-K slices at most (a thread-block cluster, portable size)
 #define NORM_REGS           8     // rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)
 #define ATT_WARPS           4     // warps per attention block

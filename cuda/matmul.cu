@@ -480,25 +480,24 @@ __host__ __device__ constexpr int mm2_smem_bytes() {
 // TM 128: 4 x 2, warp 32 x 64 (MT 2, NT 8): A and B fragments of a k16 step are 8 + 4 registers (a 64 x 32
 // warp tile would hold 16 + 4 and spill at the 128 registers 2 blocks per SM allow). TM 64, 32: 2 x 4 (32 x 32,
 // 16 x 32); TM 16: 1 x 8 (16 x 16: every weight row's fragments loaded by one warp, A by all eight). matmul2r
-// passes WM_ = 1 at every height (its header says why). COLS: warps numbered along M first (warp w at wm = w % WM,
-// wn = w / WM: matmul2w at 64 rows, whose warpgroups of 4 consecutive warps split N); else along N first.
-template <int TM, int WM_ = TM == 128 ? 4 : TM == 16 ? 1 : 2, bool COLS = false>
+// passes WM_ = 1 at every height (its header says why). Warps are numbered along N first.
+template <int TM, int WM_ = TM == 128 ? 4 : TM == 16 ? 1 : 2>
 struct Mm2Warps {
     static constexpr int WM = WM_, WN = 8 / WM;
     static constexpr int MT = TM / WM / 16, NT = MM2_BN / WN / 8;
-    __device__ static int wm(int warp) { return COLS ? warp % WM : warp / WN; }
-    __device__ static int wn(int warp) { return COLS ? warp / WM : warp % WN; }
+    __device__ static int wm(int warp) { return warp / WN; }
+    __device__ static int wn(int warp) { return warp % WN; }
 };
 
 // The GEMM's end, shared by matmul2 and matmul2r: a block's accumulators (its TM x MM2_BN tile, Mm2Warps'
 // fragments of the caller's warp layout WM_) to C, the split-K slices summed first (the header's two ways:
 // cluster, or scratch + last block).
 
-template <int TM, int WM_, bool COLS = false>
-__device__ __forceinline__ void mm2_store(
-    float (&acc)[Mm2Warps<TM, WM_, COLS>::MT][Mm2Warps<TM, WM_, COLS>::NT][4], const float* __restrict__ bias,
-    float* __restrict__ C, int M, int N, int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
-    using Warps = Mm2Warps<TM, WM_, COLS>;
+template <int TM, int WM_>
+__device__ __forceinline__ void mm2_store(float (&acc)[Mm2Warps<TM, WM_>::MT][Mm2Warps<TM, WM_>::NT][4],
+                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N,
+                                          int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
+    using Warps = Mm2Warps<TM, WM_>;
     constexpr int WM = Warps::WM, MT = Warps::MT, NT = Warps::NT;
     extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, wm = Warps::wm(warp), wn = Warps::wn(warp);
@@ -1001,7 +1000,7 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 
 
 // =====================================================================================================================
-// matmul2w_<type>_bm<TM> (TM 128 and 64; Q4_0, Q4_1; sm_90a only: Hopper's warpgroup MMA): matmul2r's product,
+// matmul2w_<type>_bm128 (Q4_0, Q4_1; sm_90a only: Hopper's warpgroup MMA): matmul2r's product,
 // tiling (TM tokens x 128 features a block, 256 threads), split-K and epilogue (mm2_store), with the multiply on
 // wgmma instead of mma.sync. Why (cuda/PERF.md v23, ncu on the 8B's gate+up at 512 rows): matmul2r's warps each
 // ldmatrix the whole A tile for 16 columns, so shared memory (L1 69% busy, 28% of its wavefronts excess) and not
@@ -1014,15 +1013,14 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 //   dequantize: thread t makes block t%2 of weight row t/2 (deq_q4_half: matmul2's fp16 values, bit for bit) into
 //   the swizzled fp16 tile sB [128][64]; each thread then fences its shared-memory writes (and its landed copies)
 //   to the async proxy, and a barrier passes them to the tensor cores;
-//   multiply: four k16 wgmma a warpgroup (warps 4w..4w+3), then it waits. TM 128: warpgroup w takes tokens
-//   64w..64w+63 x all 128 features (m64n128k16); TM 64: all 64 tokens x features 64w..64w+63 (m64n64k16).
+//   multiply: four k16 wgmma a warpgroup (warps 4w..4w+3), then it waits: warpgroup w takes tokens 64w..64w+63 x
+//   all 128 features (m64n128k16).
 // One fp16 tile and two barriers a stage: the wgmma of one block overlaps the dequantization of another block
-// sharing its SM (TM 128: two an SM, 95 KiB of shared memory for Q4_0, 107 KiB for Q4_1, 128 registers; TM 64:
-// three, 71 / 83 KiB, ~80 registers).
-// Accumulators: warp w of group g holds its 16 tokens (rows 16(w%4) + lane/4, + 8) x the group's n8 tiles j as
-// acc[0][j] = mma16816's layout, so mm2_store takes them as Mm2Warps<128, 8> (8 x 1 warps) or Mm2Warps<64, 4, COLS>
-// (4 x 2, numbered along M first). The sums inside a wgmma are not mma.sync's in order: results match matmul2r's
-// to fp32 rounding, not bit for bit (tests/gpu test_gpu_kernels.py).
+// sharing its SM (two an SM, 95 KiB of shared memory for Q4_0, 107 KiB for Q4_1, 128 registers).
+// Accumulators: warp w holds its 16 tokens (rows 16w + lane/4, + 8) x the 16 n8 tiles j as acc[0][j] = mma16816's
+// layout, so mm2_store takes them as Mm2Warps<128, 8> (8 x 1 warps). 64-row tiles (warpgroups along N) were measured
+// slower than matmul2t's at decode widths and removed (PERF.md v24). The sums inside a wgmma are not mma.sync's in
+// order: results match matmul2r's to fp32 rounding, not bit for bit (tests/gpu test_gpu_kernels.py).
 // Rows past M (A) and N (weights) and a slice's missing last block are zero-filled (cp.async src-size 0; the
 // dequantization writes zeros for a missing block, whose stale scale bytes could be anything).
 // =====================================================================================================================
@@ -1034,8 +1032,6 @@ struct Mm2wShape {
     static constexpr int STAGE = M_OFF + (MIN ? MM2_BN * SROW : 0);   // a multiple of 1024: every A tile aligned
     static constexpr int B_BYTES = MM2_BN * 64 * 2;                    // [128 features][64] fp16
     static constexpr int SMEM = MATMUL2W_STAGES * STAGE + B_BYTES + 1024;   // + aligning the dynamic base
-    // warpgroup w: TM 128, tokens 64w.. x all 128 features; TM 64, all 64 tokens x features 64w..
-    static constexpr int WG_N = TM == 128 ? 128 : 64;                  // the wgmma's n
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1046,8 +1042,8 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
                                          int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
     using Sh = Mm2wShape<TM, MIN>;
     constexpr int KB = Sh::KB, QROW = Sh::QROW, SROW = Sh::SROW, STAGE = Sh::STAGE;
-    constexpr int STAGES = MATMUL2W_STAGES, WG_N = Sh::WG_N, AJ = TM * 8 / MM2_THREADS;
-    static_assert(TM == 128 || TM == 64, "a warpgroup's m is 64: two of them along M (128) or N (64)");
+    constexpr int STAGES = MATMUL2W_STAGES, AJ = TM * 8 / MM2_THREADS;
+    static_assert(TM == 128, "a warpgroup's m is 64: two of them along M");
     static_assert(KB == 2 && STAGE % 1024 == 0 && MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the layout");
     extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
     require_dynamic_smem(Sh::SMEM);
@@ -1123,15 +1119,15 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
         }
     };
 
-    float acc[1][WG_N / 8][4];
+    float acc[1][MM2_BN / 8][4];
 #pragma unroll
-    for (int j = 0; j < WG_N / 8; j++) acc[0][j][0] = acc[0][j][1] = acc[0][j][2] = acc[0][j][3] = 0.0f;
+    for (int j = 0; j < MM2_BN / 8; j++) acc[0][j][0] = acc[0][j][1] = acc[0][j][2] = acc[0][j][3] = 0.0f;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < stages) load_stage(s);
         cp_async_commit();
     }
-    const unsigned long long db = wgmma_desc_sw128(sB + (TM == 128 ? 0 : wg * 64 * 128));
+    const unsigned long long db = wgmma_desc_sw128(sB);
     for (int s = 0; s < stages; s++) {
         cp_async_wait<STAGES - 2>();   // stage s landed (this thread's copies) ...
         __syncthreads();               // ... everyone's; every warpgroup's wgmma of stage s-1 is done (sB, buffers)
@@ -1140,20 +1136,18 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
         dequant(s);
         fence_proxy_async();   // this thread's sB stores and landed copies, to the tensor cores' proxy
         __syncthreads();
-        const unsigned long long da = wgmma_desc_sw128(base + (s % STAGES) * STAGE + (TM == 128 ? wg * 64 * 128 : 0));
+        const unsigned long long da = wgmma_desc_sw128(base + (s % STAGES) * STAGE + wg * 64 * 128);
         wgmma_pin(acc[0]);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wgmma_ss<WG_N>(acc[0], da + 2 * kk, db + 2 * kk);
+        for (int kk = 0; kk < 4; kk++) wgmma_m64n128k16(acc[0], da + 2 * kk, db + 2 * kk);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(acc[0]);
     }
     cp_async_wait<0>();
     INGOT_PDL_TRIGGER();
-    // warp w: TM 128, tokens 16w.. x 128 features (8 x 1 warps); TM 64, tokens 16(w%4).. x features 64(w/4)..
-    // (4 x 2, numbered along M first)
-    mm2_store<TM, TM / 16, TM == 64>(acc, bias, C, M, N, ldc, mode, ws, counters);
+    mm2_store<TM, 8>(acc, bias, C, M, N, ldc, mode, ws, counters);   // warp w: tokens 16w.. x 128 features
 }
 #define MM2W_RUN(TM, MIN) matmul2w<TM, MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
 #else
@@ -1169,14 +1163,249 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
                             int* counters) {                                                                     \
         INGOT_PDL_WAIT();                                                                                        \
         MM2W_RUN(128, MIN);                                                                                      \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
-    matmul2w_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
-                           const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
-                           int* counters) {                                                                      \
-        INGOT_PDL_WAIT();                                                                                        \
-        MM2W_RUN(64, MIN);                                                                                       \
     }
 FOR_EACH_MATMUL2R_TYPE(MATMUL2W_KERNELS)
 #undef MATMUL2W_KERNELS
 #undef MM2W_RUN
+
+// =====================================================================================================================
+// matmul2t_<type>_bm<TM> (TM 32 and 64; Q4_0, Q4_1; sm_90a only): decode batches on wgmma with the roles turned
+// around: the WEIGHTS are wgmma's A operand, dequantized straight into registers (matmul2r's deq_q4_frag per weight
+// row, two rows making mma16816's A fragment), and the tokens are its B operand, read by the tensor cores from
+// shared memory: m64 x n<TM> x k16, so no fp16 weight tile is written and no barrier separates dequantization from
+// the multiply. Same grid, tiles (TM tokens x 128 features a block), stages of KB blocks and split-K contract as
+// matmul2r_<type>_bm<TM> (the scratch path only: no cluster sum here). Measured (cuda/PERF.md v24): a layer of the
+// 8B's decode GEMMs at 64 rows 150 us (matmul2w's 64-row tile 175, matmul2r 200), at 32 rows 119 (matmul2r 129);
+// at 16 rows and fewer it was slower than matmul2r, which keeps those.
+// Warpgroup w (warps 4w..4w+3) owns features 64w..64w+63 of the block, warp 4w+i the 16 from 64w + 16i; lane (g, c)
+// dequantizes rows 16i + g and + 8 of each block into the A fragments of its two k16 chunks.
+// Per stage: copies (cp.async, MATMUL2T_STAGES stages ahead) of the quant bytes and scale windows (Mm2rShape<TM>'s
+// layout) and of the tokens' [TM][32 KB] fp16 in 128-byte-swizzled regions of 64 along K; each thread fences its
+// landed copies to the async proxy before the stage's barrier; then it dequantizes the stage's KB blocks into
+// registers, its warpgroup issues 2 KB wgmma and waits for them before the registers are reused.
+// Accumulators: thread (warp i of group w, lane g*4 + c) holds features 64w + 16i + g (+8) x tokens 8j + 2c (+1) as
+// d[j][0..3]. Sums differ from matmul2r's in order only (fp32 rounding; tests/gpu test_gpu_kernels.py).
+// =====================================================================================================================
+template <int TM, bool MIN>
+struct Mm2tShape {
+    static constexpr int KB = Mm2rShape<TM>::KB, QROW = Mm2rShape<TM>::QROW, SROW = Mm2rShape<TM>::SROW;
+    static constexpr int REGION = TM * 128;                            // tokens [TM][64] fp16, one 64-wide K slice
+    static constexpr int B_BYTES = REGION * KB / 2;                   // the tokens' regions first, then matmul2r's
+    static constexpr int Q_OFF = B_BYTES, S_OFF = Q_OFF + MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW;
+    static constexpr int STAGE = M_OFF + (MIN ? MM2_BN * SROW : 0);   // a multiple of 1024: every region aligned
+    static constexpr int SMEM = MATMUL2T_STAGES * STAGE + 1024;       // + aligning the dynamic base
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int TM>
+__device__ __forceinline__ void wgmma_rs(float (&d)[TM / 8][4], const uint32_t (&a)[4], unsigned long long db) {
+    static_assert(TM == 32 || TM == 64, "matmul2t's heights");
+    if constexpr (TM == 32) wgmma_rs_m64n32k16(d, a, db);
+    else wgmma_rs_m64n64k16(d, a, db);
+}
+
+template <int TM, bool MIN>
+__device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
+                                         const __half* __restrict__ mn, const __half* __restrict__ A,
+                                         const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
+                                         int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
+    using Sh = Mm2tShape<TM, MIN>;
+    constexpr int KB = Sh::KB, QROW = Sh::QROW, SROW = Sh::SROW, STAGE = Sh::STAGE, STAGES = MATMUL2T_STAGES;
+    constexpr int NJ = TM / 8;   // n8 column groups of the accumulators
+    static_assert(STAGE % 1024 == 0 && Sh::REGION % 1024 == 0 && MM2_THREADS == 256 && MM2_BN == 128, "layout");
+    extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
+    require_dynamic_smem(Sh::SMEM);
+    unsigned char* const base = mm2_raw_smem + ((1024 - (smem_addr(mm2_raw_smem) & 1023)) & 1023);
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, g = lane / 4, c = lane % 4;
+    const int m0 = blockIdx.x * TM, n0 = blockIdx.y * MM2_BN;
+    const int nb = K / QK, per = (nb + gridDim.z - 1) / gridDim.z;
+    const int kb0 = blockIdx.z * per, steps = max(0, min(nb, kb0 + per) - kb0);
+    const int stages = (steps + KB - 1) / KB;
+
+    // Copies, as matmul2r's: quant chunks e = tid + j*THREADS -> row e/KB, block e%KB; scale windows of row tid/2
+    // (chunk tid%2); token chunks e -> row e/(4 KB), 16-byte chunk ch = e%(4 KB) (block ch/4) into region ch/8 at
+    // the swizzled chunk (ch%8) ^ (row%8). Rows past N or M: zero-filled from a clamped, valid address.
+    constexpr int QJ = (MM2_BN * KB + MM2_THREADS - 1) / MM2_THREADS, AJ = (TM * 4 * KB + MM2_THREADS - 1) / MM2_THREADS;
+    const uint8_t* q_base = qs + (long long)kb0 * 16;
+    unsigned q_src[QJ];
+    int q_dst[QJ], q_blk[QJ];
+    bool q_ok[QJ];
+#pragma unroll
+    for (int j = 0; j < QJ; j++) {
+        const int e = tid + j * MM2_THREADS, row = e / KB, n = n0 + row;
+        q_blk[j] = e < MM2_BN * KB ? e % KB : KB;   // KB: no copy
+        q_ok[j] = n < N;
+        q_src[j] = ((unsigned)(n < N ? n : N - 1) * nb + e % KB) * 16;
+        q_dst[j] = Sh::Q_OFF + row * QROW + (e % KB) * 16;
+    }
+    const int s_row = tid / 2, s_chunk = tid % 2, s_n = n0 + s_row;
+    const long long s_elem = (long long)(s_n < N ? s_n : N - 1) * nb + kb0;
+    const __half* a_base = A + kb0 * QK;
+    unsigned a_src[AJ];
+    int a_dst[AJ], a_blk[AJ];
+    bool a_ok[AJ];
+#pragma unroll
+    for (int j = 0; j < AJ; j++) {
+        const int e = tid + j * MM2_THREADS, row = e / (4 * KB), ch = e % (4 * KB), mrow = m0 + row;
+        a_blk[j] = e < TM * 4 * KB ? ch / 4 : KB;
+        a_ok[j] = mrow < M;
+        a_src[j] = (unsigned)(mrow < M ? mrow : M - 1) * K + ch * 8;
+        a_dst[j] = (ch / 8) * Sh::REGION + (row % TM) * 128 + (((ch % 8) ^ (row & 7)) << 4);
+    }
+    auto scale_copy = [&](unsigned char* st, int region, const __half* src, int s, int valid) {
+        const uintptr_t p = reinterpret_cast<uintptr_t>(src + s_elem + s * KB);
+        if (s_chunk == 0 || ((p & 15) >> 1) + valid > 8)
+            cp_async16(st + region + s_row * SROW + 16 * s_chunk,
+                       reinterpret_cast<const void*>((p & ~uintptr_t(15)) + 16 * s_chunk), s_n < N);
+    };
+    auto load_stage = [&](int s) {
+        unsigned char* st = base + (s % STAGES) * STAGE;
+        const int valid = min(KB, steps - s * KB);
+#pragma unroll
+        for (int j = 0; j < QJ; j++)
+            if (q_blk[j] < valid) cp_async16(st + q_dst[j], q_base + q_src[j] + s * KB * 16, q_ok[j]);
+        scale_copy(st, Sh::S_OFF, d, s, valid);
+        if (MIN) scale_copy(st, Sh::M_OFF, mn, s, valid);
+#pragma unroll
+        for (int j = 0; j < AJ; j++)
+            if (a_blk[j] < KB) cp_async16(st + a_dst[j], a_base + a_src[j] + s * KB * QK, a_ok[j] && a_blk[j] < valid);
+    };
+
+    // The lane's weight rows f = 16 warp + g and f + 8 (warp = 4w + i: features 64w + 16i..), their scale windows'
+    // offset at stage 0 (the same for both rows: 8 rows further is 8 nb elements further).
+    const int f = warp * 16 + g;
+    const int o0 = (int)(((reinterpret_cast<uintptr_t>(d) >> 1) + (unsigned)(n0 + f) * nb + kb0) & 7);
+    const int q_lane = f * QROW + 4 * (c >> 1), s_lane = f * SROW;
+
+    float acc[NJ][4];
+#pragma unroll
+    for (int j = 0; j < NJ; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < stages) load_stage(s);
+        cp_async_commit();
+    }
+    for (int s = 0; s < stages; s++) {
+        cp_async_wait<STAGES - 2>();   // stage s landed (this thread's copies) ...
+        fence_proxy_async();           // ... visible to the tensor cores' proxy once the barrier has passed
+        __syncthreads();               // everyone's; every warpgroup's wgmma of stage s-1 done (buffer free)
+        if (s + STAGES - 1 < stages) load_stage(s + STAGES - 1);
+        cp_async_commit();
+        const unsigned char* st = base + (s % STAGES) * STAGE;
+        const int valid = min(KB, steps - s * KB);
+        uint32_t a[KB][2][4];   // block kk, chunk ks: the A fragment of rows f, f + 8
+#pragma unroll
+        for (int kk = 0; kk < KB; kk++) {
+            const int o = ((o0 + s * KB) & 7) + kk;
+            uint32_t b[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {   // row f + 8h
+                const unsigned char* q = st + Sh::Q_OFF + q_lane + h * 8 * QROW + kk * 16;
+                const __half dd = reinterpret_cast<const __half*>(st + Sh::S_OFF + s_lane + h * 8 * SROW)[o];
+                const __half mm = MIN ? reinterpret_cast<const __half*>(st + Sh::M_OFF + s_lane + h * 8 * SROW)[o] : dd;
+                deq_q4_frag<MIN>(*reinterpret_cast<const uint32_t*>(q), *reinterpret_cast<const uint32_t*>(q + 8), c,
+                                 dd, mm, b[h]);
+            }
+#pragma unroll
+            for (int ks = 0; ks < 2; ks++) {
+                a[kk][ks][0] = b[0][2 * ks];       // row g, k 2c..
+                a[kk][ks][1] = b[1][2 * ks];       // row g + 8
+                a[kk][ks][2] = b[0][2 * ks + 1];   // row g, k 2c + 8..
+                a[kk][ks][3] = b[1][2 * ks + 1];
+            }
+        }
+        wgmma_pin(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KB; kk++) {
+            if (kk >= valid) break;
+#pragma unroll
+            for (int ks = 0; ks < 2; ks++) {
+                const int k = kk * 32 + ks * 16;   // along the stage's K: region k/64, 32 bytes a k16 slice
+                const unsigned long long db = wgmma_desc_sw128(st + (k / 64) * Sh::REGION) + ((k % 64) * 2 >> 4);
+                wgmma_rs<TM>(acc, a[kk][ks], db);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(acc);
+#pragma unroll
+        for (int kk = 0; kk < KB; kk++)
+#pragma unroll
+            for (int ks = 0; ks < 2; ks++) wgmma_pin_regs(a[kk][ks]);
+    }
+    cp_async_wait<0>();
+    INGOT_PDL_TRIGGER();
+
+    // Split-K: the slices' accumulators through ws in register order, summed in slice order by the tile's last
+    // block (mm2_store's scratch path, for this layout).
+    const int S = gridDim.z;
+    if (S > 1) {
+        __shared__ bool is_last;
+        constexpr int TILE = TM * MM2_BN;
+        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+        float* mine = ws + ((size_t)tile * S + blockIdx.z) * TILE + tid;
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) mine[(j * 4 + e) * MM2_THREADS] = acc[j][e];
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) is_last = atomicAdd(counters + tile, 1) == S - 1;
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        if (tid == 0) counters[tile] = 0;
+#pragma unroll
+        for (int j = 0; j < NJ; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+        for (int z = 0; z < S; z++) {
+            const float* part = ws + ((size_t)tile * S + z) * TILE + tid;
+#pragma unroll
+            for (int j = 0; j < NJ; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[j][e] += __ldcg(part + (j * 4 + e) * MM2_THREADS);
+        }
+    }
+    // Epilogue: element e of group j is feature n0 + f + 8*(e/2), token m0 + 8j + 2c + e%2.
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int gc = n0 + f + 8 * h;
+        if (gc >= N) continue;
+        const float bv = bias ? bias[gc] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int e2 = 0; e2 < 2; e2++) {
+                const int gr = m0 + 8 * j + 2 * c + e2;
+                if (gr >= M) continue;
+                float* out = C + (long long)gr * ldc + gc;
+                const float v = acc[j][2 * h + e2] + bv;
+                *out = mode == MODE_ADD ? *out + v : v;
+            }
+    }
+}
+#define MM2T_RUN(TM, MIN) matmul2t<TM, MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
+#else
+#define MM2T_RUN(TM, MIN) __trap()   // not an sm_90a image: the host never launches it here (Kernels.matmul_wgmma)
+#endif
+
+// Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2t_smem(type, TM) bytes of
+// dynamic shared memory (Mm2tShape::SMEM); arguments as matmul2r_<type>_bm<TM> (ws and counters needed when split).
+#define MATMUL2T_KERNELS(NAME, MIN)                                                                             \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                \
+    matmul2t_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
+                           const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
+                           int* counters) {                                                                     \
+        INGOT_PDL_WAIT();                                                                                       \
+        MM2T_RUN(64, MIN);                                                                                      \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                \
+    matmul2t_##NAME##_bm32(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
+                           const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
+                           int* counters) {                                                                     \
+        INGOT_PDL_WAIT();                                                                                       \
+        MM2T_RUN(32, MIN);                                                                                      \
+    }
+FOR_EACH_MATMUL2R_TYPE(MATMUL2T_KERNELS)
+#undef MATMUL2T_KERNELS
+#undef MM2T_RUN

@@ -72,10 +72,10 @@ __device__ __forceinline__ void mma_u8s8(int (&d)[4], const unsigned (&a)[4], un
 #endif
 
 // Hopper's warpgroup MMA (wgmma, sm_90a only: arch-specific, so these exist only in an sm_90a image; matmul.cu's
-// matmul2w_* is their one user). A warpgroup (4 consecutive warps, 128 threads) multiplies a 64 x 16 fp16 tile of
-// A by a 16 x 128 tile of B, both read by the tensor cores straight from shared memory through 64-bit matrix
-// descriptors, into 64 x 128 fp32 accumulators held 64 a thread: thread (warp w of the group, lane g*4 + c) holds
-// rows 16w + g and 16w + g + 8 of columns 8j + 2c, 8j + 2c + 1 as d[j][0..3] (mma16816's d layout per n8 tile j).
+// matmul2w_* and matmul2t_* are their users). A warpgroup (4 consecutive warps, 128 threads) multiplies a 64 x 16 fp16
+// tile of A by a 16 x 128 tile of B, both read by the tensor cores straight from shared memory through 64-bit matrix
+// descriptors, into 64 x 128 fp32 accumulators held 64 a thread: thread (warp w of the group, lane g*4 + c) holds rows
+// 16w + g and 16w + g + 8 of columns 8j + 2c, 8j + 2c + 1 as d[j][0..3] (mma16816's d layout per n8 tile j).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The descriptor of a K-major tile in the 128-byte swizzle (rows of 64 fp16 = 128 bytes, 8-row groups 1024 bytes
 // apart; 16-byte chunk j of row r stored at chunk j ^ (r % 8)), from a 1024-byte-aligned row 0: bits 0-13 the
@@ -133,13 +133,32 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], unsigned lon
           "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
         : "l"(da), "l"(db));
 }
-// d[64 x 64 fp32] += A[64 x 16 fp16, K-major] * B[16 x 64 fp16, K-major]: the same at n 64.
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], unsigned long long da, unsigned long long db) {
+// d[64 x N fp32] += A[64 x 16 fp16, from registers] * B[16 x N fp16, K-major in shared memory] (matmul2t_*): warp w
+// of the group gives rows 16w.. of A as mma16816's A fragment (a0 row g, k 2c..; a1 row g+8; a2 row g, k 2c+8..;
+// a3 row g+8, k 2c+8..). The registers must keep their values until the wgmma has completed (wgmma_wait): the
+// caller pins them (wgmma_pin_regs) after the wait, so the compiler cannot reuse them while the tensor cores read.
+template <int R>
+__device__ __forceinline__ void wgmma_pin_regs(uint32_t (&a)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+r"(a[i])::"memory");
+}
+__device__ __forceinline__ void wgmma_rs_m64n32k16(float (&d)[4][4], const uint32_t (&a)[4], unsigned long long db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, 1, 1, 1, 0;\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4], unsigned long long db) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, 1, 1, 1, 0, 0;\n"
+        "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -148,12 +167,6 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], unsigned long 
           "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
           "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(da), "l"(db));
-}
-template <int N>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], unsigned long long da, unsigned long long db) {
-    static_assert(N == 64 || N == 128, "the shapes above");
-    if constexpr (N == 128) wgmma_m64n128k16(d, da, db);
-    else wgmma_m64n64k16(d, da, db);
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 #endif

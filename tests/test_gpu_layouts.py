@@ -30,6 +30,7 @@ from ingot.runtime.gpu.kernels import (
     MATMUL2_RAW_ROW,
     MATMUL2_THREADS,
     MATMUL2_TILE_ROWS,
+    MATMUL2T_TILE_ROWS,
     MATVEC_MMA_MIN_COLS,
     MAX_CLUSTER_SLICES,
     MAX_K_SLICES,
@@ -46,6 +47,7 @@ from ingot.runtime.gpu.kernels import (
     matmul2_smem,
     matmul2r_blocks,
     matmul2r_smem,
+    matmul2t_smem,
     matmul2w_smem,
     matmul_geometry,
     matmul_uses_mma,
@@ -167,6 +169,7 @@ def _kernels(sm_count=132, mma=False, cluster=False):
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
         "matmul2w_{}_bm128",
         "matmul2w_{}_bm64",
+        *(f"matmul2t_{{}}_bm{tm}" for tm in (16, 32, 64)),
     )
     k.k = {n.format(q.lower()): _FakeKernel(n.format(q.lower())) for q in GPU_QTYPES for n in names}
     return k
@@ -610,9 +613,10 @@ def test_q4_gemms_take_the_fragment_kernel_with_its_arguments(qtype):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_q4_prefill_tiles_take_the_wgmma_kernel_where_the_image_has_it(qtype):
-    """With an sm_90a image (matmul_wgmma), Q4_0 / Q4_1 GEMMs in 128- and 64-row tiles run matmul2w_<type>_bm<tm>
-    with matmul2r's arguments and grid and its own shared memory; narrower tiles and a tiling whose slices sum in a
-    cluster keep matmul2r; without it, the prefill keeps matmul2r too."""
+    """With an sm_90a image (matmul_wgmma), Q4_0 / Q4_1 GEMMs in 128-row tiles run matmul2w_<type>_bm128 with
+    matmul2r's arguments and grid and its own shared memory, unless their slices sum in a cluster; 32- and 64-row
+    tiles run matmul2t_<type>_bm<tm>, whose slices always sum through the scratch; 16-row tiles keep matmul2r;
+    without the image, every tile keeps matmul2r."""
     W = _matrix(qtype, 28672, 4096)
     k = _kernels(mma=True, cluster=True)
     k.matmul_wgmma = True
@@ -621,17 +625,23 @@ def test_q4_prefill_tiles_take_the_wgmma_kernel_where_the_image_has_it(qtype):
     assert _ptr_args(wide)[:4] == [W.qs.ptr, W.d.ptr, W.m.ptr if qtype == "Q4_1" else 0, 7]
     assert wide.grid == (4, 224, 1) and wide.block == MATMUL2_THREADS
     (narrow,) = k.matmul(W, 7, 1 << 30, 5, ldc=28672)
-    assert narrow.kernel.name == f"matmul2r_{qtype.lower()}_bm16"
+    assert narrow.kernel.name == f"matmul2r_{qtype.lower()}_bm16" and narrow.smem == matmul2r_smem(qtype, 16)
     scratch = SplitK(DeviceBuffer(3 << 30, 1 << 30, "ws"), DeviceBuffer(5 << 30, 1 << 20, "counters"))
-    (b64,) = k.matmul(W, 7, 1 << 30, 64, ldc=28672, split_k=scratch)
-    assert b64.kernel.name == f"matmul2w_{qtype.lower()}_bm64" and b64.smem == matmul2w_smem(qtype, 64)
+    for M, tm in ((20, 32), (64, 64)):
+        (dec,) = k.matmul(W, 7, 1 << 30, M, ldc=28672, split_k=scratch)
+        assert dec.kernel.name == f"matmul2t_{qtype.lower()}_bm{tm}" and dec.smem == matmul2t_smem(qtype, tm)
+        assert _ptr_args(dec)[:4] == [W.qs.ptr, W.d.ptr, W.m.ptr if qtype == "Q4_1" else 0, 7]
     (split,) = k.matmul(_matrix(qtype, 4096, 4096), 7, 1 << 30, 100, ldc=4096, split_k=scratch)
     assert split.kernel.name == f"matmul2w_{qtype.lower()}_bm128" and split.grid == (1, 32, 8)
     assert _ptr_args(split)[-2:] == [3 << 30, 5 << 30]  # the slices sum through the scratch, as matmul2r's
     clustered = _kernels(mma=True, cluster=True)
     clustered.matmul_wgmma = True
     (cl,) = clustered.matmul(_matrix(qtype, 1024, 4096), 7, 1 << 30, 100, ldc=1024, split_k=scratch)
-    assert cl.kernel.name == f"matmul2r_{qtype.lower()}_bm128" and cl.grid[2] > 1
+    assert cl.kernel.name == f"matmul2r_{qtype.lower()}_bm128" and cl.grid[2] > 1 and cl.cluster == cl.grid[2]
+    # decode widths: matmul2t, whose slices always sum through the scratch, even where matmul2r's would cluster
+    (dec,) = clustered.matmul(_matrix(qtype, 1024, 4096), 7, 1 << 30, 40, ldc=1024, split_k=scratch)
+    assert dec.kernel.name == f"matmul2t_{qtype.lower()}_bm64" and dec.grid[2] > 1 and dec.cluster == 1
+    assert _ptr_args(dec)[-2:] == [3 << 30, 5 << 30]
     k.matmul_wgmma = False
     (sync,) = k.matmul(W, 7, 1 << 30, 512, ldc=28672)
     assert sync.kernel.name == f"matmul2r_{qtype.lower()}_bm128"
@@ -662,15 +672,26 @@ def test_wgmma_needs_the_sm_90a_image(monkeypatch, image, setting, wgmma):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("tm,blocks", [(128, 2), (64, 2)])
-def test_wgmma_gemm_shared_memory_fits_its_blocks_an_sm(qtype, tm, blocks):
+@pytest.mark.parametrize("tm", MATMUL2T_TILE_ROWS)
+def test_swapped_wgmma_gemm_shared_memory(qtype, tm):
+    """matmul2t_smem is cuda/matmul.cu's Mm2tShape::SMEM: stages of the tokens' swizzled regions, quants and scale
+    windows (matmul2r's), each a multiple of 1 KiB (the swizzle's alignment), and two blocks an SM fit."""
+    kb = matmul2r_blocks(tm)
+    stage = tm * 64 * kb + 128 * (16 * kb + 16 * (kb % 2 == 0) + 32 * (2 if qtype == "Q4_1" else 1))
+    assert stage % 1024 == 0 and matmul2t_smem(qtype, tm) == constants.MATMUL2T_STAGES * stage + 1024
+    assert 2 * (matmul2t_smem(qtype, tm) + 1024) <= 228 * 1024
+    src = (Path(__file__).parents[1] / "cuda" / "matmul.cu").read_text()
+    assert "static constexpr int SMEM = MATMUL2T_STAGES * STAGE + 1024;" in src
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_wgmma_gemm_shared_memory_fits_its_blocks_an_sm(qtype):
     """matmul2w_smem is cuda/matmul.cu's Mm2wShape::SMEM (stages of A, quants and scale windows, the fp16 weight
     tile, 1 KiB of alignment), and two blocks of it (each with the driver's 1 KiB) fit a Hopper SM's 228 KiB: the
-    128-row kernel's __launch_bounds__(256, 2) counts on it (the 64-row one's three fit for Q4_0)."""
-    stage = tm * 128 + 128 * (48 + 32 * (2 if qtype == "Q4_1" else 1))
-    assert stage % 1024 == 0 and matmul2w_smem(qtype, tm) == constants.MATMUL2W_STAGES * stage + 128 * 128 + 1024
-    assert blocks * (matmul2w_smem(qtype, tm) + 1024) <= 228 * 1024
-    assert tm == 128 or qtype == "Q4_1" or 3 * (matmul2w_smem(qtype, tm) + 1024) <= 228 * 1024
+    kernel's __launch_bounds__(256, 2) counts on it."""
+    stage = 128 * 128 + 128 * (48 + 32 * (2 if qtype == "Q4_1" else 1))
+    assert stage % 1024 == 0 and matmul2w_smem(qtype, 128) == constants.MATMUL2W_STAGES * stage + 128 * 128 + 1024
+    assert 2 * (matmul2w_smem(qtype, 128) + 1024) <= 228 * 1024
     src = (Path(__file__).parents[1] / "cuda" / "matmul.cu").read_text()
     assert "static constexpr int SMEM = MATMUL2W_STAGES * STAGE + B_BYTES + 1024;" in src
 

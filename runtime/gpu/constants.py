@@ -36,6 +36,7 @@ SHARED: dict[str, tuple[int, str]] = {
     "MATMUL2_THREADS": (256, "pipelined mma matmul: threads per block (8 warps)"),
     "MATMUL2R_STAGES": (3, "pipelined mma matmul, fragment-dequantizing (matmul2r_*): cp.async stages"),
     "MATMUL2W_STAGES": (3, "warpgroup-mma matmul (matmul2w_*, sm_90a): cp.async stages of 64 along K"),
+    "MATMUL2T_STAGES": (4, "warpgroup-mma decode matmul (matmul2t_*, sm_90a): cp.async stages"),
     "MATMUL2_SLICES": (8, "pipelined mma matmul: split-K slices at most (a thread-block cluster, portable size)"),
     "NORM_REGS": (8, "rmsnorm: 32-value blocks of a row each warp holds in registers (wider rows loop)"),
     "ATT_WARPS": (4, "warps per attention block"),
@@ -73,6 +74,7 @@ MATMUL2_THREADS = SHARED["MATMUL2_THREADS"][0]
 MATMUL2_SLICES = SHARED["MATMUL2_SLICES"][0]
 MATMUL2R_STAGES = SHARED["MATMUL2R_STAGES"][0]
 MATMUL2W_STAGES = SHARED["MATMUL2W_STAGES"][0]
+MATMUL2T_STAGES = SHARED["MATMUL2T_STAGES"][0]
 NORM_REGS = SHARED["NORM_REGS"][0]
 PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
 ATT_WARPS = SHARED["ATT_WARPS"][0]
@@ -94,7 +96,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 13  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 14  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -109,7 +111,9 @@ KERNEL_ABI = 13  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-toke
 # 10: (matvec_<type>_b1q, measured slower and reverted: never landed)
 # 11: ATT_ONE_SPLIT_PAGES: decode attention runs up to 2 pages of keys as one split
 # 12: matvec_<type>_mma (Q4_0, Q4_1): 2..MVM_COLS columns on the integer tensor cores
-# 13: matmul2w_<type>_bm128 (Q4_0, Q4_1): the prefill GEMM on Hopper's wgmma (sm_90a images); MATMUL2W_STAGES
+# 13: matmul2w_<type>_bm{128,64} (Q4_0, Q4_1): the prefill GEMM on Hopper's wgmma (sm_90a images); MATMUL2W_STAGES
+# 14: matmul2t_<type>_bm{32,64}: decode batches on wgmma, weights from registers; MATMUL2T_STAGES; matmul2w_*_bm64
+# removed
 
 
 def header() -> str:

@@ -32,6 +32,7 @@ from ingot.runtime.gpu.constants import (
     MATMUL2_STAGES,
     MATMUL2_THREADS,
     MATMUL2R_STAGES,
+    MATMUL2T_STAGES,
     MATMUL2W_STAGES,
     MATMUL_TILE,
     MATVEC_COLS,
@@ -108,8 +109,13 @@ MATMUL2R_TYPES = ("Q4_0", "Q4_1")  # the types matmul2r_* dequantizes into the m
 MATMUL2R_TILE_ROWS = (16, 32, 64, 128)
 MATMUL2_PREFILL_MIN_ROWS = 32
 # Where the loaded image is sm_90a (Kernels.matmul_wgmma), Q4_0 / Q4_1 in tiles of these heights run matmul2w_*
-# (wgmma: two warpgroups of m64 along M at 128 rows, along N at 64) when their slices do not sum in a cluster.
-MATMUL2W_TILE_ROWS = (64, 128)
+# (wgmma on a dequantized fp16 weight tile: two warpgroups of m64 along M) when their slices do not sum in a
+# cluster ...
+MATMUL2W_TILE_ROWS = (128,)
+# ... and in tiles of these, matmul2t_* (wgmma with the weights dequantized into its register operand and the
+# tokens as its n; its slices always sum through the scratch). 16-row tiles keep matmul2r, measured faster there
+# (cuda/PERF.md v24).
+MATMUL2T_TILE_ROWS = (32, 64)
 
 # The types matvec_<type>_mma (cuda/matvec.cu: 2..MATVEC_MMA_COLS columns on the integer tensor cores, mma.sync
 # m16n8k32 u8 x s8) serves, from this compute capability.
@@ -130,6 +136,7 @@ PDL_KERNELS = frozenset(
         *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in MATMUL2_TILE_ROWS),
         *(f"matmul2r_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2R_TILE_ROWS),
         *(f"matmul2w_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2W_TILE_ROWS),
+        *(f"matmul2t_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2T_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
@@ -251,11 +258,22 @@ def matmul2r_smem(qtype: str, tm: int, cluster: bool = False) -> int:
 
 
 def matmul2w_smem(qtype: str, tm: int) -> int:
-    """Dynamic shared memory of matmul2w_<qtype>_bm<tm> (cuda/matmul.cu Mm2wShape::SMEM; the kernel traps if given
-    less): MATMUL2W_STAGES stages of the A tile [tm][64] fp16, quant bytes [128][48] and scale windows [128][32] of
-    d (and of m: Q4_1), the fp16 weight tile [128][64], and 1 KiB to align the base to the swizzle's 1024 bytes."""
+    """Dynamic shared memory of matmul2w_<qtype>_bm<tm> (tm 128, MATMUL2W_TILE_ROWS: cuda/matmul.cu Mm2wShape::SMEM; the
+    kernel traps if given less): MATMUL2W_STAGES stages of the A tile [tm][64] fp16, quant bytes [128][48] and scale
+    windows [128][32] of d (and of m: Q4_1), the fp16 weight tile [128][64], and 1 KiB to align the base to the
+    swizzle's 1024 bytes."""
     stage = tm * 64 * 2 + _q4_weight_stage_bytes(qtype, matmul2r_blocks(128))  # KB 2: 64 weights along K
     return MATMUL2W_STAGES * stage + MATMUL2_BN * 64 * 2 + 1024
+
+
+def matmul2t_smem(qtype: str, tm: int) -> int:
+    """Dynamic shared memory of matmul2t_<qtype>_bm<tm> (cuda/matmul.cu Mm2tShape::SMEM; the kernel traps if given
+    less): MATMUL2T_STAGES stages of the tokens [tm][32 KB] fp16 (64-wide swizzled regions), quant bytes
+    [128][16 KB (+16 when KB is even)] and scale windows [128][32] of d (and of m: Q4_1), and 1 KiB of alignment."""
+    kb = matmul2r_blocks(tm)
+    qrow = 16 * kb + (16 if kb % 2 == 0 else 0)
+    stage = tm * 64 * kb + MATMUL2_BN * (qrow + 32 * (2 if qtype == "Q4_1" else 1))
+    return MATMUL2T_STAGES * stage + 1024
 
 
 def matmul_uses_wgmma(image: str | None) -> bool:
@@ -838,6 +856,8 @@ class Kernels:
                 for q in MATMUL2R_TYPES:
                     for tm in MATMUL2W_TILE_ROWS:
                         self.k[f"matmul2w_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2w_smem(q, tm))
+                    for tm in MATMUL2T_TILE_ROWS:
+                        self.k[f"matmul2t_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2t_smem(q, tm))
         # Its shared memory grows with the head size (scalar: 80 KiB at hd 256, more than sm_75's 64 KiB opt-in;
         # mma: 99 KiB); one opt-in per head size this GPU can hold.
         self.prefill_head_dims = tuple(h for h in HEAD_DIMS if self.prefill_bytes(h) <= device.info.max_smem_optin)
@@ -1053,7 +1073,8 @@ class Kernels:
         shared memory instead (the scratch unused; the same bits). A GpuStack gets one launch per part, writing
         its columns of C at the part's offset. The kernels and their tiling: matmul_geometry (self.matmul_mma: the
         pipelined mma.sync ones, else WMMA; with self.matmul_wgmma, Q4_0 / Q4_1 tiles of MATMUL2W_TILE_ROWS whose
-        slices do not sum in a cluster run matmul2w_*, the same tiling on Hopper's wgmma)."""
+        slices do not sum in a cluster run matmul2w_*, and tiles of MATMUL2T_TILE_ROWS matmul2t_*: the same tiling
+        on Hopper's wgmma, matmul2t's slices summing through split_k)."""
         if mode in GATED_MODES:
             raise ValueError("matmul has no gated epilogue: run the activation kernel on its output")
         sm = self.device.info.sm_count
@@ -1067,21 +1088,13 @@ class Kernels:
             cluster=self.split_k_cluster,
             slice_rows=slice_rows,
         )
-        scratch = None if tiling.cluster else split_k
         steps: list = []
         offset = 0
         for part in W.parts:
             grid = tiling.grid(M, part.rows)
-            if tiling.slices > 1 and not tiling.cluster:  # what SplitK holds (a part has at most the matrix's tiles)
-                assert scratch is not None
-                tiles = grid[0] * grid[1]
-                if slice_rows is None:
-                    most_floats, most_tiles = split_k_floats(sm), 2 * sm - 1
-                else:  # a prefill pass: as sized by split_k(prefill_shapes=...)
-                    most_floats, most_tiles = scratch.ws.nbytes // 4, scratch.counters.nbytes // 4
-                assert tiles <= most_tiles and tiles * tiling.slices * tiling.tm * tiling.tn <= most_floats
             part_bias = None if bias is None else bias.at(4 * offset)
             frag = self.matmul_frag and matmul2r_serves(part, tiling, M) if tiling.mma else False
+            cluster = tiling.cluster  # the slices sum in their thread-block cluster, else through the scratch
             if frag:  # matmul2r_*: the same tiling, weights (qs, d, m: null for Q4_0) into the mma fragments ...
                 kernel, smem = (
                     f"matmul2r_{part.qtype.lower()}_bm{tiling.tm}",
@@ -1089,9 +1102,21 @@ class Kernels:
                 )
                 if self.matmul_wgmma and tiling.tm in MATMUL2W_TILE_ROWS and not tiling.cluster:  # ... on wgmma
                     kernel, smem = f"matmul2w_{part.qtype.lower()}_bm{tiling.tm}", matmul2w_smem(part.qtype, tiling.tm)
+                elif self.matmul_wgmma and tiling.tm in MATMUL2T_TILE_ROWS:  # ... or wgmma with the roles swapped
+                    kernel, smem = f"matmul2t_{part.qtype.lower()}_bm{tiling.tm}", matmul2t_smem(part.qtype, tiling.tm)
+                    cluster = False  # matmul2t has no cluster path: its slices sum through the scratch
                 weights = [part.qs, part.d, part.m if part.qtype == "Q4_1" else None]
             else:
                 kernel, smem, weights = tiling.kernel(part.qtype), tiling.smem(part.qtype), part.args()
+            scratch = None if cluster else split_k
+            if tiling.slices > 1 and not cluster:  # what SplitK holds (a part has at most the matrix's tiles)
+                assert scratch is not None
+                tiles = grid[0] * grid[1]
+                if slice_rows is None:  # matmul_geometry keeps decode tilings in it, clustered or not
+                    most_floats, most_tiles = split_k_floats(sm), 2 * sm - 1
+                else:  # a prefill pass: as sized by split_k(prefill_shapes=...)
+                    most_floats, most_tiles = scratch.ws.nbytes // 4, scratch.counters.nbytes // 4
+                assert tiles <= most_tiles and tiles * tiling.slices * tiling.tm * tiling.tn <= most_floats
             steps.append(
                 Launch(
                     self.k[kernel],
@@ -1111,7 +1136,7 @@ class Kernels:
                         None if scratch is None else scratch.counters,
                     ],
                     smem=smem,
-                    cluster=tiling.slices if tiling.cluster else 1,
+                    cluster=tiling.slices if cluster else 1,
                 )
             )
             offset += part.rows

@@ -24,6 +24,7 @@ from ingot.runtime.gpu.kernels import (
     MATMUL2_TILE_ROWS,
     MATMUL2R_TILE_ROWS,
     MATMUL2R_TYPES,
+    MATMUL2T_TILE_ROWS,
     MATMUL2W_TILE_ROWS,
     MATVEC_MMA_MIN_COLS,
     SAMPLE_CHUNK,
@@ -34,6 +35,7 @@ from ingot.runtime.gpu.kernels import (
     i32,
     matmul2_smem,
     matmul2r_smem,
+    matmul2t_smem,
     matmul2w_smem,
     sample_chunk_bytes,
 )
@@ -72,7 +74,7 @@ def _gemm_kernels(steps, kind: str) -> None:
         else:
             qtype, tm = name.split("_", 1)[1].upper().split("_BM")
             frag = kind == "mma" and qtype in MATMUL2R_TYPES and int(tm) in MATMUL2R_TILE_ROWS
-            assert name.startswith(("matmul2r_", "matmul2w_") if frag else "matmul2_"), name
+            assert name.startswith(("matmul2r_", "matmul2w_", "matmul2t_") if frag else "matmul2_"), name
 
 
 def _run_steps(gpu, steps):
@@ -545,20 +547,29 @@ def test_fragment_gemm_gives_the_bits_of_the_tile_gemm(gpu, rng, qtype, tm, slic
     assert np.array_equal(frag[:, N:], resid[:, N:]), "columns past N (the stride's padding) were written"
 
 
+WGMMA_KERNELS = [
+    *((f"matmul2w_{{}}_bm{tm}", tm, matmul2w_smem) for tm in MATMUL2W_TILE_ROWS),
+    *((f"matmul2t_{{}}_bm{tm}", tm, matmul2t_smem) for tm in MATMUL2T_TILE_ROWS),
+]
+
+
 @pytest.mark.parametrize("qtype", MATMUL2R_TYPES)
-@pytest.mark.parametrize("tm", MATMUL2W_TILE_ROWS)
-@pytest.mark.parametrize("M,K_,slices", [(3, 32 * 37, 1), (3, 32 * 37, 3), (-300, 32 * 5, 1), (1, 32 * 64, 4)])
-def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, tm, M, K_, slices):
-    """matmul2w_<type>_bm<tm> (Hopper's wgmma, sm_90a images) against matmul2r_<type>_bm<tm>, both launched
-    directly, MODE_ADD onto a strided residual with a bias: M past a tile (tm + 3: a second tile of 3 rows; 300:
-    several tiles, the last part-full; 1), N = 203 (a second, part-full tile of features), K odd in blocks (37:
-    every stage of 2 blocks full but the last; 5 unsplit; slices of 13 and 11 blocks starting at another
-    scale-window offset). The same fp16 products summed in another order inside the tensor cores: within 1e-5 of
-    matmul2r (fp32 sums of <= 1,184 terms, measured ~1e-7), and both within numpy's 1e-3; columns past N
+@pytest.mark.parametrize("kernel,tm,smem", WGMMA_KERNELS, ids=[k.format("q") for k, _, _ in WGMMA_KERNELS])
+@pytest.mark.parametrize(
+    "M,K_,slices", [(-3, 32 * 37, 1), (-3, 32 * 37, 3), (300, 32 * 5, 1), (1, 32 * 64, 4), (5, 32 * 37, 4)]
+)
+def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, kernel, tm, smem, M, K_, slices):
+    """The wgmma kernels (sm_90a images: matmul2w_<type>_bm<tm>, the weight tile in shared memory; matmul2t, the
+    weights in registers and the tokens as wgmma's n) against matmul2r_<type>_bm<tm>, all launched directly,
+    MODE_ADD onto a strided residual with a bias: M past a tile (-3: tm + 3, a second tile of 3 rows; 300: several
+    tiles, the last part-full; 1; 5), N = 203 (a second, part-full tile of features), K odd in blocks (37: every
+    stage full but the last; 5 unsplit; slices of 13 / 10 / 11 blocks starting at other scale-window offsets,
+    summed through the scratch). The same fp16 products summed in another order inside the tensor cores: within
+    1e-5 of matmul2r (fp32 sums of <= 2,048 terms, measured ~1e-7), and both within numpy's 1e-3; columns past N
     untouched."""
     if not gpu.k.matmul_wgmma:
-        pytest.skip("matmul2w_* needs the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
-    M = -M if M < 0 else M if M == 1 else tm + M
+        pytest.skip("the wgmma kernels need the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
+    M = tm - M if M < 0 else M
     N, ldc = 203, 208
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
@@ -567,13 +578,13 @@ def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, tm, M, 
     grid = (-(-M // tm), -(-N // K.MATMUL2_BN), slices)
     scratch = [None, None] if slices == 1 else [gpu.split_k.ws, gpu.split_k.counters]
     out = {}
-    for name, smem in (
+    for name, nbytes in (
         (f"matmul2r_{qtype.lower()}_bm{tm}", matmul2r_smem(qtype, tm)),
-        (f"matmul2w_{qtype.lower()}_bm{tm}", matmul2w_smem(qtype, tm)),
+        (kernel.format(qtype.lower()), smem(qtype, tm)),
     ):
         C = gpu.put(resid)
         args = [W.qs, W.d, W.m, A, bias, C.ptr, i32(M), i32(N), i32(K_), i32(ldc), i32(K.MODE_ADD), *scratch]
-        gpu.run(Launch(gpu.k.k[name], grid, K.MATMUL2_THREADS, args, smem=smem))
+        gpu.run(Launch(gpu.k.k[name], grid, K.MATMUL2_THREADS, args, smem=nbytes))
         out[name] = gpu.get(C, np.float32, (M, ldc))
     frag, wg = out.values()
     ref = resid.astype(np.float64)
@@ -584,33 +595,25 @@ def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, tm, M, 
     assert np.array_equal(wg[:, N:], resid[:, N:]), "columns past N (the stride's padding) were written"
 
 
-def test_prefill_gemm_runs_on_wgmma_through_the_engine_tiling(gpu, rng):
-    """Kernels.matmul at a prefill pass's width (512 rows of a 16,421-feature Q4_0 matrix: 128-row tiles, no split)
-    launches matmul2w where the image has wgmma, and its result is numpy's."""
+@pytest.mark.parametrize(
+    "M,N,K_,slice_rows,kernel",
+    [
+        (512, 16384 + 37, 320, 512, "matmul2w_q4_0_bm128"),  # a prefill pass: 128-row tiles, no split
+        (40, 4096 + 37, 2048, None, "matmul2t_q4_0_bm64"),  # decode batches: 64- and 32-row tiles in K slices
+        (20, 4096 + 37, 2048, None, "matmul2t_q4_0_bm32"),
+    ],
+)
+def test_gemm_runs_on_wgmma_through_the_engine_tiling(gpu, rng, M, N, K_, slice_rows, kernel):
+    """Kernels.matmul at a prefill pass's width and at decode batches (split-K scratch: K slices, summed through
+    it) launches the wgmma kernel of its tiling where the image has wgmma, and its result is numpy's."""
     if not gpu.k.matmul_wgmma:
-        pytest.skip("matmul2w_* needs the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
-    M, N, K_ = 512, 16384 + 37, 320
+        pytest.skip("the wgmma kernels need the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
     W, Wref = make_weight(gpu, rng, "Q4_0", N, K_)
     A = rng.standard_normal((M, K_)).astype(np.float16)
     C = gpu.empty(4 * M * N)
-    steps = gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, split_k=gpu.split_k, slice_rows=512)
-    assert [s.kernel.name for s in steps] == ["matmul2w_q4_0_bm128"]
-    _run_steps(gpu, steps)
-    Wh = Wref.astype(np.float16).astype(np.float64)
-    assert rel_err(gpu.get(C, np.float32, (M, N)), A.astype(np.float64) @ Wh.T) < 1e-3
-
-
-def test_decode_gemm_runs_on_wgmma_through_the_engine_tiling(gpu, rng):
-    """Kernels.matmul at a decode batch of 40 sequences (a 4,133 x 2,048 Q4_0 matrix, split-K scratch: 64-row
-    tiles in K slices) launches matmul2w_q4_0_bm64 where the image has wgmma, and its result is numpy's."""
-    if not gpu.k.matmul_wgmma:
-        pytest.skip("matmul2w_* needs the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
-    M, N, K_ = 40, 4096 + 37, 2048
-    W, Wref = make_weight(gpu, rng, "Q4_0", N, K_)
-    A = rng.standard_normal((M, K_)).astype(np.float16)
-    C = gpu.empty(4 * M * N)
-    steps = gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, split_k=gpu.split_k)
-    assert [s.kernel.name for s in steps] == ["matmul2w_q4_0_bm64"] and steps[0].grid[2] > 1
+    steps = gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, split_k=gpu.split_k, slice_rows=slice_rows)
+    assert [s.kernel.name for s in steps] == [kernel]
+    assert slice_rows is not None or steps[0].grid[2] > 1, "a decode width that is not split tests less"
     _run_steps(gpu, steps)
     Wh = Wref.astype(np.float16).astype(np.float64)
     assert rel_err(gpu.get(C, np.float32, (M, N)), A.astype(np.float64) @ Wh.T) < 1e-3
