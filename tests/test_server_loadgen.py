@@ -44,7 +44,9 @@ def test_the_load_report_has_ttft_and_merges_processes(server, procs):
     assert srv["prompt_tokens"] == 8 * 16 and srv["prefix_saved_tokens"] == 0
     assert srv["decode_steps"] >= 11  # 12 tokens: the first comes from the prefill
     assert 1 <= srv["mean_batch"] <= 4
-    assert srv["front_end_cpu_us_per_token"] > 0
+    # measured (the process collector's CPU seconds), not computed: /proc counts them in 10 ms ticks, and a run
+    # this short can cost the front end less than one (the CI's fresh clone saw 0.0), so only its presence and sign
+    assert srv["front_end_cpu_us_per_token"] is not None and srv["front_end_cpu_us_per_token"] >= 0
 
 
 def test_the_load_report_has_no_server_figures_without_ingot_metrics():

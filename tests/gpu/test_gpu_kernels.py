@@ -655,17 +655,18 @@ def test_cluster_split_k_gives_the_bits_of_the_ordered_sum(gpu, rng, qtype, M, N
     """matmul2's two split-K sums (cuda/matmul.cu): the tile's slices as one thread-block cluster adding their
     partials from each other's shared memory (sm_90+), and the tile's last block adding them from global memory.
     Both add in slice order from 0, so a split decode GEMM (odd M and N, MODE_ADD onto a residual, a strided
-    output) gives the same bits either way, and numpy's product within the GEMM tests' 1e-3."""
+    output) gives the same bits either way, and numpy's product within the GEMM tests' 1e-3. (Without the wgmma
+    kernels: matmul2t, which takes Q4_0 / Q4_1's 64-row tiles on an sm_90a image, has only the second sum.)"""
     if gpu.dev.info.cc < 90:
         pytest.skip("thread-block clusters need compute capability 9.0")
     K_, ldc = width(qtype, cols), N + 11
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
     resid = rng.standard_normal((M, ldc)).astype(np.float32)
-    saved = gpu.k.matmul_mma, gpu.k.split_k_cluster
+    saved = gpu.k.matmul_mma, gpu.k.split_k_cluster, gpu.k.matmul_wgmma
     out = {}
     try:
-        gpu.k.matmul_mma = True
+        gpu.k.matmul_mma, gpu.k.matmul_wgmma = True, False
         for cluster in (False, True):
             gpu.k.split_k_cluster = cluster
             C = gpu.put(resid)
@@ -674,7 +675,7 @@ def test_cluster_split_k_gives_the_bits_of_the_ordered_sum(gpu, rng, qtype, M, N
             _run_steps(gpu, steps)
             out[cluster] = gpu.get(C, np.float32, (M, ldc))
     finally:
-        gpu.k.matmul_mma, gpu.k.split_k_cluster = saved
+        gpu.k.matmul_mma, gpu.k.split_k_cluster, gpu.k.matmul_wgmma = saved
     assert np.array_equal(out[True].view(np.uint32), out[False].view(np.uint32))
     ref = resid.astype(np.float64)
     ref[:, :N] += gpu.get(A, np.float16, (M, K_)).astype(np.float64) @ Wref.astype(np.float16).astype(np.float64).T
