@@ -1224,8 +1224,10 @@ __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const _
 
     // Copies, as matmul2r's: quant chunks e = tid + j*THREADS -> row e/KB, block e%KB; scale windows of row tid/2
     // (chunk tid%2); token chunks e -> row e/(4 KB), 16-byte chunk ch = e%(4 KB) (block ch/4) into region ch/8 at
-    // the swizzled chunk (ch%8) ^ (row%8). Rows past N or M: zero-filled from a clamped, valid address.
-    constexpr int QJ = (MM2_BN * KB + MM2_THREADS - 1) / MM2_THREADS, AJ = (TM * 4 * KB + MM2_THREADS - 1) / MM2_THREADS;
+    // the swizzled chunk (ch%8) ^ (row%8). Rows past N or M: zero-filled from a clamped, valid address; token blocks
+    // past a slice's last one zero-filled too (src-size 0: their address is never read), though their wgmma is skipped.
+    constexpr int QJ = (MM2_BN * KB + MM2_THREADS - 1) / MM2_THREADS;
+    constexpr int AJ = (TM * 4 * KB + MM2_THREADS - 1) / MM2_THREADS;
     const uint8_t* q_base = qs + (long long)kb0 * 16;
     unsigned q_src[QJ];
     int q_dst[QJ], q_blk[QJ];
@@ -1391,6 +1393,8 @@ __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const _
 
 // Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2t_smem(type, TM) bytes of
 // dynamic shared memory (Mm2tShape::SMEM); arguments as matmul2r_<type>_bm<TM> (ws and counters needed when split).
+// __launch_bounds__(256, 3) caps registers for three blocks an SM (76-80 used); shared memory admits three for Q4_0's
+// 64-row tile (73 KiB) and two for the others (89-105 KiB).
 #define MATMUL2T_KERNELS(NAME, MIN)                                                                             \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                \
     matmul2t_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \

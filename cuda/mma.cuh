@@ -73,9 +73,10 @@ __device__ __forceinline__ void mma_u8s8(int (&d)[4], const unsigned (&a)[4], un
 
 // Hopper's warpgroup MMA (wgmma, sm_90a only: arch-specific, so these exist only in an sm_90a image; matmul.cu's
 // matmul2w_* and matmul2t_* are their users). A warpgroup (4 consecutive warps, 128 threads) multiplies a 64 x 16 fp16
-// tile of A by a 16 x 128 tile of B, both read by the tensor cores straight from shared memory through 64-bit matrix
-// descriptors, into 64 x 128 fp32 accumulators held 64 a thread: thread (warp w of the group, lane g*4 + c) holds rows
-// 16w + g and 16w + g + 8 of columns 8j + 2c, 8j + 2c + 1 as d[j][0..3] (mma16816's d layout per n8 tile j).
+// tile of A by a 16 x N tile of B (N = 128: both read by the tensor cores straight from shared memory through 64-bit
+// matrix descriptors; N = 32, 64: A from the threads' registers, below) into 64 x N fp32 accumulators, N/2 a thread:
+// thread (warp w of the group, lane g*4 + c) holds rows 16w + g and 16w + g + 8 of columns 8j + 2c, 8j + 2c + 1 as
+// d[j][0..3] (mma16816's d layout per n8 tile j).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The descriptor of a K-major tile in the 128-byte swizzle (rows of 64 fp16 = 128 bytes, 8-row groups 1024 bytes
 // apart; 16-byte chunk j of row r stored at chunk j ^ (r % 8)), from a 1024-byte-aligned row 0: bits 0-13 the

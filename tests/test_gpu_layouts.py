@@ -31,6 +31,7 @@ from ingot.runtime.gpu.kernels import (
     MATMUL2_THREADS,
     MATMUL2_TILE_ROWS,
     MATMUL2T_TILE_ROWS,
+    MATMUL2W_TILE_ROWS,
     MATVEC_MMA_MIN_COLS,
     MAX_CLUSTER_SLICES,
     MAX_K_SLICES,
@@ -167,9 +168,8 @@ def _kernels(sm_count=132, mma=False, cluster=False):
         "matvec_{}_mma",
         "matmul_{}",
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
-        "matmul2w_{}_bm128",
-        "matmul2w_{}_bm64",
-        *(f"matmul2t_{{}}_bm{tm}" for tm in (16, 32, 64)),
+        *(f"matmul2w_{{}}_bm{tm}" for tm in MATMUL2W_TILE_ROWS),
+        *(f"matmul2t_{{}}_bm{tm}" for tm in MATMUL2T_TILE_ROWS),
     )
     k.k = {n.format(q.lower()): _FakeKernel(n.format(q.lower())) for q in GPU_QTYPES for n in names}
     return k
@@ -612,7 +612,7 @@ def test_q4_gemms_take_the_fragment_kernel_with_its_arguments(qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_q4_prefill_tiles_take_the_wgmma_kernel_where_the_image_has_it(qtype):
+def test_q4_tiles_take_the_wgmma_kernels_where_the_image_has_them(qtype):
     """With an sm_90a image (matmul_wgmma), Q4_0 / Q4_1 GEMMs in 128-row tiles run matmul2w_<type>_bm128 with
     matmul2r's arguments and grid and its own shared memory, unless their slices sum in a cluster; 32- and 64-row
     tiles run matmul2t_<type>_bm<tm>, whose slices always sum through the scratch; 16-row tiles keep matmul2r;
@@ -639,6 +639,7 @@ def test_q4_prefill_tiles_take_the_wgmma_kernel_where_the_image_has_it(qtype):
     (cl,) = clustered.matmul(_matrix(qtype, 1024, 4096), 7, 1 << 30, 100, ldc=1024, split_k=scratch)
     assert cl.kernel.name == f"matmul2r_{qtype.lower()}_bm128" and cl.grid[2] > 1 and cl.cluster == cl.grid[2]
     # decode widths: matmul2t, whose slices always sum through the scratch, even where matmul2r's would cluster
+    assert matmul_geometry(40, 1024, 4096, 132, mma=True, split=True, cluster=True).cluster
     (dec,) = clustered.matmul(_matrix(qtype, 1024, 4096), 7, 1 << 30, 40, ldc=1024, split_k=scratch)
     assert dec.kernel.name == f"matmul2t_{qtype.lower()}_bm64" and dec.grid[2] > 1 and dec.cluster == 1
     assert _ptr_args(dec)[-2:] == [3 << 30, 5 << 30]

@@ -112,8 +112,8 @@ KERNEL_ABI = 14  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-toke
 # 11: ATT_ONE_SPLIT_PAGES: decode attention runs up to 2 pages of keys as one split
 # 12: matvec_<type>_mma (Q4_0, Q4_1): 2..MVM_COLS columns on the integer tensor cores
 # 13: matmul2w_<type>_bm{128,64} (Q4_0, Q4_1): the prefill GEMM on Hopper's wgmma (sm_90a images); MATMUL2W_STAGES
-# 14: matmul2t_<type>_bm{32,64}: decode batches on wgmma, weights from registers; MATMUL2T_STAGES; matmul2w_*_bm64
-# removed
+# 14: matmul2t_<type>_bm{32,64}: decode batches on wgmma, weights from registers; MATMUL2T_STAGES;
+# matmul2w_*_bm64 removed
 
 
 def header() -> str:

@@ -240,8 +240,8 @@ def matmul2r_blocks(tm: int) -> int:
 
 
 def _q4_weight_stage_bytes(qtype: str, kb: int) -> int:
-    """The weights' part of a stage of kb quantization blocks in matmul2r_* and matmul2w_* (cuda/matmul.cu
-    Mm2rShape, whose layout matmul2w shares): quant bytes [128][16 kb (+16 when kb is even)] and scale windows
+    """The weights' part of a stage of kb quantization blocks in matmul2r_*, matmul2w_* and matmul2t_* (cuda/matmul.cu
+    Mm2rShape, whose layout the wgmma kernels share): quant bytes [128][16 kb (+16 when kb is even)] and scale windows
     [128][32] of d (and of m: Q4_1)."""
     qrow = 16 * kb + (16 if kb % 2 == 0 else 0)
     return MATMUL2_BN * (qrow + 32 * (2 if qtype == "Q4_1" else 1))
@@ -271,15 +271,13 @@ def matmul2t_smem(qtype: str, tm: int) -> int:
     less): MATMUL2T_STAGES stages of the tokens [tm][32 KB] fp16 (64-wide swizzled regions), quant bytes
     [128][16 KB (+16 when KB is even)] and scale windows [128][32] of d (and of m: Q4_1), and 1 KiB of alignment."""
     kb = matmul2r_blocks(tm)
-    qrow = 16 * kb + (16 if kb % 2 == 0 else 0)
-    stage = tm * 64 * kb + MATMUL2_BN * (qrow + 32 * (2 if qtype == "Q4_1" else 1))
-    return MATMUL2T_STAGES * stage + 1024
+    return MATMUL2T_STAGES * (tm * 64 * kb + _q4_weight_stage_bytes(qtype, kb)) + 1024
 
 
 def matmul_uses_wgmma(image: str | None) -> bool:
-    """Whether Q4_0 / Q4_1 GEMMs in 64- and 128-row tiles run matmul2w_* (Hopper's wgmma: only an sm_90a image holds it;
-    elsewhere the kernel traps) rather than matmul2r_*, for the matmul image the driver loads: INGOT_MATMUL=mma
-    (the default; mma-sync keeps matmul2r)."""
+    """Whether Q4_0 / Q4_1 GEMMs in tiles of MATMUL2W_TILE_ROWS and MATMUL2T_TILE_ROWS run the wgmma kernels
+    (matmul2w_*, matmul2t_*: Hopper's wgmma, which only an sm_90a image holds; elsewhere they trap) rather than
+    matmul2r_*, for the matmul image the driver loads: INGOT_MATMUL=mma (the default; mma-sync keeps matmul2r)."""
     return image == "sm_90a" and settings.MATMUL.get() == "mma"
 
 
@@ -843,8 +841,8 @@ class Kernels:
         # H200 holds the older code, whose cluster branch traps).
         loaded = decide(fatbins["matmul"], device.info.cc, driver_from_cuda_int(None, device.info.driver_cuda))
         self.split_k_cluster = split_k_uses_clusters(min(device.info.cc, image_cc(loaded.image)))
-        # ... and the prefill's 128-row Q4_0 / Q4_1 tiles run on Hopper's wgmma (matmul2w_*) where that image is
-        # sm_90a (tests flip this one too: against matmul2r to fp32 rounding).
+        # ... and Q4_0 / Q4_1 tiles of 32-128 rows run on Hopper's wgmma (matmul2w_*, matmul2t_*) where that image
+        # is sm_90a (tests flip this one too: against matmul2r to fp32 rounding).
         self.matmul_wgmma = matmul_uses_wgmma(loaded.image)
         if device.info.cc >= 80:
             for q in GPU_QTYPES:
