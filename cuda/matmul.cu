@@ -489,10 +489,44 @@ struct Mm2Warps {
     __device__ static int wn(int warp) { return warp % WN; }
 };
 
-// The GEMM's end, shared by matmul2 and matmul2r: a block's accumulators (its TM x MM2_BN tile, Mm2Warps'
-// fragments of the caller's warp layout WM_) to C, the split-K slices summed first (the header's two ways:
-// cluster, or scratch + last block).
+// Split-K through the scratch (the header's second way), for any kernel whose threads hold their share of a TM x
+// MM2_BN tile as R groups of 4 accumulators: this slice's, in register order (group r, element e of thread t at
+// (r*4 + e) * MM2_THREADS + t), to ws; the tile's last slice to arrive adds all S in slice order from 0 into acc
+// (0 + s_0 + s_1 + ... as matmul() above) and returns true, the others false (their part is done).
+template <int TM, int R>
+__device__ __forceinline__ bool mm2_scratch_sum(float (&acc)[R][4], float* __restrict__ ws,
+                                                int* __restrict__ counters) {
+    __shared__ bool is_last;
+    constexpr int TILE = TM * MM2_BN;
+    const int tid = threadIdx.x, S = gridDim.z;
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    float* mine = ws + ((size_t)tile * S + blockIdx.z) * TILE + tid;
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) mine[(r * 4 + e) * MM2_THREADS] = acc[r][e];
+    __threadfence();              // this slice visible device-wide before the count says so
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(counters + tile, 1) == S - 1;
+    __syncthreads();
+    if (!is_last) return false;
+    __threadfence();
+    if (tid == 0) counters[tile] = 0;   // zero again for the next launch (stream-ordered)
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.0f;
+    for (int z = 0; z < S; z++) {   // slice order, element by element
+        const float* part = ws + ((size_t)tile * S + z) * TILE + tid;
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[r][e] += __ldcg(part + (r * 4 + e) * MM2_THREADS);   // L2: other SMs
+    }
+    return true;
+}
 
+// The GEMM's end, shared by matmul2, matmul2r and matmul2w: a block's accumulators (its TM x MM2_BN tile,
+// Mm2Warps' fragments of the caller's warp layout WM_) to C, the split-K slices summed first (the header's two ways:
+// cluster, or scratch + last block: mm2_scratch_sum, which matmul2t shares).
 template <int TM, int WM_>
 __device__ __forceinline__ void mm2_store(float (&acc)[Mm2Warps<TM, WM_>::MT][Mm2Warps<TM, WM_>::NT][4],
                                           const float* __restrict__ bias, float* __restrict__ C, int M, int N,
@@ -554,38 +588,8 @@ __device__ __forceinline__ void mm2_store(float (&acc)[Mm2Warps<TM, WM_>::MT][Mm
 #else
         __trap();   // the host launches clusters only on compute capability 9.0+
 #endif
-    } else if (S > 1) {
-        __shared__ bool is_last;
-        constexpr int TILE = TM * MM2_BN;
-        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-        float* mine = ws + ((size_t)tile * S + blockIdx.z) * TILE + tid;
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) mine[((mt * NT + nt) * 4 + e) * MM2_THREADS] = acc[mt][nt][e];
-        __threadfence();              // this slice visible device-wide before the count says so
-        __syncthreads();
-        if (tid == 0) is_last = atomicAdd(counters + tile, 1) == S - 1;
-        __syncthreads();
-        if (!is_last) return;
-        __threadfence();
-        if (tid == 0) counters[tile] = 0;   // zero again for the next launch (stream-ordered)
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
-        for (int z = 0; z < S; z++) {   // slice order, element by element: 0 + s_0 + s_1 + ... as matmul() above
-            const float* part = ws + ((size_t)tile * S + z) * TILE + tid;
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        acc[mt][nt][e] += __ldcg(part + ((mt * NT + nt) * 4 + e) * MM2_THREADS);   // L2: other SMs
-        }
+    } else if (S > 1) {   // through the scratch: the tile's registers as MT*NT groups of 4
+        if (!mm2_scratch_sum<TM>(reinterpret_cast<float (&)[MT * NT][4]>(acc), ws, counters)) return;
     }
     // Epilogue: element e of tile (mt, nt) is row g + 8*(e/2), column 2c + e%2 (scalar stores: C + offset of a
     // stacked part need not be 8-byte aligned).
@@ -1339,35 +1343,8 @@ __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const _
     cp_async_wait<0>();
     INGOT_PDL_TRIGGER();
 
-    // Split-K: the slices' accumulators through ws in register order, summed in slice order by the tile's last
-    // block (mm2_store's scratch path, for this layout).
-    const int S = gridDim.z;
-    if (S > 1) {
-        __shared__ bool is_last;
-        constexpr int TILE = TM * MM2_BN;
-        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-        float* mine = ws + ((size_t)tile * S + blockIdx.z) * TILE + tid;
-#pragma unroll
-        for (int j = 0; j < NJ; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) mine[(j * 4 + e) * MM2_THREADS] = acc[j][e];
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) is_last = atomicAdd(counters + tile, 1) == S - 1;
-        __syncthreads();
-        if (!is_last) return;
-        __threadfence();
-        if (tid == 0) counters[tile] = 0;
-#pragma unroll
-        for (int j = 0; j < NJ; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-        for (int z = 0; z < S; z++) {
-            const float* part = ws + ((size_t)tile * S + z) * TILE + tid;
-#pragma unroll
-            for (int j = 0; j < NJ; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[j][e] += __ldcg(part + (j * 4 + e) * MM2_THREADS);
-        }
-    }
+    // Split-K: the slices summed through ws by the tile's last block (mm2_store's scratch path).
+    if (gridDim.z > 1 && !mm2_scratch_sum<TM>(acc, ws, counters)) return;
     // Epilogue: element e of group j is feature n0 + f + 8*(e/2), token m0 + 8j + 2c + e%2.
 #pragma unroll
     for (int h = 0; h < 2; h++) {
