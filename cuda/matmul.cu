@@ -3,10 +3,11 @@
 // weights are dequantized to fp16 in shared memory and multiplied on the tensor cores (WMMA 16x16x16, fp32
 // accumulation; available on every arch we build, sm_75+).
 // Three kernel families: matmul_<type> (this header: v9's, every arch) and below, from compute capability 8.0, the
-// pipelined matmul2_<type>_bm<TM> (mma.sync, ldmatrix, cp.async; its own header comment) and its twin for Q4_0 and
-// Q4_1, matmul2r_<type>_bm<TM>, which dequantizes straight into the mma fragments (the same tiles and bits; its
-// own header comment, after matmul2's kernels). Kernels.matmul picks (runtime/gpu/kernels.py matmul_geometry;
-// INGOT_MATMUL=wmma keeps matmul_<type> everywhere, =mma-tile matmul2_<type> for every type).
+// pipelined matmul2_<type>_bm<TM> (mma.sync, ldmatrix, cp.async; its own header comment) and its twin for Q4_0,
+// Q4_1 and Q4_K, matmul2r_<type>_bm<TM>, which dequantizes straight into the mma fragments (the same tiles and bits;
+// its own header comment, after matmul2's kernels), with its wgmma siblings matmul2w and matmul2t on sm_90a.
+// Kernels.matmul picks (runtime/gpu/kernels.py matmul_geometry; INGOT_MATMUL=wmma keeps matmul_<type> everywhere,
+// =mma-tile matmul2_<type> for every type).
 //
 // Tiles: a block of 4 warps computes a 64x64 tile of C, each warp a 32x32 quarter (2x2 fragments); K advances
 // by one quantization block (32) per step. Epilogue modes as in matvec.cu: MODE_STORE (C = AW^T + bias) and
@@ -779,12 +780,12 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 #undef MM2_RUN
 
 // =====================================================================================================================
-// matmul2r_<type>_bm<TM> (Q4_0, Q4_1; compute capability >= 8.0): matmul2's product, tiles, warps, split-K and
-// epilogue (mm2_store), with the weights dequantized straight into the B fragments' registers instead of an fp16
-// tile in shared memory, and KB quantization blocks a stage instead of one. Why (cuda/PERF.md v17, ncu on the 8B's
-// gate+up at 16 rows): matmul2's L1/shared pipe was 81% busy for 13% of DRAM bandwidth. A stage of one block copies
-// 16 quant bytes and one 2-byte scale per row, rows 2 KB apart: every copy touches its own sector for a part of
-// it (the cp.async wavefronts 8-32x the ideal), and the fp16 tile costs a store and an ldmatrix per weight on top.
+// matmul2r_<type>_bm<TM> (Q4_0, Q4_1, Q4_K: Fq4 below; compute capability >= 8.0): matmul2's product, tiles, warps,
+// split-K and epilogue (mm2_store), with the weights dequantized straight into the B fragments' registers instead of
+// an fp16 tile in shared memory, and KB quantization blocks a stage instead of one. Why (cuda/PERF.md v17, ncu on the
+// 8B's gate+up at 16 rows): matmul2's L1/shared pipe was 81% busy for 13% of DRAM bandwidth. A stage of one block
+// copies 16 quant bytes and one 2-byte scale per row, rows 2 KB apart: every copy touches its own sector for a part
+// of it (the cp.async wavefronts 8-32x the ideal), and the fp16 tile costs a store and an ldmatrix per weight on top.
 // Here a stage holds KB = 4 blocks (TM <= 32) or 2: 64 or 32 contiguous quant bytes a row, and the scales as the
 // aligned 16-byte chunk(s) of d (and m) that hold the stage's blocks of the row; one barrier a stage.
 //
@@ -794,7 +795,8 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 // conflict-free). Block j of a stage of row n is element o + j of its scale window, o = the stage's first block's
 // element offset in its 16-byte chunk (the second chunk is copied only when the blocks run into it). The lanes take
 // o from d's address, for m's windows too: Kernels.matmul (kernels.py matmul2r_serves) launches Q4_1 here only when
-// m lies at d's offset within 16 bytes (separate pool allocations always do), and only for 32-bit offsets.
+// m lies at d's offset within 16 bytes (separate pool allocations always do), Q4_K when its headers are 16-byte
+// aligned, and only for 32-bit offsets.
 // Fragments: lane (g, c) of the warp owning n8 tile nt dequantizes weight row wn*NT*8 + nt*8 + g: two 4-byte words
 // of the block's quant bytes -> chunk 0's and chunk 1's b0, b1 (matmul_tiles.cuh deq_q4_frag), then the MT m16
 // tiles' mma for both chunks. Each accumulator takes the same mma in the same order as in matmul2 (block by block,
@@ -808,6 +810,49 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 // =====================================================================================================================
 #define MM2R_STAGES MATMUL2R_STAGES
 
+// The types of the fragment kernels (matmul2r, matmul2w, matmul2t) and where a block's scale comes from. The kernels
+// take (qs, d, m) as kernels.py fragment_args gives them:
+//   Q4_0  d: fp16 per block                                           w = d*(q - 8)
+//   Q4_1  d, m: fp16 per block                                        w = d*q + m
+//   Q4_K  d: the super-block headers (16 bytes per 8 blocks: f16 d, dmin, 6-bit scales and mins; weights.cuh),
+//         m null                                                      w = dl*q - ml (dl = d*sc, ml = dmin*m)
+// A header covers 8 blocks as a 16-byte chunk of d covers 8 fp16 scales, so Q4_K's windows, their copies and a
+// block's offset o in its window are Q4_0's arithmetic on the header array read as fp16 (16-byte aligned, which
+// fragment_args checks): block o of a window is sub-block o % 8 of its chunk o / 8.
+enum class Fq4 { Q4_0, Q4_1, Q4_K };
+
+// Block o of a weight row's stage: q its 16 quant bytes + 4*(c/2), sw its scale window (Q4_1: mw, m's), into the
+// lane's B fragments of the block's two k16 chunks (matmul_tiles.cuh deq_q4_frag / deq_q4k_frag).
+template <Fq4 Q>
+__device__ __forceinline__ void deq_frag_at(const unsigned char* q, const unsigned char* sw, const unsigned char* mw,
+                                            int o, int c, uint32_t (&b)[4]) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(q);   // words 0 and 2 from q: bytes +0..3, +8..11
+    if constexpr (Q == Fq4::Q4_K) {
+        const KHeader k = k_header(*reinterpret_cast<const uint4*>(sw + 16 * (o >> 3)), o & 7);
+        deq_q4k_frag(w[0], w[2], c, k.dl, -k.ml, b);
+    } else {
+        const __half dd = reinterpret_cast<const __half*>(sw)[o];
+        const __half mm = Q == Fq4::Q4_1 ? reinterpret_cast<const __half*>(mw)[o] : dd;
+        deq_q4_frag<Q == Fq4::Q4_1>(w[0], w[2], c, dd, mm, b);
+    }
+}
+
+// The same for a whole block as fp16 pairs (matmul2w's weight tile): lo[h], hi[h] = weights 8h.. and 16 + 8h..
+template <Fq4 Q>
+__device__ __forceinline__ void deq_block_at(const uint4& q, const unsigned char* sw, const unsigned char* mw, int o,
+                                             uint32_t (&lo)[2][4], uint32_t (&hi)[2][4]) {
+    if constexpr (Q == Fq4::Q4_K) {
+        const KHeader k = k_header(*reinterpret_cast<const uint4*>(sw + 16 * (o >> 3)), o & 7);
+        deq_q4k_half(make_uint2(q.x, q.y), k.dl, -k.ml, lo[0], hi[0]);
+        deq_q4k_half(make_uint2(q.z, q.w), k.dl, -k.ml, lo[1], hi[1]);
+    } else {
+        const __half dd = reinterpret_cast<const __half*>(sw)[o];
+        const __half mm = Q == Fq4::Q4_1 ? reinterpret_cast<const __half*>(mw)[o] : dd;
+        deq_q4_half<Q == Fq4::Q4_1>(make_uint2(q.x, q.y), dd, mm, lo[0], hi[0]);   // weights 0..7 and 16..23
+        deq_q4_half<Q == Fq4::Q4_1>(make_uint2(q.z, q.w), dd, mm, lo[1], hi[1]);   // weights 8..15 and 24..31
+    }
+}
+
 template <int TM>
 struct Mm2rShape {
     static constexpr int KB = TM <= 32 ? 4 : 2;                     // quantization blocks a stage
@@ -817,13 +862,14 @@ struct Mm2rShape {
 };
 
 // Bytes of dynamic shared memory (kernels.py matmul2r_smem computes the same; the kernel traps if given less).
-template <int TM, bool MIN>
+template <int TM, Fq4 Q>
 __host__ __device__ constexpr int mm2r_stage_bytes() {
-    return MM2_BN * (Mm2rShape<TM>::QROW + Mm2rShape<TM>::SROW * (MIN ? 2 : 1)) + TM * Mm2rShape<TM>::LDA * 2;
+    using Sh = Mm2rShape<TM>;
+    return MM2_BN * (Sh::QROW + Sh::SROW * (Q == Fq4::Q4_1 ? 2 : 1)) + TM * Sh::LDA * 2;
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-template <int TM, bool MIN>
+template <int TM, Fq4 Q>
 __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
                                          const __half* __restrict__ mn, const __half* __restrict__ A,
                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
@@ -833,8 +879,9 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
     static_assert(WM == 1 && NT == 2, "the fragment loop below: one warp per 16 columns");
     constexpr int KB = Mm2rShape<TM>::KB, QROW = Mm2rShape<TM>::QROW, SROW = Mm2rShape<TM>::SROW;
     constexpr int LDA = Mm2rShape<TM>::LDA;
+    constexpr bool MIN = Q == Fq4::Q4_1;   // m's windows after d's
     constexpr int S_OFF = MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW, A_OFF = M_OFF + (MIN ? MM2_BN * SROW : 0);
-    constexpr int STAGE = mm2r_stage_bytes<TM, MIN>();
+    constexpr int STAGE = mm2r_stage_bytes<TM, Q>();
     static_assert(A_OFF + TM * LDA * 2 == STAGE && STAGE % 16 == 0, "stage layout");
     static_assert(MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the thread mappings below assume these");
     extern __shared__ __align__(16) unsigned char mm2_raw_smem[];
@@ -935,11 +982,8 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
             uint32_t b[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                const unsigned char* q = st + q_lane + nt * 8 * QROW + kk * 16;
-                const __half dd = reinterpret_cast<const __half*>(st + S_OFF + s_lane + nt * 8 * SROW)[o];
-                const __half mm = MIN ? reinterpret_cast<const __half*>(st + M_OFF + s_lane + nt * 8 * SROW)[o] : dd;
-                deq_q4_frag<MIN>(*reinterpret_cast<const uint32_t*>(q), *reinterpret_cast<const uint32_t*>(q + 8), c,
-                                 dd, mm, b[nt]);
+                deq_frag_at<Q>(st + q_lane + nt * 8 * QROW + kk * 16, st + S_OFF + s_lane + nt * 8 * SROW,
+                               st + M_OFF + s_lane + nt * 8 * SROW, o, c, b[nt]);
             }
 #pragma unroll
             for (int ks = 0; ks < 2; ks++) {
@@ -957,46 +1001,47 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
     INGOT_PDL_TRIGGER();
     mm2_store<TM, WM>(acc, bias, C, M, N, ldc, mode, ws, counters);
 }
-#define MM2R_RUN(TM, MIN) matmul2r<TM, MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
+#define MM2R_RUN(TM, Q) matmul2r<TM, Q>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
 #else
-#define MM2R_RUN(TM, MIN)   // sm_75: never launched
+#define MM2R_RUN(TM, Q)   // sm_75: never launched
 #endif
 
 // Each: grid, threads and epilogue arguments as matmul2_<type>_bm<TM>; Kernels.matmul2r_smem(type, TM) bytes of
 // dynamic shared memory (MATMUL2R_STAGES stages of mm2r_stage_bytes). Q4_0 passes m = nullptr. __launch_bounds__
 // as matmul2's. Tile heights 16, 32, 64, 128 (kernels.py MATMUL2R_TILE_ROWS). X(name, Q4_1's min).
 #define FOR_EACH_MATMUL2R_TYPE(X) \
-    X(q4_0, false)                \
-    X(q4_1, true)
+    X(q4_0, Fq4::Q4_0)            \
+    X(q4_1, Fq4::Q4_1)            \
+    X(q4_k, Fq4::Q4_K)
 
-#define MATMUL2R_KERNELS(NAME, MIN)                                                                              \
+#define MATMUL2R_KERNELS(NAME, Q)                                                                              \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
     matmul2r_##NAME##_bm128(const uint8_t* qs, const __half* d, const __half* m, const __half* A,               \
                             const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
                             int* counters) {                                                                     \
         INGOT_PDL_WAIT();                                                                                        \
-        MM2R_RUN(128, MIN);                                                                                      \
+        MM2R_RUN(128, Q);                                                                                        \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
     matmul2r_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
                            int* counters) {                                                                      \
         INGOT_PDL_WAIT();                                                                                        \
-        MM2R_RUN(64, MIN);                                                                                       \
+        MM2R_RUN(64, Q);                                                                                         \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
     matmul2r_##NAME##_bm32(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
                            int* counters) {                                                                      \
         INGOT_PDL_WAIT();                                                                                        \
-        MM2R_RUN(32, MIN);                                                                                       \
+        MM2R_RUN(32, Q);                                                                                         \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 4)                                                 \
     matmul2r_##NAME##_bm16(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
                            int* counters) {                                                                      \
         INGOT_PDL_WAIT();                                                                                        \
-        MM2R_RUN(16, MIN);                                                                                       \
+        MM2R_RUN(16, Q);                                                                                         \
     }
 FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 #undef MATMUL2R_KERNELS
@@ -1004,7 +1049,7 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 
 
 // =====================================================================================================================
-// matmul2w_<type>_bm128 (Q4_0, Q4_1; sm_90a only: Hopper's warpgroup MMA): matmul2r's product,
+// matmul2w_<type>_bm128 (Q4_0, Q4_1, Q4_K; sm_90a only: Hopper's warpgroup MMA): matmul2r's product,
 // tiling (TM tokens x 128 features a block, 256 threads), split-K and epilogue (mm2_store), with the multiply on
 // wgmma instead of mma.sync. Why (cuda/PERF.md v23, ncu on the 8B's gate+up at 512 rows): matmul2r's warps each
 // ldmatrix the whole A tile for 16 columns, so shared memory (L1 69% busy, 28% of its wavefronts excess) and not
@@ -1028,23 +1073,24 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 // Rows past M (A) and N (weights) and a slice's missing last block are zero-filled (cp.async src-size 0; the
 // dequantization writes zeros for a missing block, whose stale scale bytes could be anything).
 // =====================================================================================================================
-template <int TM, bool MIN>
+template <int TM, Fq4 Q>
 struct Mm2wShape {
     static constexpr int KB = Mm2rShape<128>::KB, QROW = Mm2rShape<128>::QROW, SROW = Mm2rShape<128>::SROW;
     static constexpr int A_BYTES = TM * 64 * 2;                        // [TM tokens][64] fp16
     static constexpr int Q_OFF = A_BYTES, S_OFF = Q_OFF + MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW;
-    static constexpr int STAGE = M_OFF + (MIN ? MM2_BN * SROW : 0);   // a multiple of 1024: every A tile aligned
+    static constexpr int STAGE = M_OFF + (Q == Fq4::Q4_1 ? MM2_BN * SROW : 0);   // a multiple of 1024: A tiles aligned
     static constexpr int B_BYTES = MM2_BN * 64 * 2;                    // [128 features][64] fp16
     static constexpr int SMEM = MATMUL2W_STAGES * STAGE + B_BYTES + 1024;   // + aligning the dynamic base
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <int TM, bool MIN>
+template <int TM, Fq4 Q>
 __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
                                          const __half* __restrict__ mn, const __half* __restrict__ A,
                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
                                          int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
-    using Sh = Mm2wShape<TM, MIN>;
+    using Sh = Mm2wShape<TM, Q>;
+    constexpr bool MIN = Q == Fq4::Q4_1;
     constexpr int KB = Sh::KB, QROW = Sh::QROW, SROW = Sh::SROW, STAGE = Sh::STAGE;
     constexpr int STAGES = MATMUL2W_STAGES, AJ = TM * 8 / MM2_THREADS;
     static_assert(TM == 128, "a warpgroup's m is 64: two of them along M");
@@ -1103,10 +1149,7 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
         if (blk < min(KB, steps - s * KB)) {
             const uint4 q = *reinterpret_cast<const uint4*>(st + Sh::Q_OFF + r * QROW + blk * 16);
             const int o = ((o0 + s * KB) & 7) + blk;
-            const __half dd = reinterpret_cast<const __half*>(st + Sh::S_OFF + r * SROW)[o];
-            const __half mm = MIN ? reinterpret_cast<const __half*>(st + Sh::M_OFF + r * SROW)[o] : dd;
-            deq_q4_half<MIN>(make_uint2(q.x, q.y), dd, mm, lo[0], hi[0]);   // weights 0..7 and 16..23
-            deq_q4_half<MIN>(make_uint2(q.z, q.w), dd, mm, lo[1], hi[1]);   // weights 8..15 and 24..31
+            deq_block_at<Q>(q, st + Sh::S_OFF + r * SROW, st + Sh::M_OFF + r * SROW, o, lo, hi);
         } else {
 #pragma unroll
             for (int h = 0; h < 2; h++)
@@ -1153,27 +1196,27 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
     INGOT_PDL_TRIGGER();
     mm2_store<TM, 8>(acc, bias, C, M, N, ldc, mode, ws, counters);   // warp w: tokens 16w.. x 128 features
 }
-#define MM2W_RUN(TM, MIN) matmul2w<TM, MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
+#define MM2W_RUN(TM, Q) matmul2w<TM, Q>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
 #else
-#define MM2W_RUN(TM, MIN) __trap()   // not an sm_90a image: the host never launches it here (Kernels.matmul_wgmma)
+#define MM2W_RUN(TM, Q) __trap()   // not an sm_90a image: the host never launches it here (Kernels.matmul_wgmma)
 #endif
 
 // Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2w_smem(type, TM) bytes
 // of dynamic shared memory (Mm2wShape::SMEM); arguments as matmul2r_<type>_bm<TM> (Q4_0 passes m = nullptr).
-#define MATMUL2W_KERNELS(NAME, MIN)                                                                              \
+#define MATMUL2W_KERNELS(NAME, Q)                                                                              \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
     matmul2w_##NAME##_bm128(const uint8_t* qs, const __half* d, const __half* m, const __half* A,               \
                             const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
                             int* counters) {                                                                     \
         INGOT_PDL_WAIT();                                                                                        \
-        MM2W_RUN(128, MIN);                                                                                      \
+        MM2W_RUN(128, Q);                                                                                        \
     }
 FOR_EACH_MATMUL2R_TYPE(MATMUL2W_KERNELS)
 #undef MATMUL2W_KERNELS
 #undef MM2W_RUN
 
 // =====================================================================================================================
-// matmul2t_<type>_bm<TM> (TM 32 and 64; Q4_0, Q4_1; sm_90a only): decode batches on wgmma with the roles turned
+// matmul2t_<type>_bm<TM> (TM 32 and 64; Q4_0, Q4_1, Q4_K; sm_90a only): decode batches on wgmma with the roles turned
 // around: the WEIGHTS are wgmma's A operand, dequantized straight into registers (matmul2r's deq_q4_frag per weight
 // row, two rows making mma16816's A fragment), and the tokens are its B operand, read by the tensor cores from
 // shared memory: m64 x n<TM> x k16, so no fp16 weight tile is written and no barrier separates dequantization from
@@ -1190,13 +1233,13 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2W_KERNELS)
 // Accumulators: thread (warp i of group w, lane g*4 + c) holds features 64w + 16i + g (+8) x tokens 8j + 2c (+1) as
 // d[j][0..3]. Sums differ from matmul2r's in order only (fp32 rounding; tests/gpu test_gpu_kernels.py).
 // =====================================================================================================================
-template <int TM, bool MIN>
+template <int TM, Fq4 Q>
 struct Mm2tShape {
     static constexpr int KB = Mm2rShape<TM>::KB, QROW = Mm2rShape<TM>::QROW, SROW = Mm2rShape<TM>::SROW;
     static constexpr int REGION = TM * 128;                            // tokens [TM][64] fp16, one 64-wide K slice
     static constexpr int B_BYTES = REGION * KB / 2;                   // the tokens' regions first, then matmul2r's
     static constexpr int Q_OFF = B_BYTES, S_OFF = Q_OFF + MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW;
-    static constexpr int STAGE = M_OFF + (MIN ? MM2_BN * SROW : 0);   // a multiple of 1024: every region aligned
+    static constexpr int STAGE = M_OFF + (Q == Fq4::Q4_1 ? MM2_BN * SROW : 0);   // a multiple of 1024: aligned
     static constexpr int SMEM = MATMUL2T_STAGES * STAGE + 1024;       // + aligning the dynamic base
 };
 
@@ -1208,12 +1251,13 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[TM / 8][4], const uint32_t (
     else wgmma_rs_m64n64k16(d, a, db);
 }
 
-template <int TM, bool MIN>
+template <int TM, Fq4 Q>
 __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
                                          const __half* __restrict__ mn, const __half* __restrict__ A,
                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
                                          int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
-    using Sh = Mm2tShape<TM, MIN>;
+    using Sh = Mm2tShape<TM, Q>;
+    constexpr bool MIN = Q == Fq4::Q4_1;
     constexpr int KB = Sh::KB, QROW = Sh::QROW, SROW = Sh::SROW, STAGE = Sh::STAGE, STAGES = MATMUL2T_STAGES;
     constexpr int NJ = TM / 8;   // n8 column groups of the accumulators
     static_assert(STAGE % 1024 == 0 && Sh::REGION % 1024 == 0 && MM2_THREADS == 256 && MM2_BN == 128, "layout");
@@ -1306,11 +1350,8 @@ __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const _
             uint32_t b[2][4];
 #pragma unroll
             for (int h = 0; h < 2; h++) {   // row f + 8h
-                const unsigned char* q = st + Sh::Q_OFF + q_lane + h * 8 * QROW + kk * 16;
-                const __half dd = reinterpret_cast<const __half*>(st + Sh::S_OFF + s_lane + h * 8 * SROW)[o];
-                const __half mm = MIN ? reinterpret_cast<const __half*>(st + Sh::M_OFF + s_lane + h * 8 * SROW)[o] : dd;
-                deq_q4_frag<MIN>(*reinterpret_cast<const uint32_t*>(q), *reinterpret_cast<const uint32_t*>(q + 8), c,
-                                 dd, mm, b[h]);
+                deq_frag_at<Q>(st + Sh::Q_OFF + q_lane + h * 8 * QROW + kk * 16, st + Sh::S_OFF + s_lane + h * 8 * SROW,
+                               st + Sh::M_OFF + s_lane + h * 8 * SROW, o, c, b[h]);
             }
 #pragma unroll
             for (int ks = 0; ks < 2; ks++) {
@@ -1363,29 +1404,32 @@ __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const _
             }
     }
 }
-#define MM2T_RUN(TM, MIN) matmul2t<TM, MIN>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
+#define MM2T_RUN(TM, Q) matmul2t<TM, Q>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
 #else
-#define MM2T_RUN(TM, MIN) __trap()   // not an sm_90a image: the host never launches it here (Kernels.matmul_wgmma)
+#define MM2T_RUN(TM, Q) __trap()   // not an sm_90a image: the host never launches it here (Kernels.matmul_wgmma)
 #endif
 
 // Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2t_smem(type, TM) bytes of
 // dynamic shared memory (Mm2tShape::SMEM); arguments as matmul2r_<type>_bm<TM> (ws and counters needed when split).
-// __launch_bounds__(256, 3) caps registers for three blocks an SM (76-80 used); shared memory admits three for Q4_0's
-// 64-row tile (73 KiB) and two for the others (89-105 KiB).
-#define MATMUL2T_KERNELS(NAME, MIN)                                                                             \
+// __launch_bounds__(256, 3) caps registers for three blocks an SM (76-80 used); shared memory admits three for the
+// 64-row tiles of Q4_0 and Q4_K (73 KiB) and two for the others (89-105 KiB). Q4_K's 32-row tile asks for two: its
+// header decoding spilled 40 bytes at three's 80 registers, and its shared memory holds it to two anyway.
+template <Fq4 Q>
+constexpr int MM2T_BLOCKS_BM32 = Q == Fq4::Q4_K ? 2 : 3;
+#define MATMUL2T_KERNELS(NAME, Q)                                                                             \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                \
     matmul2t_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
                            int* counters) {                                                                     \
         INGOT_PDL_WAIT();                                                                                       \
-        MM2T_RUN(64, MIN);                                                                                      \
+        MM2T_RUN(64, Q);                                                                                        \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, MM2T_BLOCKS_BM32<Q>)                              \
     matmul2t_##NAME##_bm32(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
                            int* counters) {                                                                     \
         INGOT_PDL_WAIT();                                                                                       \
-        MM2T_RUN(32, MIN);                                                                                      \
+        MM2T_RUN(32, Q);                                                                                        \
     }
 FOR_EACH_MATMUL2R_TYPE(MATMUL2T_KERNELS)
 #undef MATMUL2T_KERNELS

@@ -1,5 +1,6 @@
 // Dequantization of one row's half block (16 weights) of Q4_0, Q4_1 and Q8_0 to fp16, from the raw soa-v2 bytes
-// that cuda/matmul.cu's pipelined GEMM (matmul2_*) copies into shared memory with cp.async. Plain per-thread
+// that cuda/matmul.cu's pipelined GEMM (matmul2_*) copies into shared memory with cp.async, and of Q4_0, Q4_1 and
+// Q4_K into the fragment kernels' registers (matmul2r, matmul2w, matmul2t). Plain per-thread
 // code (no shared-memory or warp built-ins), so tests/test_kernel_host.py also runs it on the CPU against gguf.
 //
 // The arithmetic is fp16 on pairs (half2): a code q (0..255) placed in the low mantissa bits of 1024.0
@@ -66,6 +67,27 @@ __device__ __forceinline__ void deq_q8_half(uint4 q16, __half d, uint32_t (&w)[8
     }
 }
 
+// Q4_K in the fragment kernels (matmul2r, matmul2w, matmul2t): Q4_1's nibble bytes, with the block's scale and min
+// as fp32 from its super-block header (weights.cuh k_header: dl = d*sc, ml = dmin*m; nml = -ml). w = dl*q - ml: the
+// product is exact in fp32 (an 11-bit fp16 d times a 6-bit sc times a 4-bit code: at most 21 bits), so one fma
+// rounds where gguf's product and subtraction round once; the fp16 conversion then rounds as matmul2's tile does
+// (__float2half of Q4_KW::deq): the same fp16 weights, bit for bit. x: two codes at bits 0..3 and 16..19.
+__device__ __forceinline__ uint32_t deq_q4k_pair(uint32_t x, float dl, float nml) {
+    const __half2 q = __hsub2(u32_as_half2(x | 0x64006400), __half2half2(__ushort_as_half(0x6400)));   // exact
+    const float2 f = __half22float2(q);
+    return half2_as_u32(__floats2half2_rn(fmaf(dl, f.x, nml), fmaf(dl, f.y, nml)));
+}
+
+// Q4_K's deq_q4_half (matmul2w's fp16 weight tile): weights 8h.. and 16+8h.. of the block from its bytes 8h..8h+7.
+__device__ __forceinline__ void deq_q4k_half(uint2 q8, float dl, float nml, uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const uint32_t u = ((j < 2 ? q8.x : q8.y) >> (16 * (j & 1))) & 0xFFFF;   // bytes 2j, 2j+1
+        lo[j] = deq_q4k_pair((u & 0x000F) | ((u & 0x0F00) << 8), dl, nml);
+        hi[j] = deq_q4k_pair(((u >> 4) & 0x000F) | ((u & 0xF000) << 4), dl, nml);
+    }
+}
+
 // Q4_0 / Q4_1 straight into mma.m16n8k16 B fragments (matmul2r: no fp16 tile). Lane (g, c) holds, for weight row
 // g of an n8 tile, b0 = weights 2c, 2c+1 and b1 = 2c+8, 2c+9 of a k16 chunk: of a 32-weight block's chunk 0 the
 // low nibbles of bytes 2c, 2c+1, 2c+8, 2c+9, of chunk 1 their high nibbles. w0, w1: the block's words 2c/4 and
@@ -83,4 +105,13 @@ __device__ __forceinline__ void deq_q4_frag(uint32_t w0, uint32_t w1, int c, __h
         const __half2 q = __hsub2(u32_as_half2((x[j] & 0x000F000F) | 0x64006400), bias);
         b[j] = half2_as_u32(MIN ? __hfma2(q, d2, m2) : __hmul2(q, d2));
     }
+}
+
+// Q4_K's deq_q4_frag: the same lanes, words and fragment order, each weight as deq_q4k_pair makes it.
+__device__ __forceinline__ void deq_q4k_frag(uint32_t w0, uint32_t w1, int c, float dl, float nml, uint32_t (&b)[4]) {
+    const uint32_t sel = (c & 1) ? 0x4342 : 0x4140;
+    const uint32_t u0 = __byte_perm(w0, 0, sel), u1 = __byte_perm(w1, 0, sel);
+    const uint32_t x[4] = {u0, u1, u0 >> 4, u1 >> 4};
+#pragma unroll
+    for (int j = 0; j < 4; j++) b[j] = deq_q4k_pair(x[j] & 0x000F000F, dl, nml);
 }

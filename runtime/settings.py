@@ -180,7 +180,7 @@ ATTN_PREFILL = Setting(
 
 
 # The GEMM kernels (prefill, wide-batch decode): cuda/matmul.cu's pipelined mma.sync ones (default; compute
-# capability >= 8.0, WMMA below that): Q4_0 and Q4_1 dequantized into the mma fragments (matmul2r_*, v17) or, from
+# capability >= 8.0, WMMA below that): Q4_0, Q4_1 and Q4_K dequantized into the mma fragments (matmul2r_*, v17) or, from
 # an sm_90a image, multiplied on wgmma (128-row tiles: matmul2w_*, v23; 32- and 64-row ones: matmul2t_*, v24), the
 # other types through an fp16 tile (matmul2_*); mma-sync keeps matmul2r_* where the wgmma kernels would run (v22's
 # kernels, the A/B switch); mma-tile runs matmul2_* for every type (v16's; the same bits as matmul2r_*); wmma the
@@ -190,7 +190,7 @@ MATMUL = Setting(
     "mma",
     _one_of("mma", "mma-sync", "mma-tile", "wmma"),
     "mma, mma-sync, mma-tile or wmma",
-    "The GPU engine's GEMMs: mma (pipelined tensor-core kernels, compute capability >= 8.0; Q4_0/Q4_1 tiles of 32"
+    "The GPU engine's GEMMs: mma (pipelined tensor-core kernels, compute capability >= 8.0; Q4_0/Q4_1/Q4_K tiles of 32"
     " to 128 rows on Hopper's wgmma where the kernels are an sm_90a image, as the release policy builds them),"
     " mma-sync (the same without wgmma, v22's), mma-tile"
     " (mma.sync with every type through an fp16 tile, v16's) or wmma (v9's, any GPU).",

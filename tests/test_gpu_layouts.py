@@ -157,7 +157,7 @@ def _kernels(sm_count=132, mma=False, cluster=False):
     k = Kernels.__new__(Kernels)
     k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count, cc=90 if mma else 75))
     k.matmul_mma = mma
-    k.matmul_frag = mma  # Q4_0 / Q4_1 through matmul2r_* (INGOT_MATMUL=mma)
+    k.matmul_frag = mma  # MATMUL2R_TYPES through matmul2r_* (INGOT_MATMUL=mma)
     k.matmul_wgmma = False  # ... not matmul2w_* (an sm_90a image: the tests that want it set it)
     k.split_k_cluster = cluster
     k.norm_smem = dict.fromkeys(GPU_QTYPES, 0)  # matvec_<type>_b1n's dynamic shared memory (one block an SM)
@@ -177,6 +177,14 @@ def _kernels(sm_count=132, mma=False, cluster=False):
 
 def _ptr_args(launch) -> list[int]:
     return [int(h) for h in launch._held]
+
+
+def _fragment_ptrs(W) -> list[int]:
+    """(qs, d, m) as the fragment kernels take them (cuda/matmul.cu Fq4): Q4_0's m null, Q4_K's super-block headers
+    in d's place and m null."""
+    if W.qtype == "Q4_K":
+        return [W.qs.ptr, W.sc.ptr, 0]
+    return [W.qs.ptr, W.d.ptr, W.m.ptr if W.qtype == "Q4_1" else 0]
 
 
 def test_matvec_on_a_stack_launches_one_kernel_per_part_at_its_row_offset():
@@ -355,17 +363,18 @@ def test_split_k_matmul_on_a_stack_is_one_launch_per_part_sharing_the_scratch(mm
     parts = [_matrix("Q4_K", 64, 256), _matrix("Q6_K", 32, 256)]
     C, ws, counters = 1 << 30, DeviceBuffer(1 << 32, 4, "ws"), DeviceBuffer(1 << 33, 4, "counters")
     launches = _kernels(mma=mma).matmul(GpuStack(parts), 7, C, 2, ldc=96, split_k=SplitK(ws, counters))
-    names = ["matmul2_q4_k_bm16", "matmul2_q6_k_bm16"] if mma else ["matmul_q4_k", "matmul_q6_k"]
+    names = ["matmul2r_q4_k_bm16", "matmul2_q6_k_bm16"] if mma else ["matmul_q4_k", "matmul_q6_k"]
     assert [launch.kernel.name for launch in launches] == names
     for launch, part, off in zip(launches, parts, [0, 64], strict=True):
         args = _ptr_args(launch)
-        n = len(part.args())
+        n = 3 if launch.kernel.name.startswith("matmul2r_") else len(part.args())  # (qs, d, m): _fragment_ptrs
         assert args[n] == 7 and args[n + 2] == C + 4 * off
         assert args[n + 3 : n + 7] == [2, part.rows, 256, 96]
         assert args[n + 8 :] == [ws.ptr, counters.ptr]
         assert launch.grid[2] > 1
         assert launch.block == (MATMUL2_THREADS if mma else 128)
-        assert launch.smem == (matmul2_smem(part.qtype, 16) if mma else 0)
+        frag = launch.kernel.name.startswith("matmul2r_")
+        assert launch.smem == ((matmul2r_smem if frag else matmul2_smem)(part.qtype, 16) if mma else 0)
     plain = _kernels(mma=mma).matmul(GpuStack(parts), 7, C, 2, ldc=96)
     assert all(launch.grid[2] == 1 and _ptr_args(launch)[-2:] == [0, 0] for launch in plain)
 
@@ -576,12 +585,12 @@ def test_matmul2_raw_rows_match_the_kernel_source():
     assert "#define MM2_LDS (QK + 8)" in src and MATMUL2_LDS == constants.QK + 8
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 @pytest.mark.parametrize("tm", [16, 32, 64, 128])
 def test_fragment_gemm_shared_memory_fits_every_arch_with_mma(qtype, tm):
     """matmul2r_*'s layout (cuda/matmul.cu Mm2rShape, mm2r_stage_bytes), worked out by hand: MATMUL2R_STAGES stages
-    of quant rows (16 bytes a block, + 16 when the block count is even), 32-byte scale windows of d (and m) and the
-    A tile; within sm_86/89/120's 99 KiB opt-in, the cluster's partial tile included."""
+    of quant rows (16 bytes a block, + 16 when the block count is even), 32-byte scale windows of d (and m; Q4_K's
+    of its headers) and the A tile; within sm_86/89/120's 99 KiB opt-in, the cluster's partial tile included."""
     kb = matmul2r_blocks(tm)
     stage = 128 * (16 * kb + (16 if kb % 2 == 0 else 0) + 32 * (2 if qtype == "Q4_1" else 1)) + tm * (32 * kb + 8) * 2
     assert matmul2r_smem(qtype, tm) == constants.MATMUL2R_STAGES * stage
@@ -590,30 +599,31 @@ def test_fragment_gemm_shared_memory_fits_every_arch_with_mma(qtype, tm):
     assert "static constexpr int KB = TM <= 32 ? 4 : 2;" in src and kb == (4 if tm <= 32 else 2)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_q4_gemms_take_the_fragment_kernel_with_its_arguments(qtype):
-    """Q4_0 / Q4_1 at a decode width: matmul2r_<type>_bm16 with (qs, d, m) (m null for Q4_0) and its own shared
-    memory, and at prefill width its 128-row tiles; the other types and INGOT_MATMUL=mma-tile (matmul_frag off) keep
-    matmul2_*."""
+    """Q4_0 / Q4_1 / Q4_K at a decode width: matmul2r_<type>_bm16 with (qs, d, m) (_fragment_ptrs) and its own
+    shared memory, and at prefill width its 128-row tiles; the other types and INGOT_MATMUL=mma-tile (matmul_frag
+    off) keep matmul2_*."""
     W = _matrix(qtype, 300, 512)
     k = _kernels(mma=True)
     (launch,) = k.matmul(W, 7, 1 << 30, 5, ldc=300)
     assert launch.kernel.name == f"matmul2r_{qtype.lower()}_bm16"
-    assert _ptr_args(launch)[:4] == [W.qs.ptr, W.d.ptr, W.m.ptr if qtype == "Q4_1" else 0, 7]
+    assert _ptr_args(launch)[:4] == [*_fragment_ptrs(W), 7]
     assert launch.smem == matmul2r_smem(qtype, 16)
     (wide,) = k.matmul(_matrix(qtype, 28672, 4096), 7, 1 << 30, 512, ldc=28672)
     assert wide.kernel.name == f"matmul2r_{qtype.lower()}_bm128" and wide.smem == matmul2r_smem(qtype, 128)
-    (q8,) = k.matmul(_matrix("Q8_0", 300, 512), 7, 1 << 30, 5, ldc=300)
-    assert q8.kernel.name == "matmul2_q8_0_bm16"
+    for other in ("Q8_0", "Q6_K", "Q5_K"):
+        (tile,) = k.matmul(_matrix(other, 300, 512), 7, 1 << 30, 5, ldc=300)
+        assert tile.kernel.name == f"matmul2_{other.lower()}_bm16"
     k.matmul_frag = False
     (tile,) = k.matmul(W, 7, 1 << 30, 5, ldc=300)
     assert tile.kernel.name == f"matmul2_{qtype.lower()}_bm16" and tile.smem == matmul2_smem(qtype, 16)
     assert _ptr_args(tile)[: len(W.args()) + 1] == [*(b.ptr for b in W.args()), 7]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_q4_tiles_take_the_wgmma_kernels_where_the_image_has_them(qtype):
-    """With an sm_90a image (matmul_wgmma), Q4_0 / Q4_1 GEMMs in 128-row tiles run matmul2w_<type>_bm128 with
+    """With an sm_90a image (matmul_wgmma), Q4_0 / Q4_1 / Q4_K GEMMs in 128-row tiles run matmul2w_<type>_bm128 with
     matmul2r's arguments and grid and its own shared memory, unless their slices sum in a cluster; 32- and 64-row
     tiles run matmul2t_<type>_bm<tm>, whose slices always sum through the scratch; 16-row tiles keep matmul2r;
     without the image, every tile keeps matmul2r."""
@@ -622,7 +632,7 @@ def test_q4_tiles_take_the_wgmma_kernels_where_the_image_has_them(qtype):
     k.matmul_wgmma = True
     (wide,) = k.matmul(W, 7, 1 << 30, 512, ldc=28672)
     assert wide.kernel.name == f"matmul2w_{qtype.lower()}_bm128" and wide.smem == matmul2w_smem(qtype, 128)
-    assert _ptr_args(wide)[:4] == [W.qs.ptr, W.d.ptr, W.m.ptr if qtype == "Q4_1" else 0, 7]
+    assert _ptr_args(wide)[:4] == [*_fragment_ptrs(W), 7]
     assert wide.grid == (4, 224, 1) and wide.block == MATMUL2_THREADS
     (narrow,) = k.matmul(W, 7, 1 << 30, 5, ldc=28672)
     assert narrow.kernel.name == f"matmul2r_{qtype.lower()}_bm16" and narrow.smem == matmul2r_smem(qtype, 16)
@@ -630,7 +640,7 @@ def test_q4_tiles_take_the_wgmma_kernels_where_the_image_has_them(qtype):
     for M, tm in ((20, 32), (64, 64)):
         (dec,) = k.matmul(W, 7, 1 << 30, M, ldc=28672, split_k=scratch)
         assert dec.kernel.name == f"matmul2t_{qtype.lower()}_bm{tm}" and dec.smem == matmul2t_smem(qtype, tm)
-        assert _ptr_args(dec)[:4] == [W.qs.ptr, W.d.ptr, W.m.ptr if qtype == "Q4_1" else 0, 7]
+        assert _ptr_args(dec)[:4] == [*_fragment_ptrs(W), 7]
     (split,) = k.matmul(_matrix(qtype, 4096, 4096), 7, 1 << 30, 100, ldc=4096, split_k=scratch)
     assert split.kernel.name == f"matmul2w_{qtype.lower()}_bm128" and split.grid == (1, 32, 8)
     assert _ptr_args(split)[-2:] == [3 << 30, 5 << 30]  # the slices sum through the scratch, as matmul2r's
@@ -672,7 +682,7 @@ def test_wgmma_needs_the_sm_90a_image(monkeypatch, image, setting, wgmma):
     assert matmul_uses_wgmma(image) is wgmma
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 @pytest.mark.parametrize("tm", MATMUL2T_TILE_ROWS)
 def test_swapped_wgmma_gemm_shared_memory(qtype, tm):
     """matmul2t_smem is cuda/matmul.cu's Mm2tShape::SMEM: stages of the tokens' swizzled regions, quants and scale
@@ -685,7 +695,7 @@ def test_swapped_wgmma_gemm_shared_memory(qtype, tm):
     assert "static constexpr int SMEM = MATMUL2T_STAGES * STAGE + 1024;" in src
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_wgmma_gemm_shared_memory_fits_its_blocks_an_sm(qtype):
     """matmul2w_smem is cuda/matmul.cu's Mm2wShape::SMEM (stages of A, quants and scale windows, the fp16 weight
     tile, 1 KiB of alignment), and two blocks of it (each with the driver's 1 KiB) fit a Hopper SM's 228 KiB: the
@@ -710,6 +720,19 @@ def test_q4_1_with_its_min_at_another_16_byte_offset_keeps_the_tile_kernel():
             qs=DeviceBuffer(1 << 20, sizes["qs"], "qs"),
             d=DeviceBuffer(2 << 20, sizes["d"], "d"),
             m=DeviceBuffer(m_at, sizes["m"], "m"),
+        )
+        (launch,) = _kernels(mma=True).matmul(W, 7, 1 << 30, 5, ldc=n)
+        assert launch.kernel.name == kernel
+
+
+def test_q4_k_with_its_headers_off_16_bytes_keeps_the_tile_kernel():
+    """The fragment kernels read Q4_K's super-block headers as 16-byte chunks: a matrix whose headers are not
+    16-byte aligned (not the pool's layout, but a view could be) runs matmul2 instead (the same bits)."""
+    n, cols = 300, 512
+    sizes = layout_bytes("Q4_K", n, cols)
+    for sc_at, kernel in (((3 << 20) + 48, "matmul2r_q4_k_bm16"), ((3 << 20) + 8, "matmul2_q4_k_bm16")):
+        W = GpuMatrix(
+            "Q4_K", n, cols, qs=DeviceBuffer(1 << 20, sizes["qs"], "qs"), sc=DeviceBuffer(sc_at, sizes["sc"], "sc")
         )
         (launch,) = _kernels(mma=True).matmul(W, 7, 1 << 30, 5, ldc=n)
         assert launch.kernel.name == kernel

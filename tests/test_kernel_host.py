@@ -96,6 +96,8 @@ def test_kernel_code_repacks_embeds_tiles_and_dots_exactly(harness, qtype, odd):
         ("Q8_0", "host_mm2_deq"),
         ("Q4_0", "host_mm2r_deq"),
         ("Q4_1", "host_mm2r_deq"),
+        ("Q4_K", "host_mm2r_deq"),
+        ("Q4_K", "host_mm2_deq"),
     ],
 )
 @pytest.mark.parametrize("odd", [False, True])
@@ -104,15 +106,19 @@ def test_pipelined_gemm_dequantizes_its_raw_stage_like_gguf(harness, qtype, entr
     matmul2r_*'s mma fragments, host_mm2r_deq) against gguf: Q4_0 and Q8_0 bit for bit with gguf's fp32 value
     rounded to fp16 (the WMMA kernel's tile, exact products); Q4_1's d*q + m is rounded once (an fp16 fma), gguf's
     twice (fp32, then fp16): equal to the once-rounded float64 value, and within one fp16 ulp of gguf's. So the two
-    GEMMs multiply the same fp16 weights. odd: zero, subnormal and large scales (inf and NaN where gguf has them)."""
-    rng = np.random.default_rng(["Q4_0", "Q4_1", "Q8_0"].index(qtype) * 2 + odd)
-    rows, cols = 7, 96  # 21 blocks: an odd count, so the last d sits at an even index with its word past the end
+    GEMMs multiply the same fp16 weights. Q4_K (the fragment kernels' fp32 fma from its super-block header, and
+    matmul2w's tile of it): bit for bit gguf's value rounded to fp16, as matmul2's tile makes it. odd: zero,
+    subnormal and large scales (inf and NaN where gguf has them)."""
+    rng = np.random.default_rng(["Q4_0", "Q4_1", "Q8_0", "Q4_K"].index(qtype) * 2 + odd)
+    # 21 blocks: an odd count, so the last d sits at an even index with its word past the end; Q4_K: 3 super-blocks
+    rows, cols = 7, 768 if qtype == "Q4_K" else 96
     raw = soa.random_blocks(rng, qtype, rows, cols, odd=odd)
     with np.errstate(over="ignore", invalid="ignore"):
         ref = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
     arrays = soa.pack(qtype, raw, rows, cols)
     qs = np.ascontiguousarray(arrays["qs"]).view(np.uint8)
-    d = np.concatenate([arrays["d"].view(np.float16), np.zeros(1, np.float16)])  # the spare element
+    scales = arrays["sc"] if qtype == "Q4_K" else arrays["d"]  # Q4_K: the 16-byte headers, passed as d
+    d = np.concatenate([scales.view(np.float16), np.zeros(1, np.float16)])  # the spare element
     m = np.concatenate([arrays["m"].view(np.float16), np.zeros(1, np.float16)]) if "m" in arrays else d
     out = np.full((rows, cols), np.nan, np.float16)
     rc = getattr(harness, entry)(qtype.lower().encode(), _ptr(qs), _ptr(d), _ptr(m), rows, cols, _ptr(out))

@@ -96,7 +96,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 14  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 15  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -114,6 +114,7 @@ KERNEL_ABI = 14  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-toke
 # 13: matmul2w_<type>_bm{128,64} (Q4_0, Q4_1): the prefill GEMM on Hopper's wgmma (sm_90a images); MATMUL2W_STAGES
 # 14: matmul2t_<type>_bm{32,64}: decode batches on wgmma, weights from registers; MATMUL2T_STAGES;
 # matmul2w_*_bm64 removed
+# 15: matmul2r/2w/2t_q4_k_*: Q4_K in the fragment and wgmma GEMMs, its super-block headers in d's argument
 
 
 def header() -> str:

@@ -102,13 +102,15 @@ i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
 # Tile heights (tokens) of the pipelined GEMM's kernels, matmul2_<type>_bm<TM> (cuda/matmul.cu); prefill (no split-K)
 # shrinks its tile only down to MATMUL2_PREFILL_MIN_ROWS (a 16-row tile dequantizes each weight for 16 tokens).
 MATMUL2_TILE_ROWS = (16, 32, 64, 128)
-MATMUL2R_TYPES = ("Q4_0", "Q4_1")  # the types matmul2r_* dequantizes into the mma fragments (below) ...
+# The types matmul2r_* dequantizes into the mma fragments (below; Q4_K from its super-block headers, cuda/matmul.cu
+# Fq4) ...
+MATMUL2R_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # ... at these tile heights: all of matmul2's, since its warps are 1 x 8 (each fragment dequantized once; PERF.md
 # v18). With v17's 4 x 2 warps at 128 rows it was slower than matmul2 (the 8B's gate+up at 512 rows 575 against 544
 # us) and served 16-64 rows only.
 MATMUL2R_TILE_ROWS = (16, 32, 64, 128)
 MATMUL2_PREFILL_MIN_ROWS = 32
-# Where the loaded image is sm_90a (Kernels.matmul_wgmma), Q4_0 / Q4_1 in tiles of these heights run matmul2w_*
+# Where the loaded image is sm_90a (Kernels.matmul_wgmma), MATMUL2R_TYPES in tiles of these heights run matmul2w_*
 # (wgmma on a dequantized fp16 weight tile: two warpgroups of m64 along M) when their slices do not sum in a
 # cluster ...
 MATMUL2W_TILE_ROWS = (128,)
@@ -230,7 +232,7 @@ PREFILL_MODEL_MIN_US = 40.0
 # and have none), and its shared-memory rows of 32 + 8 halfs. Its tile heights: MATMUL2_TILE_ROWS (above).
 MATMUL2_RAW_ROW = {"Q4_0": 20, "Q4_1": 24, "Q8_0": 36, "F16": 2 * (QK + 8)}
 MATMUL2_LDS = QK + 8
-# Its twin that dequantizes Q4_0 / Q4_1 straight into the mma fragments (matmul2r_<type>_bm<TM>, cuda/matmul.cu):
+# Its twin that dequantizes Q4_0 / Q4_1 / Q4_K straight into the mma fragments (matmul2r_<type>_bm<TM>, matmul.cu):
 # the same tiles, slices and bits (MATMUL2R_TYPES), MATMUL2R_STAGES stages of matmul2r_blocks(tm) blocks.
 
 
@@ -275,23 +277,34 @@ def matmul2t_smem(qtype: str, tm: int) -> int:
 
 
 def matmul_uses_wgmma(image: str | None) -> bool:
-    """Whether Q4_0 / Q4_1 GEMMs in tiles of MATMUL2W_TILE_ROWS and MATMUL2T_TILE_ROWS run the wgmma kernels
+    """Whether MATMUL2R_TYPES GEMMs in tiles of MATMUL2W_TILE_ROWS and MATMUL2T_TILE_ROWS run the wgmma kernels
     (matmul2w_*, matmul2t_*: Hopper's wgmma, which only an sm_90a image holds; elsewhere they trap) rather than
     matmul2r_*, for the matmul image the driver loads: INGOT_MATMUL=mma (the default; mma-sync keeps matmul2r)."""
     return image == "sm_90a" and settings.MATMUL.get() == "mma"
 
 
 def matmul2r_serves(part: GpuMatrix, tiling: GemmTiling, M: int) -> bool:
-    """Whether matmul2r_* computes this part's GEMM (else matmul2_*, the same bits): Q4_0 / Q4_1 at its tile heights,
-    with what its addressing assumes: 32-bit offsets (a part's quant bytes and the pass's A under 4 GiB) and, for
-    Q4_1, m at d's offset within 16 bytes (it reads m's scale windows at d's offsets; separate pool allocations,
-    256-byte aligned, always are)."""
+    """Whether matmul2r_* computes this part's GEMM (else matmul2_*, the same bits): MATMUL2R_TYPES at its tile
+    heights, with what its addressing assumes: 32-bit offsets (a part's quant bytes and the pass's A under 4 GiB);
+    for Q4_1, m at d's offset within 16 bytes (it reads m's scale windows at d's offsets); for Q4_K, its headers
+    16-byte aligned (read as 16-byte chunks of an fp16 array). Separate pool allocations, 256-byte aligned, always
+    are."""
     if part.qtype not in MATMUL2R_TYPES or tiling.tm not in MATMUL2R_TILE_ROWS:
         return False
     if part.rows * part.cols // 2 >= 1 << 32 or M * part.cols >= 1 << 32:
         return False
+    if part.qtype == "Q4_K":
+        return part.sc is not None and _ptr(part.sc) % 16 == 0
     d, m = part.d, part.m
     return m is None or (d is not None and (_ptr(d) - _ptr(m)) % 16 == 0)
+
+
+def fragment_args(part: GpuMatrix) -> list:
+    """The weight arguments (qs, d, m) of matmul2r_*, matmul2w_* and matmul2t_* for a part of MATMUL2R_TYPES: Q4_0
+    (qs, d, null), Q4_1 (qs, d, m), Q4_K (qs, its super-block headers sc in d's place, null)."""
+    if part.qtype == "Q4_K":
+        return [part.qs, part.sc, None]
+    return [part.qs, part.d, part.m if part.qtype == "Q4_1" else None]
 
 
 def split_k_floats(sm_count: int) -> int:
@@ -626,11 +639,15 @@ def norm_splits(n: int, dim: int, threads: int, sm_count: int) -> int:
 # PERF.md v18), tok/s matvec / GEMM:
 #   8B Q4_0 (layer 123 MB, fragment GEMMs)   b2 566 / 516, b3 637 / 757 (PERF.md v19), b4 681 / 1,016, b8 715 / 1,966
 #   8B Q4_K_M (layer ~140 MB, tile GEMMs)    b2 534 / 212, b4 632 / 420,   b8 684 / 829
+#   ... Q4_K in fragment GEMMs (PERF.md v25)  b3 600 / 418, b4 628 / 551,   b8 GEMM 1,086 (tile GEMMs 830)
 #   SmolLM2 Q4_1 (layer 2.2 MB)              b2 2,580 / 1,918, b4 4,205 / 3,786, b8 7,694 / 7,444
 # A layer under DECODE_GEMM_LAYER_BYTES is launch-bound: its matvecs' extra columns cost little, and the GEMM
 # path's longer launch list more (SmolLM2's GEMM step is flat at ~1.04 ms; its matvec step 0.78 ms at b2).
 DECODE_GEMM_LAYER_BYTES = 64 << 20
-DECODE_GEMM_MIN_BATCH_FRAG = 3  # most of a large layer's bytes in fragment GEMMs (MATMUL2R_TYPES)
+DECODE_GEMM_MIN_BATCH_FRAG = 3  # most of a large layer's bytes in DECODE_GEMM_EARLY_TYPES' fragment GEMMs
+# Q4_K runs fragment GEMMs too, but its header decoding and the Q6_K parts of a Q4_K_M layer (still matmul2) keep
+# its b3 / b4 behind the matvecs: it takes DECODE_GEMM_MIN_BATCH_TILE's 8, where its GEMMs win.
+DECODE_GEMM_EARLY_TYPES = ("Q4_0", "Q4_1")
 DECODE_GEMM_MIN_BATCH_TILE = 8  # the other types' matmul2 (dequantized through a shared-memory tile)
 DECODE_GEMM_MIN_BATCH_SMALL = 16  # launch-bound layers (and any GPU without the mma GEMMs)
 
@@ -646,7 +663,7 @@ def decode_gemm_min_batch(layer_bytes: dict[str, int], mma: bool, frag: bool) ->
     mma, frag: the GEMM kernels in use (Kernels.matmul_mma, .matmul_frag). INGOT_DECODE_GEMM_MIN_BATCH overrides."""
     if not mma or launch_bound_layers(layer_bytes):
         return DECODE_GEMM_MIN_BATCH_SMALL
-    frag_bytes = sum(n for q, n in layer_bytes.items() if q in MATMUL2R_TYPES) if frag else 0
+    frag_bytes = sum(n for q, n in layer_bytes.items() if q in DECODE_GEMM_EARLY_TYPES) if frag else 0
     return DECODE_GEMM_MIN_BATCH_FRAG if 2 * frag_bytes >= sum(layer_bytes.values()) else DECODE_GEMM_MIN_BATCH_TILE
 
 
@@ -832,7 +849,7 @@ class Kernels:
         # (tests flip this attribute to run both). Their shared memory passes the 48 KiB default: opted into once
         # per kernel (at most 96 KiB: matmul2r_q4_1_bm128; under the 99 KiB of sm_86/89/120).
         self.matmul_mma = matmul_uses_mma(device.info.cc)
-        # ... of which Q4_0 and Q4_1 dequantize into the mma fragments (matmul2r_*) unless INGOT_MATMUL=mma-tile
+        # ... of which MATMUL2R_TYPES dequantize into the mma fragments (matmul2r_*) unless INGOT_MATMUL=mma-tile
         # (tests flip this one too: the two give the same bits).
         self.matmul_frag = settings.MATMUL.get() in ("mma", "mma-sync")
         # Split-K slices summed in a thread-block cluster (sm_90+, INGOT_SPLIT_K; tests flip it too): a slice then
@@ -841,7 +858,7 @@ class Kernels:
         # H200 holds the older code, whose cluster branch traps).
         loaded = decide(fatbins["matmul"], device.info.cc, driver_from_cuda_int(None, device.info.driver_cuda))
         self.split_k_cluster = split_k_uses_clusters(min(device.info.cc, image_cc(loaded.image)))
-        # ... and Q4_0 / Q4_1 tiles of 32-128 rows run on Hopper's wgmma (matmul2w_*, matmul2t_*) where that image
+        # ... and their tiles of 32-128 rows run on Hopper's wgmma (matmul2w_*, matmul2t_*) where that image
         # is sm_90a (tests flip this one too: against matmul2r to fp32 rounding).
         self.matmul_wgmma = matmul_uses_wgmma(loaded.image)
         if device.info.cc >= 80:
@@ -1070,7 +1087,7 @@ class Kernels:
         With self.split_k_cluster (sm_90+) a tile's slices run as one thread-block cluster and sum through its
         shared memory instead (the scratch unused; the same bits). A GpuStack gets one launch per part, writing
         its columns of C at the part's offset. The kernels and their tiling: matmul_geometry (self.matmul_mma: the
-        pipelined mma.sync ones, else WMMA; with self.matmul_wgmma, Q4_0 / Q4_1 tiles of MATMUL2W_TILE_ROWS whose
+        pipelined mma.sync ones, else WMMA; with self.matmul_wgmma, MATMUL2R_TYPES tiles of MATMUL2W_TILE_ROWS whose
         slices do not sum in a cluster run matmul2w_*, and tiles of MATMUL2T_TILE_ROWS matmul2t_*: the same tiling
         on Hopper's wgmma, matmul2t's slices summing through split_k)."""
         if mode in GATED_MODES:
@@ -1093,7 +1110,7 @@ class Kernels:
             part_bias = None if bias is None else bias.at(4 * offset)
             frag = self.matmul_frag and matmul2r_serves(part, tiling, M) if tiling.mma else False
             cluster = tiling.cluster  # the slices sum in their thread-block cluster, else through the scratch
-            if frag:  # matmul2r_*: the same tiling, weights (qs, d, m: null for Q4_0) into the mma fragments ...
+            if frag:  # matmul2r_*: the same tiling, weights (fragment_args) into the mma fragments ...
                 kernel, smem = (
                     f"matmul2r_{part.qtype.lower()}_bm{tiling.tm}",
                     matmul2r_smem(part.qtype, tiling.tm, tiling.cluster),
@@ -1103,7 +1120,7 @@ class Kernels:
                 elif self.matmul_wgmma and tiling.tm in MATMUL2T_TILE_ROWS:  # ... or wgmma with the roles swapped
                     kernel, smem = f"matmul2t_{part.qtype.lower()}_bm{tiling.tm}", matmul2t_smem(part.qtype, tiling.tm)
                     cluster = False  # matmul2t has no cluster path: its slices sum through the scratch
-                weights = [part.qs, part.d, part.m if part.qtype == "Q4_1" else None]
+                weights = fragment_args(part)
             else:
                 kernel, smem, weights = tiling.kernel(part.qtype), tiling.smem(part.qtype), part.args()
             scratch = None if cluster else split_k

@@ -32,6 +32,7 @@ from ingot.runtime.gpu.kernels import (
     GpuMatrix,
     GpuStack,
     NormedQ8,
+    fragment_args,
     i32,
     matmul2_smem,
     matmul2r_smem,
@@ -517,11 +518,12 @@ def test_fragment_gemm_gives_the_bits_of_the_tile_gemm(gpu, rng, qtype, tm, slic
     """matmul2r_<type>_bm<tm> (weights dequantized into the mma fragments, KB blocks a stage) against
     matmul2_<type>_bm<tm> (an fp16 tile, one block a step), both launched directly: the same bits, unsplit and in
     split-K slices summed by the last block or in a cluster. K = 37 blocks: slices of 13 and 11 blocks, so stages
-    end part-full and each row's scales start at another offset in their 16-byte chunk; M and N past a tile, a
-    strided output, MODE_ADD onto a residual with a bias. Both within numpy's 1e-3."""
+    end part-full and each row's scales start at another offset in their 16-byte chunk (Q4_K: 40 blocks, its
+    super-blocks of 8: slices of 14 and 12, windows across two headers); M and N past a tile, a strided output,
+    MODE_ADD onto a residual with a bias. Both within numpy's 1e-3."""
     if gpu.dev.info.cc < (90 if cluster else 80):
         pytest.skip("needs compute capability 9.0 (clusters)" if cluster else "matmul2_* needs compute capability 8.0")
-    M, N, K_ = tm + 3, 203, 32 * 37
+    M, N, K_ = tm + 3, 203, width(qtype, 32 * 37)
     ldc = N + 5
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
@@ -532,7 +534,7 @@ def test_fragment_gemm_gives_the_bits_of_the_tile_gemm(gpu, rng, qtype, tm, slic
     out = {}
     for name, weights, smem in (
         (f"matmul2_{qtype.lower()}_bm{tm}", W.args(), matmul2_smem(qtype, tm, cluster)),
-        (f"matmul2r_{qtype.lower()}_bm{tm}", [W.qs, W.d, W.m], matmul2r_smem(qtype, tm, cluster)),
+        (f"matmul2r_{qtype.lower()}_bm{tm}", fragment_args(W), matmul2r_smem(qtype, tm, cluster)),
     ):
         C = gpu.put(resid)
         args = [*weights, A, bias, C.ptr, i32(M), i32(N), i32(K_), i32(ldc), i32(K.MODE_ADD), *scratch]
@@ -564,12 +566,12 @@ def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, kernel,
     MODE_ADD onto a strided residual with a bias: M past a tile (-3: tm + 3, a second tile of 3 rows; 300: several
     tiles, the last part-full; 1; 5), N = 203 (a second, part-full tile of features), K odd in blocks (37: every
     stage full but the last; 5 unsplit; slices of 13 / 10 / 11 blocks starting at other scale-window offsets,
-    summed through the scratch). The same fp16 products summed in another order inside the tensor cores: within
-    1e-5 of matmul2r (fp32 sums of <= 2,048 terms, measured ~1e-7), and both within numpy's 1e-3; columns past N
-    untouched."""
+    summed through the scratch; Q4_K's K rounded up to its 256-weight super-blocks: 40, 8, 64 blocks). The same
+    fp16 products summed in another order inside the tensor cores: within 1e-5 of matmul2r (fp32 sums of <= 2,048
+    terms, measured ~1e-7), and both within numpy's 1e-3; columns past N untouched."""
     if not gpu.k.matmul_wgmma:
         pytest.skip("the wgmma kernels need the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
-    M = tm - M if M < 0 else M
+    M, K_ = tm - M if M < 0 else M, width(qtype, K_)
     N, ldc = 203, 208
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
@@ -583,7 +585,7 @@ def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, kernel,
         (kernel.format(qtype.lower()), smem(qtype, tm)),
     ):
         C = gpu.put(resid)
-        args = [W.qs, W.d, W.m, A, bias, C.ptr, i32(M), i32(N), i32(K_), i32(ldc), i32(K.MODE_ADD), *scratch]
+        args = [*fragment_args(W), A, bias, C.ptr, i32(M), i32(N), i32(K_), i32(ldc), i32(K.MODE_ADD), *scratch]
         gpu.run(Launch(gpu.k.k[name], grid, K.MATMUL2_THREADS, args, smem=nbytes))
         out[name] = gpu.get(C, np.float32, (M, ldc))
     frag, wg = out.values()
@@ -596,19 +598,21 @@ def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, kernel,
 
 
 @pytest.mark.parametrize(
-    "M,N,K_,slice_rows,kernel",
+    "qtype,M,N,K_,slice_rows,kernel",
     [
-        (512, 16384 + 37, 320, 512, "matmul2w_q4_0_bm128"),  # a prefill pass: 128-row tiles, no split
-        (40, 4096 + 37, 2048, None, "matmul2t_q4_0_bm64"),  # decode batches: 64- and 32-row tiles in K slices
-        (20, 4096 + 37, 2048, None, "matmul2t_q4_0_bm32"),
+        ("Q4_0", 512, 16384 + 37, 320, 512, "matmul2w_q4_0_bm128"),  # a prefill pass: 128-row tiles, no split
+        ("Q4_0", 40, 4096 + 37, 2048, None, "matmul2t_q4_0_bm64"),  # decode batches: 64-, 32-row tiles, K slices
+        ("Q4_0", 20, 4096 + 37, 2048, None, "matmul2t_q4_0_bm32"),
+        ("Q4_K", 512, 16384 + 37, 512, 512, "matmul2w_q4_k_bm128"),  # Q4_K: its super-block headers as the scales
+        ("Q4_K", 40, 4096 + 37, 2048, None, "matmul2t_q4_k_bm64"),
     ],
 )
-def test_gemm_runs_on_wgmma_through_the_engine_tiling(gpu, rng, M, N, K_, slice_rows, kernel):
+def test_gemm_runs_on_wgmma_through_the_engine_tiling(gpu, rng, qtype, M, N, K_, slice_rows, kernel):
     """Kernels.matmul at a prefill pass's width and at decode batches (split-K scratch: K slices, summed through
     it) launches the wgmma kernel of its tiling where the image has wgmma, and its result is numpy's."""
     if not gpu.k.matmul_wgmma:
         pytest.skip("the wgmma kernels need the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
-    W, Wref = make_weight(gpu, rng, "Q4_0", N, K_)
+    W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = rng.standard_normal((M, K_)).astype(np.float16)
     C = gpu.empty(4 * M * N)
     steps = gpu.k.matmul(W, gpu.put(A).ptr, C.ptr, M, ldc=N, split_k=gpu.split_k, slice_rows=slice_rows)

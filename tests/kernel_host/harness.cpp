@@ -65,7 +65,8 @@ extern "C" int host_run(const char* q, const uint8_t* src, void** p, int rows, i
 // The pipelined GEMM's dequantization of its raw shared-memory stage (cuda/matmul.cu Mm2Q4/Mm2Q8_0::dequant),
 // per (row, block, half) as its threads do: the quant bytes of the half, the 4-byte word holding d[b] (and m[b]) at
 // element b & ~1 (d, m need one spare element past the end), scale_of's half by b's parity. q: q4_0, q4_1 or q8_0;
-// out [rows, cols] fp16 in weight order.
+// or q4_k, matmul2w's tile of it (deq_q4k_half; d: the super-block headers, m unused); out [rows, cols] fp16 in
+// weight order.
 extern "C" int host_mm2_deq(const char* q, const uint8_t* qs, const __half* d, const __half* m, int rows, int cols,
                             __half* out) {
     const std::string t(q);
@@ -74,9 +75,19 @@ extern "C" int host_mm2_deq(const char* q, const uint8_t* qs, const __half* d, c
         for (int kb = 0; kb < nb; kb++)
             for (int h = 0; h < 2; h++) {
                 const long long b = (long long)r * nb + kb;
+                __half* o = out + (size_t)r * cols + kb * QK;
+                if (t == "q4_k") {
+                    uint2 q8;
+                    memcpy(&q8, qs + b * 16 + 8 * h, 8);
+                    const KHeader k = k_header(reinterpret_cast<const uint4*>(d)[b >> 3], (int)(b & 7));
+                    uint32_t lo[4], hi[4];
+                    deq_q4k_half(q8, k.dl, -k.ml, lo, hi);
+                    memcpy(o + 8 * h, lo, 16);
+                    memcpy(o + 16 + 8 * h, hi, 16);
+                    continue;
+                }
                 uint32_t dw, mw;
                 memcpy(&dw, d + (b & ~1LL), 4);
-                __half* o = out + (size_t)r * cols + kb * QK;
                 if (t == "q8_0") {
                     uint4 q16;
                     memcpy(&q16, qs + b * 32 + 16 * h, 16);
@@ -104,11 +115,12 @@ extern "C" int host_mm2_deq(const char* q, const uint8_t* qs, const __half* d, c
 
 // matmul2r's dequantization into mma B fragments (matmul_tiles.cuh deq_q4_frag), per (row, block, lane column c)
 // as its lanes do: the block's words c/2 and 2 + c/2, the row's d (and m) of the block; the four registers put
-// back at the weights they hold (b0: 2c, 2c+1; b1: 2c+8, 2c+9; chunk 1 the same + 16). Arguments as host_mm2_deq.
+// back at the weights they hold (b0: 2c, 2c+1; b1: 2c+8, 2c+9; chunk 1 the same + 16). Arguments as host_mm2_deq
+// (q4_k: deq_q4k_frag, the block's scale and min from its super-block header in d).
 extern "C" int host_mm2r_deq(const char* q, const uint8_t* qs, const __half* d, const __half* m, int rows, int cols,
                              __half* out) {
     const std::string t(q);
-    if (t != "q4_0" && t != "q4_1") return 1;
+    if (t != "q4_0" && t != "q4_1" && t != "q4_k") return 1;
     const int nb = cols / QK;
     for (int r = 0; r < rows; r++)
         for (int kb = 0; kb < nb; kb++)
@@ -117,7 +129,10 @@ extern "C" int host_mm2r_deq(const char* q, const uint8_t* qs, const __half* d, 
                 uint32_t w0, w1, frag[4];
                 memcpy(&w0, qs + b * 16 + 4 * (c >> 1), 4);
                 memcpy(&w1, qs + b * 16 + 8 + 4 * (c >> 1), 4);
-                if (t == "q4_1")
+                if (t == "q4_k") {
+                    const KHeader k = k_header(reinterpret_cast<const uint4*>(d)[b >> 3], (int)(b & 7));
+                    deq_q4k_frag(w0, w1, c, k.dl, -k.ml, frag);
+                } else if (t == "q4_1")
                     deq_q4_frag<true>(w0, w1, c, d[b], m[b], frag);
                 else
                     deq_q4_frag<false>(w0, w1, c, d[b], d[b], frag);
