@@ -818,8 +818,7 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 //         m null                                                      w = dl*q - ml (dl = d*sc, ml = dmin*m)
 // A header covers 8 blocks as a 16-byte chunk of d covers 8 fp16 scales, so Q4_K's windows, their copies and a
 // block's offset o in its window are Q4_0's arithmetic on the header array read as fp16 (16-byte aligned, which
-// fragment_args checks): block o of a window is sub-block o % 8 of its chunk o / 8.
-enum class Fq4 { Q4_0, Q4_1, Q4_K };
+// fragment_args checks): block o of a window is sub-block o % 8 of its chunk o / 8. (Fq4: weights.cuh.)
 
 // Block o of a weight row's stage: q its 16 quant bytes + 4*(c/2), sw its scale window (Q4_1: mw, m's), into the
 // lane's B fragments of the block's two k16 chunks (matmul_tiles.cuh deq_q4_frag / deq_q4k_frag).

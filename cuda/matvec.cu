@@ -317,7 +317,7 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 #undef MATVEC_KERNELS
 
-// --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1; compute capability 8.0+)
+// --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1, Q4_K; compute capability 8.0+)
 //
 // 2..MVM_COLS columns (a decode batch of 2-8 sequences; the host runs it from 3 sequences of small models only, where
 // it measured faster: kernels.py narrow_mma_model, cuda/PERF.md v22). The any-column kernel above reads a column's
@@ -332,8 +332,9 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 //                   32 bytes, which every block of the grid reads (L1 / L2 hits after the first).
 //   C (16 x 8 s32)  lane (g, t) holds rows g, g+8 x columns 2t, 2t+1: sequences 2t%4 and 2t%4+1 at level t/2. Each is
 //                   scaled in fp32 by its block's scales as the dp4a kernel does, the coarse lane taking the sum
-//                   term (Q4_0: dw * (d1*C1 + d2*C2 - 8*s); Q4_1: dw * (d1*C1 + d2*C2) + m*s), and the two levels'
-//                   sums meet once at the end (lanes t and t^2).
+//                   term (Q4_0: dw * (d1*C1 + d2*C2 - 8*s); Q4_1: dw * (d1*C1 + d2*C2) + m*s; Q4_K as Q4_1 with
+//                   dw = dl, m = -ml from its super-block header), and the two levels' sums meet once at the end
+//                   (lanes t and t^2).
 // A block of MVM_WARPS warps owns 16 rows (in the gated modes 8 outputs: rows g gate, g+8 up, so act(gate) * up is
 // in one lane) and splits K between its warps in chunks of MVM_CHUNK blocks (warp w takes chunks w, w + MVM_WARPS,
 // ...). Nothing the products read comes through registers from global memory: each warp runs its own
@@ -350,19 +351,23 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 
 // A stage: quants [16][MVM_QROW], d (and m) f16 [16][MVM_CHUNK], per group of 4 sequences the q8x2 words
 // [2 levels][4][MVM_XROW] and block scales float4 [4][MVM_CHUNK]. kernels.py matvec_mma_smem computes the same.
-template <bool MIN, int NG>
+template <Fq4 Q, int NG>
 __host__ __device__ constexpr int mvm_stage_bytes() {
-    return MVM_ROWS * MVM_QROW + MVM_ROWS * MVM_CHUNK * 2 * (MIN ? 2 : 1) +
+    return MVM_ROWS * MVM_QROW + MVM_ROWS * MVM_CHUNK * 2 * (Q == Fq4::Q4_1 ? 2 : 1) +
            NG * (2 * 4 * MVM_XROW + 4 * MVM_CHUNK * 16);
 }
 
-template <bool MIN>
-struct Q4M {   // Q4_0 (MIN false) and Q4_1 as the narrow kernel reads them
+// Q4_0, Q4_1 and Q4_K as the narrow kernel reads them. Q4_K's d is its super-block headers read as fp16: a chunk
+// of MVM_CHUNK = 8 blocks is one super-block (nb % 8 == 0, so chunks start at one), whose 16-byte header lies at
+// d + (the chunk's first block index): the stage copies it where Q4_0 copies the chunk's 8 fp16 scales.
+template <Fq4 Q>
+struct Q4M {
+    static constexpr bool MIN = Q != Fq4::Q4_0;   // w = d*q + m (Q4_K: dl*q - ml), else d*(q - 8)
     const uint8_t* qs; const __half* d; const __half* m; int nb;
     __device__ __forceinline__ void prefetch(long long r, int line) const {   // 128 bytes of quants, the scales
         const long long b = r * nb;
         if (line * 8 < nb) prefetch_l2(qs + 16 * b + line * 128);
-        if (line == 0) { prefetch_l2(d + b); if (MIN) prefetch_l2(m + b); }
+        if (line == 0) { prefetch_l2(d + b); if (Q == Fq4::Q4_1) prefetch_l2(m + b); }
     }
     // acc += a block's share of one (row, sequence) at one level: c the level's integer sum, dl its scale, s the
     // sequence's block sum on the coarse level's lane (0 on the fine one's)
@@ -381,13 +386,14 @@ __device__ __forceinline__ long long mvm_row(int mode, int rows, int i) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-template <bool MIN, int NG>
-__device__ __forceinline__ void matvec_mma(const Q4M<MIN>& w, const int8_t* __restrict__ xq,
+template <Fq4 Q, int NG>
+__device__ __forceinline__ void matvec_mma(const Q4M<Q>& w, const int8_t* __restrict__ xq,
                                            const float4* __restrict__ xd, const float* __restrict__ bias,
                                            float* __restrict__ y, int rows, int cols, int ncols, int ldy, int mode,
                                            int pdl) {
-    constexpr int STAGE = mvm_stage_bytes<MIN, NG>(), D_OFF = MVM_ROWS * MVM_QROW;
-    constexpr int M_OFF = D_OFF + MVM_ROWS * MVM_CHUNK * 2, X_OFF = M_OFF + (MIN ? MVM_ROWS * MVM_CHUNK * 2 : 0);
+    constexpr bool M_REGION = Q == Fq4::Q4_1;   // Q4_1's m after d
+    constexpr int STAGE = mvm_stage_bytes<Q, NG>(), D_OFF = MVM_ROWS * MVM_QROW;
+    constexpr int M_OFF = D_OFF + MVM_ROWS * MVM_CHUNK * 2, X_OFF = M_OFF + (M_REGION ? MVM_ROWS * MVM_CHUNK * 2 : 0);
     constexpr int XG = 2 * 4 * MVM_XROW + 4 * MVM_CHUNK * 16, XD_OFF = 2 * 4 * MVM_XROW;   // a group's bytes
     static_assert(MVM_ROWS == 16 && MVM_CHUNK == 8 && STAGE % 16 == 0 && X_OFF % 16 == 0, "the mappings below");
     extern __shared__ __align__(16) unsigned char mvm_smem[];
@@ -430,7 +436,7 @@ __device__ __forceinline__ void matvec_mma(const Q4M<MIN>& w, const int8_t* __re
         for (int j = 0; j < 2; j++) {   // nb is even (kernels.py): a word is two blocks of one row
             const int off = (lane / 4 + 8 * j) * MVM_CHUNK * 2 + (lane % 4) * 4;
             cp_async4(S + D_OFF + off, w.d + so[j] + kb0, s_in);
-            if (MIN) cp_async4(S + M_OFF + off, w.m + so[j] + kb0, s_in);
+            if (M_REGION) cp_async4(S + M_OFF + off, w.m + so[j] + kb0, s_in);
         }
 #pragma unroll
         for (int ng = 0; ng < NG; ng++) {
@@ -461,12 +467,18 @@ __device__ __forceinline__ void matvec_mma(const Q4M<MIN>& w, const int8_t* __re
         for (int k = 0; k < MVM_CHUNK; k++) {   // every block: a part-filled last chunk's tail is zeros
             const unsigned q0 = *reinterpret_cast<const unsigned*>(S + g * MVM_QROW + k * 16 + t * 4);
             const unsigned q1 = *reinterpret_cast<const unsigned*>(S + (g + 8) * MVM_QROW + k * 16 + t * 4);
-            const __half* sd = reinterpret_cast<const __half*>(S + D_OFF);
-            const float d0 = __half2float(sd[g * MVM_CHUNK + k]), d1 = __half2float(sd[(g + 8) * MVM_CHUNK + k]);
-            float m0 = 0.0f, m1 = 0.0f;
-            if (MIN) {
-                const __half* sm = reinterpret_cast<const __half*>(S + M_OFF);
-                m0 = __half2float(sm[g * MVM_CHUNK + k]); m1 = __half2float(sm[(g + 8) * MVM_CHUNK + k]);
+            float d0, d1, m0 = 0.0f, m1 = 0.0f;
+            if constexpr (Q == Fq4::Q4_K) {   // rows g and g+8: their headers' sub-block k (w = dl*q - ml)
+                const KHeader h0 = k_header(*reinterpret_cast<const uint4*>(S + D_OFF + g * 16), k);
+                const KHeader h1 = k_header(*reinterpret_cast<const uint4*>(S + D_OFF + (g + 8) * 16), k);
+                d0 = h0.dl; m0 = -h0.ml; d1 = h1.dl; m1 = -h1.ml;
+            } else {
+                const __half* sd = reinterpret_cast<const __half*>(S + D_OFF);
+                d0 = __half2float(sd[g * MVM_CHUNK + k]); d1 = __half2float(sd[(g + 8) * MVM_CHUNK + k]);
+                if (M_REGION) {
+                    const __half* sm = reinterpret_cast<const __half*>(S + M_OFF);
+                    m0 = __half2float(sm[g * MVM_CHUNK + k]); m1 = __half2float(sm[(g + 8) * MVM_CHUNK + k]);
+                }
             }
             const unsigned a[4] = {q0 & 0x0F0F0F0Fu, q1 & 0x0F0F0F0Fu, (q0 >> 4) & 0x0F0F0F0Fu,
                                    (q1 >> 4) & 0x0F0F0F0Fu};
@@ -483,10 +495,10 @@ __device__ __forceinline__ void matvec_mma(const Q4M<MIN>& w, const int8_t* __re
                 const float dl1 = fine ? x1.y : x1.x, s1 = fine ? 0.0f : x1.z;
                 int c[4];
                 mma_u8s8(c, a, b0, b1);
-                Q4M<MIN>::add(acc[ng][0], d0, m0, c[0], dl0, s0);
-                Q4M<MIN>::add(acc[ng][1], d0, m0, c[1], dl1, s1);
-                Q4M<MIN>::add(acc[ng][2], d1, m1, c[2], dl0, s0);
-                Q4M<MIN>::add(acc[ng][3], d1, m1, c[3], dl1, s1);
+                Q4M<Q>::add(acc[ng][0], d0, m0, c[0], dl0, s0);
+                Q4M<Q>::add(acc[ng][1], d0, m0, c[1], dl1, s1);
+                Q4M<Q>::add(acc[ng][2], d1, m1, c[2], dl0, s0);
+                Q4M<Q>::add(acc[ng][3], d1, m1, c[3], dl1, s1);
             }
         }
         __syncwarp();   // every lane is done with this stage before a later copy refills it
@@ -530,34 +542,35 @@ __device__ __forceinline__ void matvec_mma(const Q4M<MIN>& w, const int8_t* __re
         }
     }
 }
-#define MVM_RUN(MIN, NG) matvec_mma<MIN, NG>(w, xq, xd, bias, y, rows, cols, ncols, ldy, mode, pdl)
+#define MVM_RUN(Q, NG) matvec_mma<Q, NG>(w, xq, xd, bias, y, rows, cols, ncols, ldy, mode, pdl)
 #else
-#define MVM_RUN(MIN, NG) (void)w   // sm_75: never launched (kernels.py narrow_mma_kernel)
+#define MVM_RUN(Q, NG) (void)w   // sm_75: never launched (kernels.py narrow_mma_kernel)
 #endif
 
 // Under PDL, the first KiB of the block's 16 rows and their scales into L2 before the wait.
-template <bool MIN>
-__device__ __forceinline__ void prefetch_rows_mma(const Q4M<MIN>& w, int rows, int mode) {
+template <Fq4 Q>
+__device__ __forceinline__ void prefetch_rows_mma(const Q4M<Q>& w, int rows, int mode) {
     const int i = threadIdx.x;   // MVM_WARPS * WARP = 128 lanes: 8 lines of 16 rows
     w.prefetch(mvm_row(mode, rows, i % MVM_ROWS), i / MVM_ROWS);
 }
 
 // Grid: ceil(rows / 16) blocks (ceil(outputs / 8) in the gated modes) of MVM_WARPS warps, kernels.py matvec_mma_smem
-// bytes of dynamic shared memory; arguments as matvec_<type> (2 <= ncols <= MVM_COLS, cols % 64 == 0). Q4_0 passes
-// no m.
-#define FOR_EACH_MATVEC_MMA_TYPE(X)            \
-    X(q4_0, false, Q4_0_PARAMS, nullptr)       \
-    X(q4_1, true, Q4_1_PARAMS, m)
+// bytes of dynamic shared memory; arguments as matvec_<type> (2 <= ncols <= MVM_COLS, cols % 64 == 0). Q4_0 and Q4_K
+// pass no m. X(name, type, parameters, d, m).
+#define FOR_EACH_MATVEC_MMA_TYPE(X)                                                     \
+    X(q4_0, Fq4::Q4_0, Q4_0_PARAMS, d, nullptr)                                         \
+    X(q4_1, Fq4::Q4_1, Q4_1_PARAMS, d, m)                                               \
+    X(q4_k, Fq4::Q4_K, Q4_K_PARAMS, reinterpret_cast<const __half*>(sc), nullptr)
 
-#define MVM_W(MARG) reinterpret_cast<const uint8_t*>(qs), d, MARG, cols / QK
-#define MATVEC_MMA_KERNEL(NAME, MIN, PARAMS, MARG)                                                              \
+#define MVM_W(DARG, MARG) reinterpret_cast<const uint8_t*>(qs), DARG, MARG, cols / QK
+#define MATVEC_MMA_KERNEL(NAME, Q, PARAMS, DARG, MARG)                                                          \
     extern "C" __global__ void __launch_bounds__(MVM_WARPS * WARP)                                              \
     matvec_##NAME##_mma(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,      \
                         int cols, int ncols, int ldy, int mode, int pdl) {                                       \
-        INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows_mma(Q4M<MIN>{MVM_W(MARG)}, rows, mode));               \
+        INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows_mma(Q4M<Q>{MVM_W(DARG, MARG)}, rows, mode));      \
         if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
-        const Q4M<MIN> w{MVM_W(MARG)};                                                                           \
-        if (ncols > 4) MVM_RUN(MIN, 2); else MVM_RUN(MIN, 1);                                                    \
+        const Q4M<Q> w{MVM_W(DARG, MARG)};                                                                       \
+        if (ncols > 4) MVM_RUN(Q, 2); else MVM_RUN(Q, 1);                                                        \
     }
 FOR_EACH_MATVEC_MMA_TYPE(MATVEC_MMA_KERNEL)
 #undef MATVEC_MMA_KERNEL

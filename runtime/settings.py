@@ -138,7 +138,7 @@ MATVEC_MMA = Setting(
     True,
     _flag,
     "1 or 0",
-    "Decode batches of 3-8 sequences of small models (layers under 64 MiB) run their Q4_0/Q4_1 matrix-vector"
+    "Decode batches of 3-8 sequences of small models (layers under 64 MiB) run their Q4_0/Q4_1/Q4_K matrix-vector"
     " products on the integer tensor cores (matvec_<type>_mma, compute capability 8.0+); 0 uses the dp4a kernels.",
 )
 FUSED_NORM = Setting(

@@ -245,12 +245,12 @@ def test_one_column_runs_the_b1_kernel_and_the_setting_turns_it_off(monkeypatch,
 
 
 @pytest.mark.parametrize("mode", [constants.MODE_STORE, constants.MODE_ADD, constants.MODE_SWIGLU])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_two_to_eight_columns_run_the_tensor_core_matvec(monkeypatch, qtype, mode):
-    """matvec_<type>_mma (cuda/matvec.cu) takes 3..MVM_COLS columns of Q4_0 / Q4_1 on compute capability 8.0+ where
-    the model allows it (narrow): one block of MVM_WARPS warps per 16 rows (8 outputs gated), every column in the
-    block (blockIdx.y unused). One or two columns, more than MVM_COLS, another type, an odd number of blocks a row,
-    4 GiB of quants, an older GPU, a model that did not allow it or INGOT_MATVEC_MMA=0 keep the dp4a kernels."""
+    """matvec_<type>_mma (cuda/matvec.cu) takes 3..MVM_COLS columns of Q4_0 / Q4_1 / Q4_K on compute capability
+    8.0+ where the model allows it (narrow): one block of MVM_WARPS warps per 16 rows (8 outputs gated), every column
+    in the block (blockIdx.y unused). One or two columns, more than MVM_COLS, another type, an odd number of blocks a
+    row, 4 GiB of quants, an older GPU, a model that did not allow it or INGOT_MATVEC_MMA=0 keep the dp4a kernels."""
     W = _matrix(qtype, 1000, 512)  # 1000 rows: a last block of 8 (gated: 500 outputs, a last block of 4)
     outputs = 500 if mode == constants.MODE_SWIGLU else 1000
     for ncols in range(MATVEC_MMA_MIN_COLS, constants.MATVEC_MMA_COLS + 1):
@@ -259,7 +259,8 @@ def test_two_to_eight_columns_run_the_tensor_core_matvec(monkeypatch, qtype, mod
         assert launch.kernel.name == f"matvec_{qtype.lower()}_mma"
         assert launch.grid[:2] == (-(-outputs // per_block), 1) and launch.block == 32 * constants.MATVEC_MMA_WARPS
         assert _ptr_args(launch)[len(W.args()) :] == [1, 2, 0, 100, outputs, 512, ncols, 1000, mode, 0]
-        kib = {("Q4_0", 1): 61.5, ("Q4_1", 1): 64.5, ("Q4_0", 2): 93, ("Q4_1", 2): 96}[qtype, -(-ncols // 4)]
+        kib = {("Q4_0", 1): 61.5, ("Q4_1", 1): 64.5, ("Q4_0", 2): 93, ("Q4_1", 2): 96}  # Q4_K: Q4_0's (headers)
+        kib = kib["Q4_0" if qtype == "Q4_K" else qtype, -(-ncols // 4)]
         assert launch.smem == matvec_mma_smem(qtype, ncols) == kib * 1024
     (launch,) = _kernels(mma=True).matvec(W, (1, 2), 100, 4, ldy=1000, mode=mode)  # the model did not allow it
     assert launch.kernel.name == f"matvec_{qtype.lower()}"
@@ -267,8 +268,8 @@ def test_two_to_eight_columns_run_the_tensor_core_matvec(monkeypatch, qtype, mod
         (_kernels(mma=True), 1, W),
         (_kernels(mma=True), 2, W),
         (_kernels(mma=True), constants.MATVEC_MMA_COLS + 1, W),
-        (_kernels(mma=True), 4, _matrix("Q4_K", 1000, 512)),
-        (_kernels(mma=True), 4, _matrix(qtype, 1000, 544)),  # 17 blocks a row: scale words would straddle rows
+        (_kernels(mma=True), 4, _matrix("Q6_K", 1000, 512)),
+        (_kernels(mma=True), 4, _matrix("Q4_0" if qtype == "Q4_K" else qtype, 1000, 544)),  # 17 blocks: words straddle
         (_kernels(mma=True), 4, _matrix(qtype, 1 << 17, 1 << 16)),  # 4 GiB of quants: past 32-bit offsets
         (_kernels(mma=False), 4, W),
     ):

@@ -114,7 +114,8 @@ KERNEL_ABI = 15  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-toke
 # 13: matmul2w_<type>_bm{128,64} (Q4_0, Q4_1): the prefill GEMM on Hopper's wgmma (sm_90a images); MATMUL2W_STAGES
 # 14: matmul2t_<type>_bm{32,64}: decode batches on wgmma, weights from registers; MATMUL2T_STAGES;
 # matmul2w_*_bm64 removed
-# 15: matmul2r/2w/2t_q4_k_*: Q4_K in the fragment and wgmma GEMMs, its super-block headers in d's argument
+# 15: matmul2r/2w/2t_q4_k_*: Q4_K in the fragment and wgmma GEMMs, its super-block headers in d's argument;
+# matvec_q4_k_mma
 
 
 def header() -> str:

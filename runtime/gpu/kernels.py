@@ -121,7 +121,7 @@ MATMUL2T_TILE_ROWS = (32, 64)
 
 # The types matvec_<type>_mma (cuda/matvec.cu: 2..MATVEC_MMA_COLS columns on the integer tensor cores, mma.sync
 # m16n8k32 u8 x s8) serves, from this compute capability.
-MATVEC_MMA_TYPES = ("Q4_0", "Q4_1")
+MATVEC_MMA_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # Q4_K: its super-block header where Q4_0 has a chunk's 8 scales
 MATVEC_MMA_MIN_CC = 80
 MATVEC_MMA_MIN_COLS = 3  # at 2 it measured no faster than the dp4a kernel (cuda/PERF.md v22)
 
@@ -677,9 +677,10 @@ def one_column_kernel(ncols: int) -> bool:
 def matvec_mma_smem(qtype: str, ncols: int) -> int:
     """Dynamic shared memory of matvec_<type>_mma at ncols columns (cuda/matvec.cu mvm_stage_bytes): each warp's
     MATVEC_MMA_STAGES stages of 16 rows x (MATVEC_MMA_CHUNK blocks of 16 quant bytes + 16 bytes of padding), their
-    f16 scales (d, and m for Q4_1), and per group of 4 sequences their q8x2 words (2 levels x 4 x (MATVEC_MMA_CHUNK
-    x 32 + 16) bytes) and block scales (4 x MATVEC_MMA_CHUNK float4). Q4_0 / Q4_1: 61.5 / 64.5 KiB up to 4
-    columns (three blocks an SM on sm_90), 93 / 96 KiB above (two; one on sm_86 / 89 / 120's 99 KiB)."""
+    f16 scales (d, and m for Q4_1; Q4_K: the chunk's super-block header, the same 16 bytes a row as Q4_0's d), and
+    per group of 4 sequences their q8x2 words (2 levels x 4 x (MATVEC_MMA_CHUNK x 32 + 16) bytes) and block scales
+    (4 x MATVEC_MMA_CHUNK float4). Q4_0 and Q4_K / Q4_1: 61.5 / 64.5 KiB up to 4 columns (three blocks an SM on
+    sm_90), 93 / 96 KiB above (two; one on sm_86 / 89 / 120's 99 KiB)."""
     groups = -(-ncols // 4)
     scales = 2 if qtype == "Q4_1" else 1
     quants = MATVEC_MMA_ROWS * (MATVEC_MMA_CHUNK * 16 + 16) + MATVEC_MMA_ROWS * MATVEC_MMA_CHUNK * 2 * scales

@@ -272,18 +272,20 @@ def test_matvec_add_and_gated(gpu, rng, qtype, ncols):
     assert rel_err(gpu.get(y, np.float32, (ncols, 2 * F)), resid + xref @ Wref.T) < 1e-5
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 @pytest.mark.parametrize("rows,cols", [(1, 64), (37, 832), (203, 4096), (40, 14336)])
 def test_tensor_core_matvec_against_numpy(gpu, rng, monkeypatch, qtype, rows, cols):
     """matvec_<type>_mma (cuda/matvec.cu: 3..MVM_COLS columns on the integer tensor cores) at every column count and
     in every mode, against the numpy product of the q8x2 activation's exact dequantization: odd row counts leave the
     last block part-empty (its rows re-read the last one and must be dropped), 3, 5..7 columns part of a
-    sequence group, 2 blocks of 32 along a row idle warps and 26 a part-filled last chunk of 8 (zero-filled copies).
-    The integer sums are exact, so the bound is
+    sequence group, 2 blocks of 32 along a row idle warps and 26 a part-filled last chunk of 8 (zero-filled copies;
+    Q4_K's rows are whole super-blocks, a chunk each: 256, 1,024, 4,096, 14,336). The integer sums are exact, so the
+    bound is
     the dp4a kernel's (test_matvec_store_with_bias): fp32 rounding of the per-block scaling and its sum, 1e-5."""
     if gpu.dev.info.cc < 80:
         pytest.skip("matvec_<type>_mma needs compute capability 8.0 (mma.sync m16n8k32)")
     monkeypatch.setenv("INGOT_MATVEC_MMA", "1")
+    cols = width(qtype, cols)
     Ws, Wsref = make_weight(gpu, rng, qtype, 2 * rows + 1, cols)
     Wg, Wgref = make_weight(gpu, rng, qtype, 2 * rows, cols)  # [gate; up]
     bias = rng.standard_normal(2 * rows + 1).astype(np.float32)
