@@ -795,12 +795,12 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 // conflict-free). Block j of a stage of row n is element o + j of its scale window, o = the stage's first block's
 // element offset in its 16-byte chunk (the second chunk is copied only when the blocks run into it). The lanes take
 // o from d's address, for m's windows too: Kernels.matmul (kernels.py matmul2r_serves) launches Q4_1 here only when
-// m lies at d's offset within 16 bytes (separate pool allocations always do), Q4_K when its headers are 16-byte
-// aligned, and only for 32-bit offsets.
+// m lies at d's offset within 16 bytes (separate pool allocations always do), and only for 32-bit offsets.
 // Fragments: lane (g, c) of the warp owning n8 tile nt dequantizes weight row wn*NT*8 + nt*8 + g: two 4-byte words
-// of the block's quant bytes -> chunk 0's and chunk 1's b0, b1 (matmul_tiles.cuh deq_q4_frag), then the MT m16
-// tiles' mma for both chunks. Each accumulator takes the same mma in the same order as in matmul2 (block by block,
-// chunk 0 then 1) from the same fp16 values: the two kernels give the same bits (tests/gpu test_gpu_kernels.py).
+// of the block's quant bytes -> chunk 0's and chunk 1's b0, b1 (deq_frag_at: matmul_tiles.cuh deq_q4_frag or
+// deq_q4k_frag), then the MT m16 tiles' mma for both chunks. Each accumulator takes the same mma in the same order as
+// in matmul2 (block by block, chunk 0 then 1) from the same fp16 values: the two kernels give the same bits
+// (tests/gpu test_gpu_kernels.py).
 // A slice's last stage may hold fewer than KB blocks: the missing ones are neither copied nor multiplied.
 // Warps 1 x 8 at every height (Mm2Warps<TM, 1>): a warp owns all TM rows x 16 columns (MT = TM/16 m16 tiles, NT = 2
 // n8 tiles), so each weight fragment is dequantized by one warp, once a block. matmul2's 2 x 4 and 4 x 2 would
@@ -817,8 +817,9 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 //   Q4_K  d: the super-block headers (16 bytes per 8 blocks: f16 d, dmin, 6-bit scales and mins; weights.cuh),
 //         m null                                                      w = dl*q - ml (dl = d*sc, ml = dmin*m)
 // A header covers 8 blocks as a 16-byte chunk of d covers 8 fp16 scales, so Q4_K's windows, their copies and a
-// block's offset o in its window are Q4_0's arithmetic on the header array read as fp16 (16-byte aligned, which
-// fragment_args checks): block o of a window is sub-block o % 8 of its chunk o / 8. (Fq4: weights.cuh.)
+// block's offset o in its window are Q4_0's arithmetic on the header array read as fp16 (16-byte aligned, as every
+// Q4_K kernel reads it: pool allocations are 256-byte aligned): block o of a window is sub-block o % 8 of its chunk
+// o / 8. (Fq4: weights.cuh.)
 
 // Block o of a weight row's stage: q its 16 quant bytes + 4*(c/2), sw its scale window (Q4_1: mw, m's), into the
 // lane's B fragments of the block's two k16 chunks (matmul_tiles.cuh deq_q4_frag / deq_q4k_frag).
@@ -1006,8 +1007,9 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
 #endif
 
 // Each: grid, threads and epilogue arguments as matmul2_<type>_bm<TM>; Kernels.matmul2r_smem(type, TM) bytes of
-// dynamic shared memory (MATMUL2R_STAGES stages of mm2r_stage_bytes). Q4_0 passes m = nullptr. __launch_bounds__
-// as matmul2's. Tile heights 16, 32, 64, 128 (kernels.py MATMUL2R_TILE_ROWS). X(name, Q4_1's min).
+// dynamic shared memory (MATMUL2R_STAGES stages of mm2r_stage_bytes). (qs, d, m) as fragment_args gives them: Q4_0
+// and Q4_K pass m = nullptr, Q4_K its headers as d. __launch_bounds__ as matmul2's. Tile heights 16, 32, 64, 128
+// (kernels.py MATMUL2R_TILE_ROWS). X(name, type).
 #define FOR_EACH_MATMUL2R_TYPE(X) \
     X(q4_0, Fq4::Q4_0)            \
     X(q4_1, Fq4::Q4_1)            \
@@ -1058,13 +1060,13 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 //   copies (cp.async, MATMUL2W_STAGES stages ahead): the A tile [TM][64] fp16 in the 128-byte swizzle (chunk j of
 //   row r at chunk j ^ r%8: mma.cuh wgmma_desc_sw128), the quant bytes [128][48] and the scale windows [128][32] of
 //   d (and m) as matmul2r copies them (Mm2rShape<128>: the same KB and window arithmetic);
-//   dequantize: thread t makes block t%2 of weight row t/2 (deq_q4_half: matmul2's fp16 values, bit for bit) into
+//   dequantize: thread t makes block t%2 of weight row t/2 (deq_block_at: matmul2's fp16 values, bit for bit) into
 //   the swizzled fp16 tile sB [128][64]; each thread then fences its shared-memory writes (and its landed copies)
 //   to the async proxy, and a barrier passes them to the tensor cores;
 //   multiply: four k16 wgmma a warpgroup (warps 4w..4w+3), then it waits: warpgroup w takes tokens 64w..64w+63 x
 //   all 128 features (m64n128k16).
 // One fp16 tile and two barriers a stage: the wgmma of one block overlaps the dequantization of another block
-// sharing its SM (two an SM, 95 KiB of shared memory for Q4_0, 107 KiB for Q4_1, 128 registers).
+// sharing its SM (two an SM, 95 KiB of shared memory for Q4_0 and Q4_K, 107 KiB for Q4_1, 128 registers).
 // Accumulators: warp w holds its 16 tokens (rows 16w + lane/4, + 8) x the 16 n8 tiles j as acc[0][j] = mma16816's
 // layout, so mm2_store takes them as Mm2Warps<128, 8> (8 x 1 warps). 64-row tiles (warpgroups along N) were measured
 // slower than matmul2t's at decode widths and removed (PERF.md v24). The sums inside a wgmma are not mma.sync's in
@@ -1201,7 +1203,7 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
 #endif
 
 // Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2w_smem(type, TM) bytes
-// of dynamic shared memory (Mm2wShape::SMEM); arguments as matmul2r_<type>_bm<TM> (Q4_0 passes m = nullptr).
+// of dynamic shared memory (Mm2wShape::SMEM); arguments as matmul2r_<type>_bm<TM> (fragment_args).
 #define MATMUL2W_KERNELS(NAME, Q)                                                                              \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
     matmul2w_##NAME##_bm128(const uint8_t* qs, const __half* d, const __half* m, const __half* A,               \
@@ -1216,7 +1218,7 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2W_KERNELS)
 
 // =====================================================================================================================
 // matmul2t_<type>_bm<TM> (TM 32 and 64; Q4_0, Q4_1, Q4_K; sm_90a only): decode batches on wgmma with the roles turned
-// around: the WEIGHTS are wgmma's A operand, dequantized straight into registers (matmul2r's deq_q4_frag per weight
+// around: the WEIGHTS are wgmma's A operand, dequantized straight into registers (matmul2r's deq_frag_at per weight
 // row, two rows making mma16816's A fragment), and the tokens are its B operand, read by the tensor cores from
 // shared memory: m64 x n<TM> x k16, so no fp16 weight tile is written and no barrier separates dequantization from
 // the multiply. Same grid, tiles (TM tokens x 128 features a block), stages of KB blocks and split-K contract as
@@ -1411,8 +1413,9 @@ __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const _
 // Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2t_smem(type, TM) bytes of
 // dynamic shared memory (Mm2tShape::SMEM); arguments as matmul2r_<type>_bm<TM> (ws and counters needed when split).
 // __launch_bounds__(256, 3) caps registers for three blocks an SM (76-80 used); shared memory admits three for the
-// 64-row tiles of Q4_0 and Q4_K (73 KiB) and two for the others (89-105 KiB). Q4_K's 32-row tile asks for two: its
-// header decoding spilled 40 bytes at three's 80 registers, and its shared memory holds it to two anyway.
+// 64-row tiles of Q4_0 and Q4_K (73 KiB) and two for the others (81-97 KiB). Q4_K's 32-row tile asks for two: its
+// header decoding spilled 40 bytes at three's 80 registers, and its shared memory holds it to two anyway. Its 64-row
+// tile spills 12 bytes at three (kept: measured in cuda/PERF.md v25 as it is).
 template <Fq4 Q>
 constexpr int MM2T_BLOCKS_BM32 = Q == Fq4::Q4_K ? 2 : 3;
 #define MATMUL2T_KERNELS(NAME, Q)                                                                             \

@@ -349,7 +349,8 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 #define MVM_QROW (MVM_CHUNK * 16 + 16)   // bytes of one row's quants in a stage, padded
 #define MVM_XROW (MVM_CHUNK * QK + 16)   // bytes of one sequence's q8x2 level in a stage, padded
 
-// A stage: quants [16][MVM_QROW], d (and m) f16 [16][MVM_CHUNK], per group of 4 sequences the q8x2 words
+// A stage: quants [16][MVM_QROW], d (and m) f16 [16][MVM_CHUNK] (Q4_K: each row's header there), per group of 4
+// sequences the q8x2 words
 // [2 levels][4][MVM_XROW] and block scales float4 [4][MVM_CHUNK]. kernels.py matvec_mma_smem computes the same.
 template <Fq4 Q, int NG>
 __host__ __device__ constexpr int mvm_stage_bytes() {

@@ -726,19 +726,6 @@ def test_q4_1_with_its_min_at_another_16_byte_offset_keeps_the_tile_kernel():
         assert launch.kernel.name == kernel
 
 
-def test_q4_k_with_its_headers_off_16_bytes_keeps_the_tile_kernel():
-    """The fragment kernels read Q4_K's super-block headers as 16-byte chunks: a matrix whose headers are not
-    16-byte aligned (not the pool's layout, but a view could be) runs matmul2 instead (the same bits)."""
-    n, cols = 300, 512
-    sizes = layout_bytes("Q4_K", n, cols)
-    for sc_at, kernel in (((3 << 20) + 48, "matmul2r_q4_k_bm16"), ((3 << 20) + 8, "matmul2_q4_k_bm16")):
-        W = GpuMatrix(
-            "Q4_K", n, cols, qs=DeviceBuffer(1 << 20, sizes["qs"], "qs"), sc=DeviceBuffer(sc_at, sizes["sc"], "sc")
-        )
-        (launch,) = _kernels(mma=True).matmul(W, 7, 1 << 30, 5, ldc=n)
-        assert launch.kernel.name == kernel
-
-
 @pytest.mark.parametrize(
     "cc,setting,mma",
     [(75, "mma", False), (80, "mma", True), (90, None, True), (90, "wmma", False), (90, "mma-tile", True)],

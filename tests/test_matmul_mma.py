@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import soa_reference as soa
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 from test_attention_prefill import LANE, _ldmatrix_x4, _mma
 
 from ingot.runtime.gpu.constants import MATMUL2_BN as BN
@@ -275,25 +278,45 @@ def q4_weights(qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarra
     return w.reshape(qs.shape[0], -1).astype(np.float16)
 
 
-def _deq_frag(w0: np.ndarray, w1: np.ndarray, c: np.ndarray, d: np.ndarray, m) -> list[np.ndarray]:
-    """deq_q4_frag per lane: words w0, w1 (uint32 [32]) -> b0, b1 of chunk 0, then of chunk 1 ([32, 2] fp16 each)."""
+def q4_k_scales(header: np.ndarray, sub: int) -> tuple[np.float32, np.float32]:
+    """(dl, ml) of sub-block `sub` from a Q4_K super-block header (16 bytes: f16 d, f16 dmin, 12 bytes of 6-bit
+    scales and mins, gguf's get_scale_min_k4), each the fp32 product weights.cuh k_header makes."""
+    d, dmin = header[0:4].view(np.float16).astype(np.float32)
+    k = header[4:16].astype(np.int64)
+    if sub < 4:
+        sc, mn = k[sub] & 63, k[sub + 4] & 63
+    else:
+        sc = (k[sub + 4] & 15) | ((k[sub - 4] >> 6) << 4)
+        mn = (k[sub + 4] >> 4) | ((k[sub] >> 6) << 4)
+    return d * np.float32(sc), dmin * np.float32(mn)
+
+
+def _deq_frag(w0: np.ndarray, w1: np.ndarray, c: np.ndarray, d: np.ndarray, m, k=None) -> list[np.ndarray]:
+    """deq_q4_frag per lane: words w0, w1 (uint32 [32]) -> b0, b1 of chunk 0, then of chunk 1 ([32, 2] fp16 each).
+    k: Q4_K's (dl, ml) per lane (deq_q4k_frag: fma(dl, q, -ml) in fp32, dl*q exact, then fp16)."""
     out = []
     for shift in (0, 4):
         for w in (w0, w1):
             lo = (w >> (16 * (c & 1))) & 0xFF  # byte 2c of the block (the half c%2 of its word)
             hi = (w >> (16 * (c & 1) + 8)) & 0xFF  # byte 2c + 1
             q = np.stack([(lo >> shift) & 0xF, (hi >> shift) & 0xF], 1).astype(np.float64)
+            if k is not None:
+                dl, ml = (x.astype(np.float64)[:, None] for x in k)
+                out.append((dl * q - ml).astype(np.float32).astype(np.float16))  # the exact value, rounded once
+                continue
             dd = d.astype(np.float64)[:, None]
             v = dd * q + m.astype(np.float64)[:, None] if m is not None else dd * (q - 8)
             out.append(v.astype(np.float16))
     return out
 
 
-def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rng):
+def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rng, headers=None):
     """matmul2r<TM> byte for byte: each stage a flat shared-memory image in the kernel's layout (quant bytes
     [128][QROW], scale chunks [128][32 bytes] of d (and m), the A tile [tm][LDA] fp16), filled by the kernel's
     copies and read at its lane addresses; d and m start dbase elements past a 16-byte boundary (the scale windows'
-    offsets). Returns the writes per C element; the pipeline's waits and barriers are checked as emulate()'s."""
+    offsets). headers (Q4_K, [N, nb/8, 16] bytes; d and m None, dbase 0): the super-block headers passed as d, one
+    16-byte chunk per 8 blocks. Returns the writes per C element; the pipeline's waits and barriers are checked as
+    emulate()'s."""
     WM = 1  # Mm2Warps<TM, 1>: a warp owns all tm rows x 16 columns at every height
     WN = 8 // WM
     MT, NT = tm // WM // 16, BN // WN // 8
@@ -303,8 +326,11 @@ def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rn
     M_OFF = S_OFF + BN * SROW
     A_OFF = M_OFF + (BN * SROW if m is not None else 0)
     STAGE = A_OFF + tm * LDA * 2
-    assert S * STAGE == matmul2r_smem("Q4_1" if m is not None else "Q4_0", tm)
+    assert S * STAGE == matmul2r_smem("Q4_1" if m is not None else "Q4_K" if headers is not None else "Q4_0", tm)
     nb = K // QK
+    if headers is not None:  # the header array read as fp16: element b (the block index) is byte 2b of it
+        assert dbase == 0 and nb % 8 == 0
+        d = headers.reshape(N, nb, 2).view(np.float16).reshape(N, nb)
     per = -(-nb // slices)
     grid = (-(-M // tm), -(-N // BN), slices)
     # the scales as the kernel's global memory: element dbase of a 16-byte aligned buffer, padded to whole chunks
@@ -388,7 +414,15 @@ def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rn
                         w1 = np.array([int.from_bytes(st[x + 8 : x + 12].tobytes(), "little") for x in q], np.int64)
                         dd = sd[r * (SROW // 2) + o]
                         mm = smn[r * (SROW // 2) + o] if smn is not None else None
-                        b = _deq_frag(w0, w1, c, dd, mm)
+                        k = None
+                        if headers is not None:  # sub-block o % 8 of the window's chunk o / 8, per lane
+                            hdr = st[S_OFF : S_OFF + BN * SROW].reshape(BN, SROW)
+                            pairs = [
+                                q4_k_scales(hdr[ri, 16 * (oi >> 3) : 16 * (oi >> 3) + 16], oi & 7)
+                                for ri, oi in zip(r, o, strict=True)
+                            ]
+                            k = (np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]))
+                        b = _deq_frag(w0, w1, c, dd, mm, k)
                         for mt in range(MT):
                             _mma(acc[warp, mt, nt], a[0][mt], b[0], b[1])
                             _mma(acc[warp, mt, nt], a[1][mt], b[2], b[3])
@@ -436,3 +470,40 @@ def test_fragment_gemm_emulation_gives_the_bits_of_the_tile_gemm(qtype, M, N, nb
             want += resid.reshape(M, ldc)[:, :N]
         got = frag.reshape(M, ldc)[:, :N]
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize(
+    "M,N,nb,slices",
+    [
+        (1, 150, 24, 5),  # height 16 (stages of 4 blocks): slices of 5, starting at sub-blocks 0, 5, 2, 7, 4
+        (29, 130, 16, 3),  # height 32: slices of 6, 6, 4 (sub-blocks 0, 6, 4: windows across two headers)
+        (37, 140, 24, 5),  # height 64 (stages of 2 blocks): slices of 5, stages ending at sub-block 7 + 1
+        (100, 131, 16, 3),  # height 128: slices of 6, 6, 4
+    ],
+)
+def test_fragment_gemm_emulation_reads_q4_k_headers_as_scale_windows(M, N, nb, slices):
+    """matmul2r on Q4_K (emulate_frag with the super-block headers passed as d: one 16-byte header per 8 blocks, as a
+    chunk of fp16 scales) and matmul2 (emulate, from gguf's dequantization rounded to fp16) give the same bits, and
+    numpy's product: slices that start mid-super-block, so a stage's window runs into the next header at both stage
+    sizes."""
+    rng = np.random.default_rng(M * 1000 + N + nb)
+    K = nb * QK
+    tm = next(t for t in MATMUL2_TILE_ROWS if t >= M)
+    raw = soa.random_blocks(rng, "Q4_K", N, K)
+    arrays = soa.pack("Q4_K", raw, N, K)
+    qs = np.ascontiguousarray(arrays["qs"]).view(np.uint8).reshape(N, nb, 16)
+    headers = np.ascontiguousarray(arrays["sc"]).view(np.uint8).reshape(N, nb // 8, 16)
+    with np.errstate(over="ignore"):
+        Wh = gguf_dequantize(raw, GGMLQuantizationType.Q4_K).reshape(N, K).astype(np.float16)
+    A = rng.standard_normal((M, K)).astype(np.float16)
+    bias = rng.standard_normal(N).astype(np.float32)
+    ldc = N + 3
+    resid = rng.standard_normal(M * ldc).astype(np.float32)
+    frag, tile = resid.copy(), resid.copy()
+    writes = emulate_frag(A, qs, None, None, 0, bias, frag, M, N, K, ldc, MODE_ADD, tm, slices, rng, headers=headers)
+    emulate(A, Wh, bias, tile, M, N, K, ldc, MODE_ADD, tm, slices, False, True, rng)
+    assert np.array_equal(frag.view(np.uint32), tile.view(np.uint32))
+    assert (writes.reshape(M, ldc)[:, :N] == 1).all() and not writes.reshape(M, ldc)[:, N:].any()
+    want = A.astype(np.float64) @ Wh.astype(np.float64).T + bias + resid.reshape(M, ldc)[:, :N]
+    got = frag.reshape(M, ldc)[:, :N]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

@@ -607,7 +607,7 @@ class CudaEngine:
             self.gemm_min_batch = gemm_min_batch or decode_gemm_min_batch(
                 layer_bytes, self.k.matmul_mma, self.k.matmul_frag
             )
-            # ... and narrower ones of small models, Q4_0 / Q4_1 on the integer tensor cores (matvec_<type>_mma)
+            # ... and narrower ones of small models, MATVEC_MMA_TYPES on the integer tensor cores (matvec_<type>_mma)
             self.narrow_mma = narrow_mma_model(layer_bytes)
             self.w = upload_weights(model, self.pool, self.stream, self.k)
             self._alloc_cache(kv_pages)

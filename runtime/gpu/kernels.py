@@ -285,16 +285,14 @@ def matmul_uses_wgmma(image: str | None) -> bool:
 
 def matmul2r_serves(part: GpuMatrix, tiling: GemmTiling, M: int) -> bool:
     """Whether matmul2r_* computes this part's GEMM (else matmul2_*, the same bits): MATMUL2R_TYPES at its tile
-    heights, with what its addressing assumes: 32-bit offsets (a part's quant bytes and the pass's A under 4 GiB);
-    for Q4_1, m at d's offset within 16 bytes (it reads m's scale windows at d's offsets); for Q4_K, its headers
-    16-byte aligned (read as 16-byte chunks of an fp16 array). Separate pool allocations, 256-byte aligned, always
-    are."""
+    heights, with what its addressing assumes: 32-bit offsets (a part's quant bytes and the pass's A under 4 GiB),
+    and for Q4_1 m at d's offset within 16 bytes (it reads m's scale windows at d's offsets; separate pool
+    allocations, 256-byte aligned, always are). Q4_K's headers are read as 16-byte chunks, here as by every Q4_K
+    kernel (weights.cuh Q4_KW): the pool's alignment."""
     if part.qtype not in MATMUL2R_TYPES or tiling.tm not in MATMUL2R_TILE_ROWS:
         return False
     if part.rows * part.cols // 2 >= 1 << 32 or M * part.cols >= 1 << 32:
         return False
-    if part.qtype == "Q4_K":
-        return part.sc is not None and _ptr(part.sc) % 16 == 0
     d, m = part.d, part.m
     return m is None or (d is not None and (_ptr(d) - _ptr(m)) % 16 == 0)
 

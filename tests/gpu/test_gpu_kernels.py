@@ -521,7 +521,8 @@ def test_fragment_gemm_gives_the_bits_of_the_tile_gemm(gpu, rng, qtype, tm, slic
     matmul2_<type>_bm<tm> (an fp16 tile, one block a step), both launched directly: the same bits, unsplit and in
     split-K slices summed by the last block or in a cluster. K = 37 blocks: slices of 13 and 11 blocks, so stages
     end part-full and each row's scales start at another offset in their 16-byte chunk (Q4_K: 40 blocks, its
-    super-blocks of 8: slices of 14 and 12, windows across two headers); M and N past a tile, a strided output,
+    super-blocks of 8: slices of 14 and 12, windows across two headers in the 4-block stages of 16 and 32 rows; the
+    2-block stages' crossing is in tests/test_matmul_mma.py's emulation); M and N past a tile, a strided output,
     MODE_ADD onto a residual with a bias. Both within numpy's 1e-3."""
     if gpu.dev.info.cc < (90 if cluster else 80):
         pytest.skip("needs compute capability 9.0 (clusters)" if cluster else "matmul2_* needs compute capability 8.0")
