@@ -368,7 +368,9 @@ def test_split_k_matmul_on_a_stack_is_one_launch_per_part_sharing_the_scratch(mm
     assert [launch.kernel.name for launch in launches] == names
     for launch, part, off in zip(launches, parts, [0, 64], strict=True):
         args = _ptr_args(launch)
-        n = 3 if launch.kernel.name.startswith("matmul2r_") else len(part.args())  # (qs, d, m): _fragment_ptrs
+        frag = launch.kernel.name.startswith("matmul2r_")
+        n = 3 if frag else len(part.args())  # the fragment kernels' (qs, d, m)
+        assert args[:n] == (_fragment_ptrs(part) if frag else [b.ptr for b in part.args()])
         assert args[n] == 7 and args[n + 2] == C + 4 * off
         assert args[n + 3 : n + 7] == [2, part.rows, 256, 96]
         assert args[n + 8 :] == [ws.ptr, counters.ptr]

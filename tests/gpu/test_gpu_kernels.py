@@ -520,13 +520,12 @@ def test_fragment_gemm_gives_the_bits_of_the_tile_gemm(gpu, rng, qtype, tm, slic
     """matmul2r_<type>_bm<tm> (weights dequantized into the mma fragments, KB blocks a stage) against
     matmul2_<type>_bm<tm> (an fp16 tile, one block a step), both launched directly: the same bits, unsplit and in
     split-K slices summed by the last block or in a cluster. K = 37 blocks: slices of 13 and 11 blocks, so stages
-    end part-full and each row's scales start at another offset in their 16-byte chunk (Q4_K: 40 blocks, its
-    super-blocks of 8: slices of 14 and 12, windows across two headers in the 4-block stages of 16 and 32 rows; the
-    2-block stages' crossing is in tests/test_matmul_mma.py's emulation); M and N past a tile, a strided output,
-    MODE_ADD onto a residual with a bias. Both within numpy's 1e-3."""
+    end part-full and each row's scales start at another offset in their 16-byte chunk (Q4_K: 56 blocks, 7 of its
+    super-blocks: slices of 19 and 18, so stages of 2 and of 4 blocks both run into a second header); M and N past a
+    tile, a strided output, MODE_ADD onto a residual with a bias. Both within numpy's 1e-3."""
     if gpu.dev.info.cc < (90 if cluster else 80):
         pytest.skip("needs compute capability 9.0 (clusters)" if cluster else "matmul2_* needs compute capability 8.0")
-    M, N, K_ = tm + 3, 203, width(qtype, 32 * 37)
+    M, N, K_ = tm + 3, 203, 32 * (56 if qtype == "Q4_K" else 37)
     ldc = N + 5
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
@@ -569,12 +568,13 @@ def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, kernel,
     MODE_ADD onto a strided residual with a bias: M past a tile (-3: tm + 3, a second tile of 3 rows; 300: several
     tiles, the last part-full; 1; 5), N = 203 (a second, part-full tile of features), K odd in blocks (37: every
     stage full but the last; 5 unsplit; slices of 13 / 10 / 11 blocks starting at other scale-window offsets,
-    summed through the scratch; Q4_K's K rounded up to its 256-weight super-blocks: 40, 8, 64 blocks). The same
+    summed through the scratch; Q4_K's K in whole 256-weight super-blocks: 56 blocks for 37, so slices of 19 start
+    mid-header and its stages run into the next one, 8 for 5, 64). The same
     fp16 products summed in another order inside the tensor cores: within 1e-5 of matmul2r (fp32 sums of <= 2,048
     terms, measured ~1e-7), and both within numpy's 1e-3; columns past N untouched."""
     if not gpu.k.matmul_wgmma:
         pytest.skip("the wgmma kernels need the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
-    M, K_ = tm - M if M < 0 else M, width(qtype, K_)
+    M, K_ = tm - M if M < 0 else M, (32 * 56 if K_ == 32 * 37 else width(qtype, K_)) if qtype == "Q4_K" else K_
     N, ldc = 203, 208
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
