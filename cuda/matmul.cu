@@ -853,6 +853,20 @@ __device__ __forceinline__ void deq_block_at(const uint4& q, const unsigned char
     }
 }
 
+// A weight row's scale window of one stage (matmul2r, matmul2w, matmul2t): chunk `chunk` of the 16-byte chunks of
+// src (fp16 per block; Q4_K's headers) holding the stage's `valid` blocks from element `elem`, into the stage st at
+// region + row_off + 16 * chunk. Chunk 0 always, chunk 1 only when the blocks run into it; ok false zero-fills (a row
+// past N).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void mm2_scale_window(unsigned char* st, int region, int row_off, const __half* src,
+                                                 long long elem, int chunk, int valid, bool ok) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(src + elem);
+    if (chunk == 0 || ((p & 15) >> 1) + valid > 8)
+        cp_async16(st + region + row_off + 16 * chunk,
+                   reinterpret_cast<const void*>((p & ~uintptr_t(15)) + 16 * chunk), ok);
+}
+#endif
+
 template <int TM>
 struct Mm2rShape {
     static constexpr int KB = TM <= 32 ? 4 : 2;                     // quantization blocks a stage
@@ -926,10 +940,7 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
         a_dst[j] = A_OFF + (row * LDA + ch * 8) * 2;
     }
     auto scale_copy = [&](unsigned char* st, int region, const __half* base, int s, int valid) {
-        const uintptr_t p = reinterpret_cast<uintptr_t>(base + s_elem + s * KB);
-        if (s_chunk == 0 || ((p & 15) >> 1) + valid > 8)
-            cp_async16(st + region + s_row * SROW + 16 * s_chunk, reinterpret_cast<const void*>((p & ~uintptr_t(15)) + 16 * s_chunk),
-                       s_n < N);
+        mm2_scale_window(st, region, s_row * SROW, base, s_elem + s * KB, s_chunk, valid, s_n < N);
     };
     auto load_stage = [&](int s) {
         unsigned char* st = mm2_raw_smem + (s % MM2R_STAGES) * STAGE;
@@ -1127,10 +1138,7 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
         a_dst[j] = row * 128 + ((ch ^ (row & 7)) << 4);
     }
     auto scale_copy = [&](unsigned char* st, int region, const __half* src, int s, int valid) {
-        const uintptr_t p = reinterpret_cast<uintptr_t>(src + s_elem + s * KB);
-        if (blk == 0 || ((p & 15) >> 1) + valid > 8)
-            cp_async16(st + region + r * SROW + 16 * blk,
-                       reinterpret_cast<const void*>((p & ~uintptr_t(15)) + 16 * blk), n_ok);
+        mm2_scale_window(st, region, r * SROW, src, s_elem + s * KB, blk, valid, n_ok);
     };
     auto load_stage = [&](int s) {
         unsigned char* st = base + (s % STAGES) * STAGE;
@@ -1304,10 +1312,7 @@ __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const _
         a_dst[j] = (ch / 8) * Sh::REGION + (row % TM) * 128 + (((ch % 8) ^ (row & 7)) << 4);
     }
     auto scale_copy = [&](unsigned char* st, int region, const __half* src, int s, int valid) {
-        const uintptr_t p = reinterpret_cast<uintptr_t>(src + s_elem + s * KB);
-        if (s_chunk == 0 || ((p & 15) >> 1) + valid > 8)
-            cp_async16(st + region + s_row * SROW + 16 * s_chunk,
-                       reinterpret_cast<const void*>((p & ~uintptr_t(15)) + 16 * s_chunk), s_n < N);
+        mm2_scale_window(st, region, s_row * SROW, src, s_elem + s * KB, s_chunk, valid, s_n < N);
     };
     auto load_stage = [&](int s) {
         unsigned char* st = base + (s % STAGES) * STAGE;
