@@ -857,6 +857,23 @@ __device__ __forceinline__ void deq_block_at(const uint4& q, const unsigned char
 // src (fp16 per block; Q4_K's headers) holding the stage's `valid` blocks from element `elem`, into the stage st at
 // region + row_off + 16 * chunk. Chunk 0 always, chunk 1 only when the blocks run into it; ok false zero-fills (a row
 // past N).
+// This thread's quant-byte copies of a stage at stage 0 (matmul2r, matmul2t; a stage s adds s*KB blocks): chunk
+// e = tid + j*THREADS -> row e/KB, block e%KB (a row's KB chunks in consecutive lanes: contiguous bytes), 32-bit
+// offsets from the slice's first block, into q_off + row*QROW; blk KB: no copy; rows past N read a clamped row
+// (their copies zero-fill).
+template <int KB, int QROW, int QJ>
+__device__ __forceinline__ void mm2_quant_copies(int tid, int n0, int N, int nb, int q_off, unsigned (&q_src)[QJ],
+                                                 int (&q_dst)[QJ], int (&q_blk)[QJ], bool (&q_ok)[QJ]) {
+#pragma unroll
+    for (int j = 0; j < QJ; j++) {
+        const int e = tid + j * MM2_THREADS, row = e / KB, n = n0 + row;
+        q_blk[j] = e < MM2_BN * KB ? e % KB : KB;
+        q_ok[j] = n < N;
+        q_src[j] = ((unsigned)(n < N ? n : N - 1) * nb + e % KB) * 16;
+        q_dst[j] = q_off + row * QROW + (e % KB) * 16;
+    }
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void mm2_scale_window(unsigned char* st, int region, int row_off, const __half* src,
                                                  long long elem, int chunk, int valid, bool ok) {
@@ -917,14 +934,7 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
     unsigned q_src[QJ];
     int q_dst[QJ], q_blk[QJ];
     bool q_ok[QJ];
-#pragma unroll
-    for (int j = 0; j < QJ; j++) {
-        const int e = tid + j * MM2_THREADS, row = e / KB, n = n0 + row;
-        q_blk[j] = e < MM2_BN * KB ? e % KB : KB;   // KB: no copy
-        q_ok[j] = n < N;
-        q_src[j] = ((unsigned)(n < N ? n : N - 1) * nb + e % KB) * 16;
-        q_dst[j] = row * QROW + (e % KB) * 16;
-    }
+    mm2_quant_copies<KB, QROW>(tid, n0, N, nb, 0, q_src, q_dst, q_blk, q_ok);
     const int s_row = tid / 2, s_chunk = tid % 2, s_n = n0 + s_row;
     const long long s_elem = (long long)(s_n < N ? s_n : N - 1) * nb + kb0;
     const __half* a_base = A + kb0 * QK;
@@ -1289,14 +1299,7 @@ __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const _
     unsigned q_src[QJ];
     int q_dst[QJ], q_blk[QJ];
     bool q_ok[QJ];
-#pragma unroll
-    for (int j = 0; j < QJ; j++) {
-        const int e = tid + j * MM2_THREADS, row = e / KB, n = n0 + row;
-        q_blk[j] = e < MM2_BN * KB ? e % KB : KB;   // KB: no copy
-        q_ok[j] = n < N;
-        q_src[j] = ((unsigned)(n < N ? n : N - 1) * nb + e % KB) * 16;
-        q_dst[j] = Sh::Q_OFF + row * QROW + (e % KB) * 16;
-    }
+    mm2_quant_copies<KB, QROW>(tid, n0, N, nb, Sh::Q_OFF, q_src, q_dst, q_blk, q_ok);
     const int s_row = tid / 2, s_chunk = tid % 2, s_n = n0 + s_row;
     const long long s_elem = (long long)(s_n < N ? s_n : N - 1) * nb + kb0;
     const __half* a_base = A + kb0 * QK;
