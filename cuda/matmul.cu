@@ -780,7 +780,7 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 #undef MM2_RUN
 
 // =====================================================================================================================
-// matmul2r_<type>_bm<TM> (Q4_0, Q4_1, Q4_K: Fq4 below; compute capability >= 8.0): matmul2's product, tiles, warps,
+// matmul2r_<type>_bm<TM> (Q4_0, Q4_1, Q4_K: Fq below; compute capability >= 8.0): matmul2's product, tiles, warps,
 // split-K and epilogue (mm2_store), with the weights dequantized straight into the B fragments' registers instead of
 // an fp16 tile in shared memory, and KB quantization blocks a stage instead of one. Why (cuda/PERF.md v17, ncu on the
 // 8B's gate+up at 16 rows): matmul2's L1/shared pipe was 81% busy for 13% of DRAM bandwidth. A stage of one block
@@ -819,37 +819,37 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 // A header covers 8 blocks as a 16-byte chunk of d covers 8 fp16 scales, so Q4_K's windows, their copies and a
 // block's offset o in its window are Q4_0's arithmetic on the header array read as fp16 (16-byte aligned, as every
 // Q4_K kernel reads it: pool allocations are 256-byte aligned): block o of a window is sub-block o % 8 of its chunk
-// o / 8. (Fq4: weights.cuh.)
+// o / 8. (Fq: weights.cuh.)
 
 // Block o of a weight row's stage: q its 16 quant bytes + 4*(c/2), sw its scale window (Q4_1: mw, m's), into the
 // lane's B fragments of the block's two k16 chunks (matmul_tiles.cuh deq_q4_frag / deq_q4k_frag).
-template <Fq4 Q>
+template <Fq Q>
 __device__ __forceinline__ void deq_frag_at(const unsigned char* q, const unsigned char* sw, const unsigned char* mw,
                                             int o, int c, uint32_t (&b)[4]) {
     const uint32_t* w = reinterpret_cast<const uint32_t*>(q);   // words 0 and 2 from q: bytes +0..3, +8..11
-    if constexpr (Q == Fq4::Q4_K) {
+    if constexpr (Q == Fq::Q4_K) {
         const KHeader k = k_header(*reinterpret_cast<const uint4*>(sw + 16 * (o >> 3)), o & 7);
         deq_q4k_frag(w[0], w[2], c, k.dl, -k.ml, b);
     } else {
         const __half dd = reinterpret_cast<const __half*>(sw)[o];
-        const __half mm = Q == Fq4::Q4_1 ? reinterpret_cast<const __half*>(mw)[o] : dd;
-        deq_q4_frag<Q == Fq4::Q4_1>(w[0], w[2], c, dd, mm, b);
+        const __half mm = Q == Fq::Q4_1 ? reinterpret_cast<const __half*>(mw)[o] : dd;
+        deq_q4_frag<Q == Fq::Q4_1>(w[0], w[2], c, dd, mm, b);
     }
 }
 
 // The same for a whole block as fp16 pairs (matmul2w's weight tile): lo[h], hi[h] = weights 8h.. and 16 + 8h..
-template <Fq4 Q>
+template <Fq Q>
 __device__ __forceinline__ void deq_block_at(const uint4& q, const unsigned char* sw, const unsigned char* mw, int o,
                                              uint32_t (&lo)[2][4], uint32_t (&hi)[2][4]) {
-    if constexpr (Q == Fq4::Q4_K) {
+    if constexpr (Q == Fq::Q4_K) {
         const KHeader k = k_header(*reinterpret_cast<const uint4*>(sw + 16 * (o >> 3)), o & 7);
         deq_q4k_half(make_uint2(q.x, q.y), k.dl, -k.ml, lo[0], hi[0]);
         deq_q4k_half(make_uint2(q.z, q.w), k.dl, -k.ml, lo[1], hi[1]);
     } else {
         const __half dd = reinterpret_cast<const __half*>(sw)[o];
-        const __half mm = Q == Fq4::Q4_1 ? reinterpret_cast<const __half*>(mw)[o] : dd;
-        deq_q4_half<Q == Fq4::Q4_1>(make_uint2(q.x, q.y), dd, mm, lo[0], hi[0]);   // weights 0..7 and 16..23
-        deq_q4_half<Q == Fq4::Q4_1>(make_uint2(q.z, q.w), dd, mm, lo[1], hi[1]);   // weights 8..15 and 24..31
+        const __half mm = Q == Fq::Q4_1 ? reinterpret_cast<const __half*>(mw)[o] : dd;
+        deq_q4_half<Q == Fq::Q4_1>(make_uint2(q.x, q.y), dd, mm, lo[0], hi[0]);   // weights 0..7 and 16..23
+        deq_q4_half<Q == Fq::Q4_1>(make_uint2(q.z, q.w), dd, mm, lo[1], hi[1]);   // weights 8..15 and 24..31
     }
 }
 
@@ -889,29 +889,38 @@ struct Mm2rShape {
     static constexpr int KB = TM <= 32 ? 4 : 2;                     // quantization blocks a stage
     static constexpr int QROW = 16 * KB + (KB % 2 == 0 ? 16 : 0);  // bytes a row in the quant region
     static constexpr int SROW = 32;                                 // bytes a row in a scale region (two chunks)
+    static constexpr int HROW = 8 * KB + 8;                         // bytes a row of Q6_K's high bits (8 a block):
+                                                                    // the 8 rows a warp reads in distinct banks
+    static constexpr int DROW = 8;                                  // bytes a row of Q6_K's d (two 4-byte words)
     static constexpr int LDA = QK * KB + 8;                         // halfs a row of the A tile
 };
 
-// Bytes of dynamic shared memory (kernels.py matmul2r_smem computes the same; the kernel traps if given less).
-template <int TM, Fq4 Q>
+// Bytes of dynamic shared memory (kernels.py matmul2r_smem computes the same; the kernel traps if given less): the
+// weights' regions (quants, scale windows: d's, m's for Q4_1; Q6_K's d words and high bits), then the A tile.
+template <int TM, Fq Q>
 __host__ __device__ constexpr int mm2r_stage_bytes() {
     using Sh = Mm2rShape<TM>;
-    return MM2_BN * (Sh::QROW + Sh::SROW * (Q == Fq4::Q4_1 ? 2 : 1)) + TM * Sh::LDA * 2;
+    constexpr int second = Q == Fq::Q4_1 ? Sh::SROW : Q == Fq::Q6_K ? Sh::DROW + Sh::HROW : 0;
+    return MM2_BN * (Sh::QROW + Sh::SROW + second) + TM * Sh::LDA * 2;
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-template <int TM, Fq4 Q>
+template <int TM, Fq Q>
 __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
                                          const __half* __restrict__ mn, const __half* __restrict__ A,
                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
-                                         int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
+                                         int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters,
+                                         const uint2* __restrict__ qh = nullptr) {
     using Warps = Mm2Warps<TM, 1>;
     constexpr int WM = Warps::WM, WN = Warps::WN, MT = Warps::MT, NT = Warps::NT;
     static_assert(WM == 1 && NT == 2, "the fragment loop below: one warp per 16 columns");
     constexpr int KB = Mm2rShape<TM>::KB, QROW = Mm2rShape<TM>::QROW, SROW = Mm2rShape<TM>::SROW;
     constexpr int LDA = Mm2rShape<TM>::LDA;
-    constexpr bool MIN = Q == Fq4::Q4_1;   // m's windows after d's
-    constexpr int S_OFF = MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW, A_OFF = M_OFF + (MIN ? MM2_BN * SROW : 0);
+    constexpr bool MIN = Q == Fq::Q4_1, Q6 = Q == Fq::Q6_K;   // after d's windows: m's (Q4_1), d's words (Q6_K)
+    constexpr int HROW = Mm2rShape<TM>::HROW, DROW = Mm2rShape<TM>::DROW;
+    constexpr int S_OFF = MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW;
+    constexpr int H_OFF = M_OFF + (MIN ? MM2_BN * SROW : Q6 ? MM2_BN * DROW : 0);
+    constexpr int A_OFF = H_OFF + (Q6 ? MM2_BN * HROW : 0);
     constexpr int STAGE = mm2r_stage_bytes<TM, Q>();
     static_assert(A_OFF + TM * LDA * 2 == STAGE && STAGE % 16 == 0, "stage layout");
     static_assert(MM2_THREADS == 256 && MM2_BN == 128 && QK == 32, "the thread mappings below assume these");
@@ -952,14 +961,31 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
     auto scale_copy = [&](unsigned char* st, int region, const __half* base, int s, int valid) {
         mm2_scale_window(st, region, s_row * SROW, base, s_elem + s * KB, s_chunk, valid, s_n < N);
     };
+    // Q6_K's high bits: 8 bytes a block, copied as its quant chunks are (chunk e: row e/KB, block e%KB).
+    const uint2* qh_base = Q6 ? qh + kb0 : nullptr;
     auto load_stage = [&](int s) {
         unsigned char* st = mm2_raw_smem + (s % MM2R_STAGES) * STAGE;
         const int valid = min(KB, steps - s * KB);   // blocks of this stage in the slice
 #pragma unroll
         for (int j = 0; j < QJ; j++)
             if (q_blk[j] < valid) cp_async16(st + q_dst[j], q_base + q_src[j] + s * KB * 16, q_ok[j]);
-        scale_copy(st, S_OFF, d, s, valid);
+        scale_copy(st, S_OFF, d, s, valid);   // Q6_K: its sub-block scales (a char2 a block) in d's place
         if (MIN) scale_copy(st, M_OFF, mn, s, valid);
+        if constexpr (Q6) {
+            // The super-blocks' d (an f16 per 8 blocks, in mn): elements e0..e1 hold the stage's blocks (at most
+            // two: KB <= 4; nb % 8 == 0, so a super-block never spans two rows). Word 0: the aligned 4 bytes holding
+            // e0; word 1 the next, copied only when e1 lies in it.
+            const long long e0 = (s_elem + s * KB) >> 3, e1 = (s_elem + s * KB + valid - 1) >> 3;
+            const uintptr_t p = reinterpret_cast<uintptr_t>(mn + e0);
+            if (s_chunk == 0 || ((p >> 1) & 1) + (e1 - e0) > 1)
+                cp_async4(st + M_OFF + s_row * DROW + 4 * s_chunk,
+                          reinterpret_cast<const void*>((p & ~uintptr_t(3)) + 4 * s_chunk), s_n < N);
+#pragma unroll
+            for (int j = 0; j < QJ; j++)
+                if (q_blk[j] < valid)
+                    cp_async8(st + H_OFF + ((tid + j * MM2_THREADS) / KB) * HROW + q_blk[j] * 8,
+                              qh_base + (q_src[j] >> 4) + s * KB, q_ok[j]);
+        }
 #pragma unroll
         for (int j = 0; j < AJ; j++)
             if (a_blk[j] < valid) cp_async16(st + a_dst[j], a_base + a_src[j] + s * KB * QK, a_ok[j]);
@@ -985,6 +1011,11 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
     const int o0 = (int)(((reinterpret_cast<uintptr_t>(d) >> 1) + (unsigned)(n0 + wn * (NT * 8) + g) * nb + kb0) & 7);
     const int a_lane = (wm * (TM / WM) + lane % 16) * LDA + (lane / 16) * 8;
     const int q_lane = (wn * (NT * 8) + g) * QROW + 4 * (c >> 1), s_lane = (wn * (NT * 8) + g) * SROW;
+    // Q6_K: the lane's high bits and d words; at stage s block kk's super-block is element
+    // ((od0 + kbs / 8) & 1) + (kbs % 8 + kk) / 8 of its two words (kbs = kb0 + s*KB; 8 rows further is nb elements
+    // further, an even number, so the lane's NT rows share it).
+    const int h_lane = (wn * (NT * 8) + g) * HROW, d_lane = (wn * (NT * 8) + g) * DROW;
+    const int od0 = (int)(((reinterpret_cast<uintptr_t>(mn) >> 1) + (unsigned)(n0 + wn * (NT * 8) + g) * (nb / 8)) & 1);
 
     for (int s = 0; s < stages; s++) {
         cp_async_wait<MM2R_STAGES - 2>();   // stage s landed (this thread's copies) ...
@@ -1003,8 +1034,19 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
             uint32_t b[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                deq_frag_at<Q>(st + q_lane + nt * 8 * QROW + kk * 16, st + S_OFF + s_lane + nt * 8 * SROW,
-                               st + M_OFF + s_lane + nt * 8 * SROW, o, c, b[nt]);
+                if constexpr (Q6) {
+                    const int kbs = kb0 + s * KB, od = ((od0 + (kbs >> 3)) & 1) + (((kbs & 7) + kk) >> 3);
+                    const uint32_t* w = reinterpret_cast<const uint32_t*>(st + q_lane + nt * 8 * QROW + kk * 16);
+                    const uint2 h = *reinterpret_cast<const uint2*>(st + H_OFF + h_lane + nt * 8 * HROW + kk * 8);
+                    const char2 sc = reinterpret_cast<const char2*>(st + S_OFF + s_lane + nt * 8 * SROW)[o];
+                    const __half* dw = reinterpret_cast<const __half*>(st + M_OFF + d_lane + nt * 8 * DROW);
+                    const float dd = __half2float(dw[od]);
+                    deq_q6k_frag(w[0], w[2], h.x, h.y, c, __fmul_rn(dd, i2f_exact(sc.x)),
+                                 __fmul_rn(dd, i2f_exact(sc.y)), b[nt]);
+                } else {
+                    deq_frag_at<Q>(st + q_lane + nt * 8 * QROW + kk * 16, st + S_OFF + s_lane + nt * 8 * SROW,
+                                   st + M_OFF + s_lane + nt * 8 * SROW, o, c, b[nt]);
+                }
             }
 #pragma unroll
             for (int ks = 0; ks < 2; ks++) {
@@ -1032,9 +1074,9 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
 // and Q4_K pass m = nullptr, Q4_K its headers as d. __launch_bounds__ as matmul2's. Tile heights 16, 32, 64, 128
 // (kernels.py MATMUL2R_TILE_ROWS). X(name, type).
 #define FOR_EACH_MATMUL2R_TYPE(X) \
-    X(q4_0, Fq4::Q4_0)            \
-    X(q4_1, Fq4::Q4_1)            \
-    X(q4_k, Fq4::Q4_K)
+    X(q4_0, Fq::Q4_0)             \
+    X(q4_1, Fq::Q4_1)             \
+    X(q4_k, Fq::Q4_K)
 
 #define MATMUL2R_KERNELS(NAME, Q)                                                                              \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
@@ -1069,6 +1111,46 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 #undef MATMUL2R_KERNELS
 #undef MM2R_RUN
 
+// matmul2r_q6_k_bm<TM>: arguments as matmul2_q6_k_bm<TM> (qs, qh, sc, d: its soa-v2 arrays), the rest as
+// matmul2r_<type>_bm<TM>. The sub-block scales (a char2 a block) take d's windows, the super-blocks' d (an f16 per
+// 256 weights) two 4-byte words a row (Mm2rShape::DROW), the high bits (8 bytes a block) a region of their own
+// (HROW). Its stages take 69-96 KiB (kernels.py matmul2r_smem; at most Q4_1's bm128, under sm_86/89/120's 99): three
+// blocks an SM fit a Hopper SM at 16 and 64 rows, two at 32 and 128, and each asks for as many.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define MM2R_Q6_K_RUN(TM) \
+    matmul2r<TM, Fq::Q6_K>(qs, reinterpret_cast<const __half*>(sc), d, A, bias, C, M, N, K, ldc, mode, ws, counters, \
+                           qh)
+#else
+#define MM2R_Q6_K_RUN(TM)   // sm_75: never launched
+#endif
+extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)
+matmul2r_q6_k_bm128(const uint8_t* qs, const uint2* qh, const char2* sc, const __half* d, const __half* A,
+                    const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
+    INGOT_PDL_WAIT();
+    MM2R_Q6_K_RUN(128);
+}
+
+extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)
+matmul2r_q6_k_bm64(const uint8_t* qs, const uint2* qh, const char2* sc, const __half* d, const __half* A,
+                   const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
+    INGOT_PDL_WAIT();
+    MM2R_Q6_K_RUN(64);
+}
+
+extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)
+matmul2r_q6_k_bm32(const uint8_t* qs, const uint2* qh, const char2* sc, const __half* d, const __half* A,
+                   const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
+    INGOT_PDL_WAIT();
+    MM2R_Q6_K_RUN(32);
+}
+
+extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)
+matmul2r_q6_k_bm16(const uint8_t* qs, const uint2* qh, const char2* sc, const __half* d, const __half* A,
+                   const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
+    INGOT_PDL_WAIT();
+    MM2R_Q6_K_RUN(16);
+}
+#undef MM2R_Q6_K_RUN
 
 // =====================================================================================================================
 // matmul2w_<type>_bm128 (Q4_0, Q4_1, Q4_K; sm_90a only: Hopper's warpgroup MMA): matmul2r's product,
@@ -1095,24 +1177,24 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 // Rows past M (A) and N (weights) and a slice's missing last block are zero-filled (cp.async src-size 0; the
 // dequantization writes zeros for a missing block, whose stale scale bytes could be anything).
 // =====================================================================================================================
-template <int TM, Fq4 Q>
+template <int TM, Fq Q>
 struct Mm2wShape {
     static constexpr int KB = Mm2rShape<128>::KB, QROW = Mm2rShape<128>::QROW, SROW = Mm2rShape<128>::SROW;
     static constexpr int A_BYTES = TM * 64 * 2;                        // [TM tokens][64] fp16
     static constexpr int Q_OFF = A_BYTES, S_OFF = Q_OFF + MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW;
-    static constexpr int STAGE = M_OFF + (Q == Fq4::Q4_1 ? MM2_BN * SROW : 0);   // a multiple of 1024: A tiles aligned
+    static constexpr int STAGE = M_OFF + (Q == Fq::Q4_1 ? MM2_BN * SROW : 0);   // a multiple of 1024: A tiles aligned
     static constexpr int B_BYTES = MM2_BN * 64 * 2;                    // [128 features][64] fp16
     static constexpr int SMEM = MATMUL2W_STAGES * STAGE + B_BYTES + 1024;   // + aligning the dynamic base
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <int TM, Fq4 Q>
+template <int TM, Fq Q>
 __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
                                          const __half* __restrict__ mn, const __half* __restrict__ A,
                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
                                          int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
     using Sh = Mm2wShape<TM, Q>;
-    constexpr bool MIN = Q == Fq4::Q4_1;
+    constexpr bool MIN = Q == Fq::Q4_1;
     constexpr int KB = Sh::KB, QROW = Sh::QROW, SROW = Sh::SROW, STAGE = Sh::STAGE;
     constexpr int STAGES = MATMUL2W_STAGES, AJ = TM * 8 / MM2_THREADS;
     static_assert(TM == 128, "a warpgroup's m is 64: two of them along M");
@@ -1252,13 +1334,13 @@ FOR_EACH_MATMUL2R_TYPE(MATMUL2W_KERNELS)
 // Accumulators: thread (warp i of group w, lane g*4 + c) holds features 64w + 16i + g (+8) x tokens 8j + 2c (+1) as
 // d[j][0..3]. Sums differ from matmul2r's in order only (fp32 rounding; tests/gpu test_gpu_kernels.py).
 // =====================================================================================================================
-template <int TM, Fq4 Q>
+template <int TM, Fq Q>
 struct Mm2tShape {
     static constexpr int KB = Mm2rShape<TM>::KB, QROW = Mm2rShape<TM>::QROW, SROW = Mm2rShape<TM>::SROW;
     static constexpr int REGION = TM * 128;                            // tokens [TM][64] fp16, one 64-wide K slice
     static constexpr int B_BYTES = REGION * KB / 2;                   // the tokens' regions first, then matmul2r's
     static constexpr int Q_OFF = B_BYTES, S_OFF = Q_OFF + MM2_BN * QROW, M_OFF = S_OFF + MM2_BN * SROW;
-    static constexpr int STAGE = M_OFF + (Q == Fq4::Q4_1 ? MM2_BN * SROW : 0);   // a multiple of 1024: aligned
+    static constexpr int STAGE = M_OFF + (Q == Fq::Q4_1 ? MM2_BN * SROW : 0);   // a multiple of 1024: aligned
     static constexpr int SMEM = MATMUL2T_STAGES * STAGE + 1024;       // + aligning the dynamic base
 };
 
@@ -1270,13 +1352,13 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[TM / 8][4], const uint32_t (
     else wgmma_rs_m64n64k16(d, a, db);
 }
 
-template <int TM, Fq4 Q>
+template <int TM, Fq Q>
 __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
                                          const __half* __restrict__ mn, const __half* __restrict__ A,
                                          const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
                                          int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters) {
     using Sh = Mm2tShape<TM, Q>;
-    constexpr bool MIN = Q == Fq4::Q4_1;
+    constexpr bool MIN = Q == Fq::Q4_1;
     constexpr int KB = Sh::KB, QROW = Sh::QROW, SROW = Sh::SROW, STAGE = Sh::STAGE, STAGES = MATMUL2T_STAGES;
     constexpr int NJ = TM / 8;   // n8 column groups of the accumulators
     static_assert(STAGE % 1024 == 0 && Sh::REGION % 1024 == 0 && MM2_THREADS == 256 && MM2_BN == 128, "layout");
@@ -1424,8 +1506,8 @@ __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const _
 // 64-row tiles of Q4_0 and Q4_K (73 KiB) and two for the others (81-97 KiB). Q4_K's 32-row tile asks for two: its
 // header decoding spilled 40 bytes at three's 80 registers, and its shared memory holds it to two anyway. Its 64-row
 // tile spills 12 bytes at three (kept: measured in cuda/PERF.md v25 as it is).
-template <Fq4 Q>
-constexpr int MM2T_BLOCKS_BM32 = Q == Fq4::Q4_K ? 2 : 3;
+template <Fq Q>
+constexpr int MM2T_BLOCKS_BM32 = Q == Fq::Q4_K ? 2 : 3;
 #define MATMUL2T_KERNELS(NAME, Q)                                                                             \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                \
     matmul2t_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \

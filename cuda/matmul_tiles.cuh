@@ -115,3 +115,28 @@ __device__ __forceinline__ void deq_q4k_frag(uint32_t w0, uint32_t w1, int c, fl
 #pragma unroll
     for (int j = 0; j < 4; j++) b[j] = deq_q4k_pair(x[j] & 0x000F000F, dl, nml);
 }
+
+// Q6_K into the same fragments (matmul2r_q6_k): its low 4 bits are Q4's nibble bytes (the same words w0, w1 and
+// byte selection), its two high bits per weight come from hx (weights 0..15) and hy (16..31), bits 2k..2k+1 of byte
+// b holding weight 4k+b's: the lane's weights 2c, 2c+1 sit in bytes 2(c%2), 2(c%2)+1 at bit 2(c/2), and 2c+8, 2c+9
+// in the same bytes 4 bits higher. A 6-bit code q in the low mantissa of 1024.0 is exactly 1024 + q in fp16, so
+// q - 32 is exact; dl = d*sc is exact in fp32 (an 11-bit d times a 7-bit sc) and so is dl*(q - 32) (at most 23
+// bits): one rounding to fp16, gguf's value rounded as matmul2's tile rounds it (Q6_KW::deq). dl0 scales chunk 0
+// (weights 0..15), dl1 chunk 1.
+__device__ __forceinline__ void deq_q6k_frag(uint32_t w0, uint32_t w1, uint32_t hx, uint32_t hy, int c, float dl0,
+                                             float dl1, uint32_t (&b)[4]) {
+    const uint32_t sel = (c & 1) ? 0x4342 : 0x4140;
+    const uint32_t u0 = __byte_perm(w0, 0, sel), u1 = __byte_perm(w1, 0, sel);
+    const int k = 2 * (c >> 1);
+    const uint32_t h0 = __byte_perm(hx, 0, sel) >> k, h1 = __byte_perm(hy, 0, sel) >> k;
+    constexpr uint32_t NIB = 0x000F000F, LOW2 = 0x00030003, HIGH2 = 0x00300030;   // codes at bits 0..5, 16..21
+    const uint32_t x[4] = {(u0 & NIB) | (h0 & LOW2) << 4, (u1 & NIB) | (h0 & HIGH2),
+                           (u0 >> 4 & NIB) | (h1 & LOW2) << 4, (u1 >> 4 & NIB) | (h1 & HIGH2)};
+    const __half2 bias = __half2half2(__ushort_as_half(0x6420));   // 1024 + 32
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float2 f = __half22float2(__hsub2(u32_as_half2(x[j] | 0x64006400), bias));
+        const float dl = j < 2 ? dl0 : dl1;
+        b[j] = half2_as_u32(__floats2half2_rn(f.x * dl, f.y * dl));
+    }
+}

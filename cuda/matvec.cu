@@ -352,23 +352,23 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 // A stage: quants [16][MVM_QROW], d (and m) f16 [16][MVM_CHUNK] (Q4_K: each row's header there), per group of 4
 // sequences the q8x2 words
 // [2 levels][4][MVM_XROW] and block scales float4 [4][MVM_CHUNK]. kernels.py matvec_mma_smem computes the same.
-template <Fq4 Q, int NG>
+template <Fq Q, int NG>
 __host__ __device__ constexpr int mvm_stage_bytes() {
-    return MVM_ROWS * MVM_QROW + MVM_ROWS * MVM_CHUNK * 2 * (Q == Fq4::Q4_1 ? 2 : 1) +
+    return MVM_ROWS * MVM_QROW + MVM_ROWS * MVM_CHUNK * 2 * (Q == Fq::Q4_1 ? 2 : 1) +
            NG * (2 * 4 * MVM_XROW + 4 * MVM_CHUNK * 16);
 }
 
 // Q4_0, Q4_1 and Q4_K as the narrow kernel reads them. Q4_K's d is its super-block headers read as fp16: a chunk
 // of MVM_CHUNK = 8 blocks is one super-block (nb % 8 == 0, so chunks start at one), whose 16-byte header lies at
 // d + (the chunk's first block index): the stage copies it where Q4_0 copies the chunk's 8 fp16 scales.
-template <Fq4 Q>
+template <Fq Q>
 struct Q4M {
-    static constexpr bool MIN = Q != Fq4::Q4_0;   // w = d*q + m (Q4_K: dl*q - ml), else d*(q - 8)
+    static constexpr bool MIN = Q != Fq::Q4_0;   // w = d*q + m (Q4_K: dl*q - ml), else d*(q - 8)
     const uint8_t* qs; const __half* d; const __half* m; int nb;
     __device__ __forceinline__ void prefetch(long long r, int line) const {   // 128 bytes of quants, the scales
         const long long b = r * nb;
         if (line * 8 < nb) prefetch_l2(qs + 16 * b + line * 128);
-        if (line == 0) { prefetch_l2(d + b); if (Q == Fq4::Q4_1) prefetch_l2(m + b); }
+        if (line == 0) { prefetch_l2(d + b); if (Q == Fq::Q4_1) prefetch_l2(m + b); }
     }
     // acc += a block's share of one (row, sequence) at one level: c the level's integer sum, dl its scale, s the
     // sequence's block sum on the coarse level's lane (0 on the fine one's)
@@ -387,12 +387,12 @@ __device__ __forceinline__ long long mvm_row(int mode, int rows, int i) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-template <Fq4 Q, int NG>
+template <Fq Q, int NG>
 __device__ __forceinline__ void matvec_mma(const Q4M<Q>& w, const int8_t* __restrict__ xq,
                                            const float4* __restrict__ xd, const float* __restrict__ bias,
                                            float* __restrict__ y, int rows, int cols, int ncols, int ldy, int mode,
                                            int pdl) {
-    constexpr bool M_REGION = Q == Fq4::Q4_1;   // Q4_1's m after d
+    constexpr bool M_REGION = Q == Fq::Q4_1;   // Q4_1's m after d
     constexpr int STAGE = mvm_stage_bytes<Q, NG>(), D_OFF = MVM_ROWS * MVM_QROW;
     constexpr int M_OFF = D_OFF + MVM_ROWS * MVM_CHUNK * 2, X_OFF = M_OFF + (M_REGION ? MVM_ROWS * MVM_CHUNK * 2 : 0);
     constexpr int XG = 2 * 4 * MVM_XROW + 4 * MVM_CHUNK * 16, XD_OFF = 2 * 4 * MVM_XROW;   // a group's bytes
@@ -469,7 +469,7 @@ __device__ __forceinline__ void matvec_mma(const Q4M<Q>& w, const int8_t* __rest
             const unsigned q0 = *reinterpret_cast<const unsigned*>(S + g * MVM_QROW + k * 16 + t * 4);
             const unsigned q1 = *reinterpret_cast<const unsigned*>(S + (g + 8) * MVM_QROW + k * 16 + t * 4);
             float d0, d1, m0 = 0.0f, m1 = 0.0f;
-            if constexpr (Q == Fq4::Q4_K) {   // rows g and g+8: their headers' sub-block k (w = dl*q - ml)
+            if constexpr (Q == Fq::Q4_K) {   // rows g and g+8: their headers' sub-block k (w = dl*q - ml)
                 const KHeader h0 = k_header(*reinterpret_cast<const uint4*>(S + D_OFF + g * 16), k);
                 const KHeader h1 = k_header(*reinterpret_cast<const uint4*>(S + D_OFF + (g + 8) * 16), k);
                 d0 = h0.dl; m0 = -h0.ml; d1 = h1.dl; m1 = -h1.ml;
@@ -549,7 +549,7 @@ __device__ __forceinline__ void matvec_mma(const Q4M<Q>& w, const int8_t* __rest
 #endif
 
 // Under PDL, the first KiB of the block's 16 rows and their scales into L2 before the wait.
-template <Fq4 Q>
+template <Fq Q>
 __device__ __forceinline__ void prefetch_rows_mma(const Q4M<Q>& w, int rows, int mode) {
     const int i = threadIdx.x;   // MVM_WARPS * WARP = 128 lanes: 8 lines of 16 rows
     w.prefetch(mvm_row(mode, rows, i % MVM_ROWS), i / MVM_ROWS);
@@ -559,9 +559,9 @@ __device__ __forceinline__ void prefetch_rows_mma(const Q4M<Q>& w, int rows, int
 // bytes of dynamic shared memory; arguments as matvec_<type> (2 <= ncols <= MVM_COLS, cols % 64 == 0). Q4_0 and Q4_K
 // pass no m. X(name, type, parameters, d, m).
 #define FOR_EACH_MATVEC_MMA_TYPE(X)                                                     \
-    X(q4_0, Fq4::Q4_0, Q4_0_PARAMS, d, nullptr)                                         \
-    X(q4_1, Fq4::Q4_1, Q4_1_PARAMS, d, m)                                               \
-    X(q4_k, Fq4::Q4_K, Q4_K_PARAMS, reinterpret_cast<const __half*>(sc), nullptr)
+    X(q4_0, Fq::Q4_0, Q4_0_PARAMS, d, nullptr)                                          \
+    X(q4_1, Fq::Q4_1, Q4_1_PARAMS, d, m)                                                \
+    X(q4_k, Fq::Q4_K, Q4_K_PARAMS, reinterpret_cast<const __half*>(sc), nullptr)
 
 #define MVM_W(DARG, MARG) reinterpret_cast<const uint8_t*>(qs), DARG, MARG, cols / QK
 #define MATVEC_MMA_KERNEL(NAME, Q, PARAMS, DARG, MARG)                                                          \

@@ -20,11 +20,15 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// 16 (.cg: L2 only, streamed operands) or 4 (.ca: the only sizes below 16 are .ca) bytes global -> shared,
+// 16 (.cg: L2 only, streamed operands), 8 or 4 (.ca: the only sizes below 16 are .ca) bytes global -> shared,
 // asynchronously; read false writes zeros (src-size 0: src is not read).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool read) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                  "r"(read ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool read) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(read ? 8 : 0));
 }
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool read) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),

@@ -175,9 +175,10 @@ __device__ __forceinline__ KHeader k_header(const uint4& h, int s) {
     return {__fmul_rn(d, i2f_exact((int)sc)), __fmul_rn(dmin, i2f_exact((int)m))};
 }
 
-// The 4-bit types the tensor-core kernels dequantize from raw shared-memory stages (matmul.cu's fragment and wgmma
-// GEMMs, matvec.cu's matvec_<type>_mma): Q4_0 (d), Q4_1 (d, m) and Q4_K (the headers above, read as 16-byte chunks).
-enum class Fq4 { Q4_0, Q4_1, Q4_K };
+// The types the tensor-core kernels dequantize from raw shared-memory stages (matmul.cu's fragment and wgmma GEMMs,
+// matvec.cu's matvec_<type>_mma): Q4_0 (d), Q4_1 (d, m) and Q4_K (the headers above, read as 16-byte chunks); Q6_K
+// (below: low bits, high bits, sub-block scales, d) in the fragment GEMM (matmul2r) only.
+enum class Fq { Q4_0, Q4_1, Q4_K, Q6_K };
 
 #define Q4_K_PARAMS const uint4* qs, const uint4* sc
 #define Q4_K_ARGS qs, sc

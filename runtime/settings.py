@@ -180,8 +180,9 @@ ATTN_PREFILL = Setting(
 
 
 # The GEMM kernels (prefill, wide-batch decode): cuda/matmul.cu's pipelined mma.sync ones (default; compute
-# capability >= 8.0, WMMA below that): Q4_0, Q4_1 and Q4_K dequantized into the mma fragments (matmul2r_*, v17) or, from
-# an sm_90a image, multiplied on wgmma (128-row tiles: matmul2w_*, v23; 32- and 64-row ones: matmul2t_*, v24), the
+# capability >= 8.0, WMMA below that): Q4_0, Q4_1, Q4_K and Q6_K dequantized into the mma fragments (matmul2r_*, v17,
+# v26) or, for the first three, from an sm_90a image, multiplied on wgmma (128-row tiles: matmul2w_*, v23; 32- and
+# 64-row ones: matmul2t_*, v24), the
 # other types through an fp16 tile (matmul2_*); mma-sync keeps matmul2r_* where the wgmma kernels would run (v22's
 # kernels, the A/B switch); mma-tile runs matmul2_* for every type (v16's; the same bits as matmul2r_*); wmma the
 # WMMA ones of v9 (matmul_*).

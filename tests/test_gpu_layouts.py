@@ -180,8 +180,10 @@ def _ptr_args(launch) -> list[int]:
 
 
 def _fragment_ptrs(W) -> list[int]:
-    """(qs, d, m) as the fragment kernels take them (cuda/matmul.cu Fq4): Q4_0's m null, Q4_K's super-block headers
-    in d's place and m null."""
+    """(qs, d, m) as the fragment kernels take them (cuda/matmul.cu Fq): Q4_0's m null, Q4_K's super-block headers
+    in d's place and m null; Q6_K's four arrays (qs, qh, sc, d) as matmul2_q6_k's."""
+    if W.qtype == "Q6_K":
+        return [b.ptr for b in W.args()]
     if W.qtype == "Q4_K":
         return [W.qs.ptr, W.sc.ptr, 0]
     return [W.qs.ptr, W.d.ptr, W.m.ptr if W.qtype == "Q4_1" else 0]
@@ -364,12 +366,12 @@ def test_split_k_matmul_on_a_stack_is_one_launch_per_part_sharing_the_scratch(mm
     parts = [_matrix("Q4_K", 64, 256), _matrix("Q6_K", 32, 256)]
     C, ws, counters = 1 << 30, DeviceBuffer(1 << 32, 4, "ws"), DeviceBuffer(1 << 33, 4, "counters")
     launches = _kernels(mma=mma).matmul(GpuStack(parts), 7, C, 2, ldc=96, split_k=SplitK(ws, counters))
-    names = ["matmul2r_q4_k_bm16", "matmul2_q6_k_bm16"] if mma else ["matmul_q4_k", "matmul_q6_k"]
+    names = ["matmul2r_q4_k_bm16", "matmul2r_q6_k_bm16"] if mma else ["matmul_q4_k", "matmul_q6_k"]
     assert [launch.kernel.name for launch in launches] == names
     for launch, part, off in zip(launches, parts, [0, 64], strict=True):
         args = _ptr_args(launch)
         frag = launch.kernel.name.startswith("matmul2r_")
-        n = 3 if frag else len(part.args())  # the fragment kernels' (qs, d, m)
+        n = len(_fragment_ptrs(part)) if frag else len(part.args())  # the fragment kernels' weight arguments
         assert args[:n] == (_fragment_ptrs(part) if frag else [b.ptr for b in part.args()])
         assert args[n] == 7 and args[n + 2] == C + 4 * off
         assert args[n + 3 : n + 7] == [2, part.rows, 256, 96]
@@ -588,34 +590,36 @@ def test_matmul2_raw_rows_match_the_kernel_source():
     assert "#define MM2_LDS (QK + 8)" in src and MATMUL2_LDS == constants.QK + 8
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("tm", [16, 32, 64, 128])
 def test_fragment_gemm_shared_memory_fits_every_arch_with_mma(qtype, tm):
     """matmul2r_*'s layout (cuda/matmul.cu Mm2rShape, mm2r_stage_bytes), worked out by hand: MATMUL2R_STAGES stages
-    of quant rows (16 bytes a block, + 16 when the block count is even), 32-byte scale windows of d (and m; Q4_K's
-    of its headers) and the A tile; within sm_86/89/120's 99 KiB opt-in, the cluster's partial tile included."""
+    of quant rows (16 bytes a block, + 16 when the block count is even), 32-byte scale windows of d (Q4_K's of its
+    headers, Q6_K's of its sub-block scales), Q4_1's of m, Q6_K's two 4-byte words of d and its high bits (8 bytes a
+    block + 8), and the A tile; within sm_86/89/120's 99 KiB opt-in, the cluster's partial tile included."""
     kb = matmul2r_blocks(tm)
-    stage = 128 * (16 * kb + (16 if kb % 2 == 0 else 0) + 32 * (2 if qtype == "Q4_1" else 1)) + tm * (32 * kb + 8) * 2
+    second = {"Q4_1": 32, "Q6_K": 8 + 8 * kb + 8}.get(qtype, 0)
+    stage = 128 * (16 * kb + (16 if kb % 2 == 0 else 0) + 32 + second) + tm * (32 * kb + 8) * 2
     assert matmul2r_smem(qtype, tm) == constants.MATMUL2R_STAGES * stage
     assert matmul2r_smem(qtype, tm, cluster=True) == max(matmul2r_smem(qtype, tm), 4 * tm * 128) <= 99 * 1024 - 16
     src = (Path(__file__).parents[1] / "cuda" / "matmul.cu").read_text()
     assert "static constexpr int KB = TM <= 32 ? 4 : 2;" in src and kb == (4 if tm <= 32 else 2)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_q4_gemms_take_the_fragment_kernel_with_its_arguments(qtype):
-    """Q4_0 / Q4_1 / Q4_K at a decode width: matmul2r_<type>_bm16 with (qs, d, m) (_fragment_ptrs) and its own
+    """Q4_0 / Q4_1 / Q4_K / Q6_K at a decode width: matmul2r_<type>_bm16 with (qs, d, m) (_fragment_ptrs) and its own
     shared memory, and at prefill width its 128-row tiles; the other types and INGOT_MATMUL=mma-tile (matmul_frag
     off) keep matmul2_*."""
     W = _matrix(qtype, 300, 512)
     k = _kernels(mma=True)
     (launch,) = k.matmul(W, 7, 1 << 30, 5, ldc=300)
     assert launch.kernel.name == f"matmul2r_{qtype.lower()}_bm16"
-    assert _ptr_args(launch)[:4] == [*_fragment_ptrs(W), 7]
+    assert _ptr_args(launch)[: len(_fragment_ptrs(W)) + 1] == [*_fragment_ptrs(W), 7]
     assert launch.smem == matmul2r_smem(qtype, 16)
     (wide,) = k.matmul(_matrix(qtype, 28672, 4096), 7, 1 << 30, 512, ldc=28672)
     assert wide.kernel.name == f"matmul2r_{qtype.lower()}_bm128" and wide.smem == matmul2r_smem(qtype, 128)
-    for other in ("Q8_0", "Q6_K", "Q5_K"):
+    for other in ("Q8_0", "Q5_K", "Q3_K"):
         (tile,) = k.matmul(_matrix(other, 300, 512), 7, 1 << 30, 5, ldc=300)
         assert tile.kernel.name == f"matmul2_{other.lower()}_bm16"
     k.matmul_frag = False
@@ -708,6 +712,26 @@ def test_wgmma_gemm_shared_memory_fits_its_blocks_an_sm(qtype):
     assert 2 * (matmul2w_smem(qtype, 128) + 1024) <= 228 * 1024
     src = (Path(__file__).parents[1] / "cuda" / "matmul.cu").read_text()
     assert "static constexpr int SMEM = MATMUL2W_STAGES * STAGE + B_BYTES + 1024;" in src
+
+
+def test_q6_k_keeps_the_fragment_kernel_where_the_image_has_wgmma():
+    """Q6_K has no wgmma kernel (measured no faster on it, cuda/PERF.md v25): with an sm_90a image its tiles of every
+    height run matmul2r_q6_k_bm<tm> with (qs, qh, sc, d), clustered or not; INGOT_MATMUL=mma-tile keeps matmul2."""
+    W = _matrix("Q6_K", 4096, 14336)
+    k = _kernels(mma=True, cluster=True)
+    k.matmul_wgmma = True
+    scratch = SplitK(DeviceBuffer(3 << 30, 1 << 30, "ws"), DeviceBuffer(5 << 30, 1 << 20, "counters"))
+    (pre,) = k.matmul(W, 7, 1 << 30, 512, ldc=4096, split_k=scratch, slice_rows=512)  # a prefill pass
+    assert pre.kernel.name == "matmul2r_q6_k_bm128" and pre.smem == matmul2r_smem("Q6_K", 128, cluster=False)
+    assert _ptr_args(pre)[:5] == [W.qs.ptr, W.qh.ptr, W.sc.ptr, W.d.ptr, 7]
+    for M, tm in ((5, 16), (20, 32), (40, 64)):
+        (dec,) = k.matmul(W, 7, 1 << 30, M, ldc=4096, split_k=scratch)
+        assert dec.kernel.name == f"matmul2r_q6_k_bm{tm}" and dec.grid[2] > 1, M
+    (cl,) = k.matmul(_matrix("Q6_K", 1024, 4096), 7, 1 << 30, 100, ldc=1024, split_k=scratch)
+    assert cl.kernel.name == "matmul2r_q6_k_bm128" and cl.cluster > 1
+    k.matmul_frag = False
+    (tile,) = k.matmul(W, 7, 1 << 30, 512, ldc=4096, split_k=scratch, slice_rows=512)
+    assert tile.kernel.name == "matmul2_q6_k_bm128"
 
 
 def test_q4_1_with_its_min_at_another_16_byte_offset_keeps_the_tile_kernel():

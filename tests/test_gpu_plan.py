@@ -845,9 +845,11 @@ def test_layer_matrix_bytes_average_a_layer_by_type():
         ("llama3-8b", "Q4_0", True, True, 3),  # fragment GEMMs: b3 757 tok/s against the matvecs' 637 (b2 516 / 566)
         ("llama3-8b", "Q4_0", True, False, 8),  # INGOT_MATMUL=mma-tile: matmul2 for every type
         ("llama3-8b", "Q4_0", False, True, 16),  # no mma GEMM (sm_75, INGOT_MATMUL=wmma)
-        # K-quants: b4 matvec 632 tok/s against matmul2's 420, b8 684 / 829; Q4_K on the fragment GEMMs (PERF.md
-        # v25): b3 600 / 418, b4 628 / 551, b8 GEMM 1,086
-        ("llama3-8b", "Q4_K_M", True, True, 8),
+        # K-quants: b4 matvec 632 tok/s against matmul2's 420, b8 684 / 829; Q4_K and Q6_K on the fragment GEMMs
+        # (PERF.md v26): b3 591 / 496, b4 625 / 652, b8 672 / 1,282
+        ("llama3-8b", "Q4_K_M", True, True, 4),
+        ("llama3-8b", "Q4_K_M", True, False, 8),  # INGOT_MATMUL=mma-tile
+        ("llama3-8b", "Q5_K_M", True, True, 8),  # Q5_K and Q6_K: most bytes in matmul2's types
         ("smollm2-135m", "Q4_1", True, True, 16),  # launch-bound: matvec b8 7,694 tok/s against 7,444
         ("qwen3-0.6b", "Q4_0", True, True, 16),
         ("gemma3-270m", "Q4_K_M", True, True, 16),

@@ -142,3 +142,22 @@ def test_pipelined_gemm_dequantizes_its_raw_stage_like_gguf(harness, qtype, entr
     assert (np.isfinite(want) == np.isfinite(out)).all()
     o, w = out[finite].astype(np.float64), want[finite].astype(np.float64)
     assert (np.abs(o - w) <= np.spacing(np.abs(want[finite])).astype(np.float64)).all()  # within one fp16 ulp
+
+
+@pytest.mark.parametrize("odd", [False, True])
+def test_fragment_gemm_dequantizes_q6_k_like_gguf(harness, odd):
+    """cuda/matmul_tiles.cuh deq_q6k_frag (matmul2r_q6_k's B fragments: low-bit nibbles, two high bits per weight,
+    two sub-block scales times the super-block's d) against gguf, bit for bit with gguf's fp32 value rounded to
+    fp16 (the products are exact): the fp16 weights matmul2's Q6_K tile multiplies. odd: zero, subnormal and large
+    scales."""
+    rng = np.random.default_rng(11 + odd)
+    rows, cols = 5, 768  # 3 super-blocks a row
+    raw = soa.random_blocks(rng, "Q6_K", rows, cols, odd=odd)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(rows, cols).astype(np.float16)
+    arrays = {f: np.ascontiguousarray(a) for f, a in soa.pack("Q6_K", raw, rows, cols).items()}
+    out = np.full((rows, cols), np.nan, np.float16)
+    rc = harness.host_mm2r_q6k_deq(*(_ptr(arrays[f]) for f in ("qs", "qh", "sc", "d")), rows, cols, _ptr(out))
+    assert rc == 0
+    same = (out.view(np.uint16) == want.view(np.uint16)) | (np.isnan(out) & np.isnan(want))
+    assert same.all(), f"{(~same).sum()} weights differ, first at {np.argwhere(~same)[0]}"

@@ -310,27 +310,55 @@ def _deq_frag(w0: np.ndarray, w1: np.ndarray, c: np.ndarray, d: np.ndarray, m, k
     return out
 
 
-def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rng, headers=None):
+def _deq_q6k_frag(w0, w1, hx, hy, c, dl0, dl1) -> list[np.ndarray]:
+    """deq_q6k_frag per lane: the quant words w0, w1 and high-bit words hx, hy (uint32 [32]) -> b0, b1 of chunk 0,
+    then of chunk 1 ([32, 2] fp16 each), each fp32 dl * (q - 32) (exact) rounded to fp16 once."""
+    out = []
+    for chunk, (h, dl) in enumerate(((hx, dl0), (hy, dl1))):
+        for w, up in ((w0, 0), (w1, 4)):  # weights 2c, 2c+1 (word w0) and 2c+8, 2c+9 (word w1)
+            codes = []
+            for j in (0, 1):  # byte 2(c%2) + j of the words
+                byte = 2 * (c & 1) + j
+                lo = ((w >> (8 * byte)) >> (4 * chunk)) & 0xF
+                hi = ((h >> (8 * byte)) >> (2 * (c >> 1) + up)) & 3
+                codes.append(lo | hi << 4)
+            q = np.stack(codes, 1).astype(np.float64) - 32
+            out.append((dl.astype(np.float64)[:, None] * q).astype(np.float16))
+    return out
+
+
+def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rng, headers=None, q6=None):
     """matmul2r<TM> byte for byte: each stage a flat shared-memory image in the kernel's layout (quant bytes
     [128][QROW], scale chunks [128][32 bytes] of d (and m), the A tile [tm][LDA] fp16), filled by the kernel's
     copies and read at its lane addresses; d and m start dbase elements past a 16-byte boundary (the scale windows'
     offsets). headers (Q4_K, [N, nb/8, 16] bytes; d and m None, dbase 0): the super-block headers passed as d, one
-    16-byte chunk per 8 blocks. Returns the writes per C element; the pipeline's waits and barriers are checked as
-    emulate()'s."""
+    16-byte chunk per 8 blocks. q6 (Q6_K: qh [N, nb, 8] bytes, sc [N, nb, 2] int8, its super-blocks' d [N, nb/8] fp16,
+    and that array's element offset past a 4-byte boundary; d, m None): sc in d's windows (at dbase), d's two 4-byte
+    words a row, the high bits' region. Returns the writes per C element; the pipeline's waits and barriers are
+    checked as emulate()'s."""
     WM = 1  # Mm2Warps<TM, 1>: a warp owns all tm rows x 16 columns at every height
     WN = 8 // WM
     MT, NT = tm // WM // 16, BN // WN // 8
     KB, S = matmul2r_blocks(tm), MATMUL2R_STAGES
     QROW, SROW, LDA = 16 * KB + (16 if KB % 2 == 0 else 0), 32, QK * KB + 8
+    HROW, DROW = 8 * KB + 8, 8
     S_OFF = BN * QROW
     M_OFF = S_OFF + BN * SROW
-    A_OFF = M_OFF + (BN * SROW if m is not None else 0)
+    H_OFF = M_OFF + (BN * SROW if m is not None else BN * DROW if q6 is not None else 0)
+    A_OFF = H_OFF + (BN * HROW if q6 is not None else 0)
     STAGE = A_OFF + tm * LDA * 2
-    assert S * STAGE == matmul2r_smem("Q4_1" if m is not None else "Q4_K" if headers is not None else "Q4_0", tm)
+    qtype = "Q4_1" if m is not None else "Q4_K" if headers is not None else "Q6_K" if q6 is not None else "Q4_0"
+    assert S * STAGE == matmul2r_smem(qtype, tm)
     nb = K // QK
     if headers is not None:  # the header array read as fp16: element b (the block index) is byte 2b of it
         assert dbase == 0 and nb % 8 == 0
         d = headers.reshape(N, nb, 2).view(np.float16).reshape(N, nb)
+    if q6 is not None:  # the sub-block scales (a char2 a block) in d's place, read as fp16 elements
+        qh6, sc6, dsb, ddbase = q6
+        assert nb % 8 == 0
+        d = np.ascontiguousarray(sc6).view(np.float16).reshape(N, nb)
+        gdd = np.zeros(ddbase + N * nb // 8 + 4, np.float16)  # d's elements at ddbase, padded to whole words
+        gdd[ddbase : ddbase + N * nb // 8] = dsb.ravel()
     per = -(-nb // slices)
     grid = (-(-M // tm), -(-N // BN), slices)
     # the scales as the kernel's global memory: element dbase of a 16-byte aligned buffer, padded to whole chunks
@@ -371,6 +399,18 @@ def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rn
                             st[region + row * SROW + 16 * chunk : region + row * SROW + 16 * chunk + 16] = src.view(
                                 np.uint8
                             )
+                if q6 is not None:
+                    e0 = (nc * nb + kb0 + s * KB) >> 3
+                    e1 = (nc * nb + kb0 + s * KB + valid - 1) >> 3
+                    p = ddbase + e0  # the element's index in the 4-byte aligned array
+                    for word in range(2):
+                        if word == 0 or p % 2 + (e1 - e0) > 1:
+                            at = (p // 2 + word) * 2
+                            src = gdd[at : at + 2] if n < N else np.zeros(2, np.float16)
+                            st[M_OFF + row * DROW + 4 * word : M_OFF + row * DROW + 4 * word + 4] = src.view(np.uint8)
+                    for blk in range(valid):
+                        at = H_OFF + row * HROW + blk * 8
+                        st[at : at + 8] = qh6[nc, kb0 + s * KB + blk] if n < N else 0
             a = st[A_OFF:].view(np.float16)
             for row in range(tm):
                 mrow = m0 + row
@@ -422,7 +462,22 @@ def emulate_frag(A, qs, d, m, dbase, bias, C, M, N, K, ldc, mode, tm, slices, rn
                                 for ri, oi in zip(r, o, strict=True)
                             ]
                             k = (np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]))
-                        b = _deq_frag(w0, w1, c, dd, mm, k)
+                        if q6 is not None:
+                            hw = [
+                                np.array([int.from_bytes(st[x : x + 4].tobytes(), "little") for x in hq], np.int64)
+                                for hq in (H_OFF + r * HROW + kk * 8, H_OFF + r * HROW + kk * 8 + 4)
+                            ]
+                            scb = st[S_OFF : S_OFF + BN * SROW].reshape(BN, SROW)
+                            kbs = kb0 + s * KB
+                            od0 = (ddbase + (n0 + wn * NT * 8 + g) * (nb // 8)) & 1
+                            od = ((od0 + (kbs >> 3)) & 1) + (((kbs & 7) + kk) >> 3)
+                            dw = st[M_OFF : M_OFF + BN * DROW].reshape(BN, DROW // 2, 2).view(np.float16)[..., 0]
+                            dlane = dw[r, od].astype(np.float32)
+                            s0 = scb[r, 2 * o].view(np.int8).astype(np.float32)
+                            s1 = scb[r, 2 * o + 1].view(np.int8).astype(np.float32)
+                            b = _deq_q6k_frag(w0, w1, hw[0], hw[1], c, dlane * s0, dlane * s1)
+                        else:
+                            b = _deq_frag(w0, w1, c, dd, mm, k)
                         for mt in range(MT):
                             _mma(acc[warp, mt, nt], a[0][mt], b[0], b[1])
                             _mma(acc[warp, mt, nt], a[1][mt], b[2], b[3])
@@ -501,6 +556,47 @@ def test_fragment_gemm_emulation_reads_q4_k_headers_as_scale_windows(M, N, nb, s
     resid = rng.standard_normal(M * ldc).astype(np.float32)
     frag, tile = resid.copy(), resid.copy()
     writes = emulate_frag(A, qs, None, None, 0, bias, frag, M, N, K, ldc, MODE_ADD, tm, slices, rng, headers=headers)
+    emulate(A, Wh, bias, tile, M, N, K, ldc, MODE_ADD, tm, slices, False, True, rng)
+    assert np.array_equal(frag.view(np.uint32), tile.view(np.uint32))
+    assert (writes.reshape(M, ldc)[:, :N] == 1).all() and not writes.reshape(M, ldc)[:, N:].any()
+    want = A.astype(np.float64) @ Wh.astype(np.float64).T + bias + resid.reshape(M, ldc)[:, :N]
+    got = frag.reshape(M, ldc)[:, :N]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize(
+    "M,N,nb,slices,dbase,ddbase",
+    [
+        (1, 150, 24, 5, 0, 0),  # height 16 (stages of 4 blocks): slices of 5 from blocks 0, 5, 10, 15, 20
+        (13, 130, 56, 3, 3, 1),  # height 16: slices of 19 (d's second word where a stage crosses an odd super-block)
+        (29, 150, 16, 3, 5, 0),  # height 32: slices of 6, 6, 4
+        (37, 140, 24, 5, 7, 1),  # height 64 (stages of 2 blocks): slices of 5, stages ending at sub-block 7 + 1
+        (100, 131, 56, 3, 0, 1),  # height 128: slices of 19
+    ],
+)
+def test_fragment_gemm_emulation_reads_q6_k_from_its_four_arrays(M, N, nb, slices, dbase, ddbase):
+    """matmul2r on Q6_K (emulate_frag with its sub-block scales as d's windows, the super-blocks' d as two 4-byte words
+    a row and the high bits in their own region) and matmul2 (emulate, from gguf's dequantization rounded to fp16)
+    give the same bits, and numpy's product: slices that start mid-super-block, scales and d at other offsets in
+    their chunks and words."""
+    rng = np.random.default_rng(M * 1000 + N + nb + 7)
+    K = nb * QK
+    tm = next(t for t in MATMUL2_TILE_ROWS if t >= M)
+    raw = soa.random_blocks(rng, "Q6_K", N, K)
+    arrays = soa.pack("Q6_K", raw, N, K)
+    qs = np.ascontiguousarray(arrays["qs"]).view(np.uint8).reshape(N, nb, 16)
+    qh = np.ascontiguousarray(arrays["qh"]).view(np.uint8).reshape(N, nb, 8)
+    sc = np.ascontiguousarray(arrays["sc"]).view(np.int8).reshape(N, nb, 2)
+    dsb = np.ascontiguousarray(arrays["d"]).view(np.float16).reshape(N, nb // 8)
+    with np.errstate(over="ignore"):
+        Wh = gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(N, K).astype(np.float16)
+    A = rng.standard_normal((M, K)).astype(np.float16)
+    bias = rng.standard_normal(N).astype(np.float32)
+    ldc = N + 3
+    resid = rng.standard_normal(M * ldc).astype(np.float32)
+    frag, tile = resid.copy(), resid.copy()
+    q6 = (qh, sc, dsb, ddbase)
+    writes = emulate_frag(A, qs, None, None, dbase, bias, frag, M, N, K, ldc, MODE_ADD, tm, slices, rng, q6=q6)
     emulate(A, Wh, bias, tile, M, N, K, ldc, MODE_ADD, tm, slices, False, True, rng)
     assert np.array_equal(frag.view(np.uint32), tile.view(np.uint32))
     assert (writes.reshape(M, ldc)[:, :N] == 1).all() and not writes.reshape(M, ldc)[:, N:].any()

@@ -102,17 +102,18 @@ i32, f32, i64, u64 = np.int32, np.float32, np.int64, np.uint64
 # Tile heights (tokens) of the pipelined GEMM's kernels, matmul2_<type>_bm<TM> (cuda/matmul.cu); prefill (no split-K)
 # shrinks its tile only down to MATMUL2_PREFILL_MIN_ROWS (a 16-row tile dequantizes each weight for 16 tokens).
 MATMUL2_TILE_ROWS = (16, 32, 64, 128)
-# The types matmul2r_* dequantizes into the mma fragments (below; Q4_K from its super-block headers, cuda/matmul.cu
-# Fq4) ...
-MATMUL2R_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# The types matmul2r_* dequantizes into the mma fragments (below; Q4_K from its super-block headers, Q6_K from its
+# four arrays: cuda/matmul.cu Fq) ...
+MATMUL2R_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
 # ... at these tile heights: all of matmul2's, since its warps are 1 x 8 (each fragment dequantized once; PERF.md
 # v18). With v17's 4 x 2 warps at 128 rows it was slower than matmul2 (the 8B's gate+up at 512 rows 575 against 544
 # us) and served 16-64 rows only.
 MATMUL2R_TILE_ROWS = (16, 32, 64, 128)
 MATMUL2_PREFILL_MIN_ROWS = 32
-# Where the loaded image is sm_90a (Kernels.matmul_wgmma), MATMUL2R_TYPES in tiles of these heights run matmul2w_*
-# (wgmma on a dequantized fp16 weight tile: two warpgroups of m64 along M) when their slices do not sum in a
-# cluster ...
+# Where the loaded image is sm_90a (Kernels.matmul_wgmma), MATMUL2W_TYPES (the 4-bit ones: Q6_K on wgmma measured
+# no faster in a prefill pass, cuda/PERF.md v25, and keeps matmul2r) in tiles of these heights run matmul2w_* (wgmma
+# on a dequantized fp16 weight tile: two warpgroups of m64 along M) when their slices do not sum in a cluster ...
+MATMUL2W_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 MATMUL2W_TILE_ROWS = (128,)
 # ... and in tiles of these, matmul2t_* (wgmma with the weights dequantized into its register operand and the
 # tokens as its n; its slices always sum through the scratch). 16-row tiles keep matmul2r, measured faster there
@@ -137,8 +138,8 @@ PDL_KERNELS = frozenset(
         *(f"{op}_{q.lower()}" for op in ("embed", "matvec", "matmul") for q in GPU_QTYPES),
         *(f"matmul2_{q.lower()}_bm{tm}" for q in GPU_QTYPES for tm in MATMUL2_TILE_ROWS),
         *(f"matmul2r_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2R_TILE_ROWS),
-        *(f"matmul2w_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2W_TILE_ROWS),
-        *(f"matmul2t_{q.lower()}_bm{tm}" for q in MATMUL2R_TYPES for tm in MATMUL2T_TILE_ROWS),
+        *(f"matmul2w_{q.lower()}_bm{tm}" for q in MATMUL2W_TYPES for tm in MATMUL2W_TILE_ROWS),
+        *(f"matmul2t_{q.lower()}_bm{tm}" for q in MATMUL2W_TYPES for tm in MATMUL2T_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
@@ -232,7 +233,7 @@ PREFILL_MODEL_MIN_US = 40.0
 # and have none), and its shared-memory rows of 32 + 8 halfs. Its tile heights: MATMUL2_TILE_ROWS (above).
 MATMUL2_RAW_ROW = {"Q4_0": 20, "Q4_1": 24, "Q8_0": 36, "F16": 2 * (QK + 8)}
 MATMUL2_LDS = QK + 8
-# Its twin that dequantizes Q4_0 / Q4_1 / Q4_K straight into the mma fragments (matmul2r_<type>_bm<TM>, matmul.cu):
+# Its twin that dequantizes Q4_0 / Q4_1 / Q4_K / Q6_K straight into the mma fragments (matmul2r_<type>_bm<TM>):
 # the same tiles, slices and bits (MATMUL2R_TYPES), MATMUL2R_STAGES stages of matmul2r_blocks(tm) blocks.
 
 
@@ -241,20 +242,22 @@ def matmul2r_blocks(tm: int) -> int:
     return 4 if tm <= 32 else 2
 
 
-def _q4_weight_stage_bytes(qtype: str, kb: int) -> int:
+def _fragment_weight_stage_bytes(qtype: str, kb: int) -> int:
     """The weights' part of a stage of kb quantization blocks in matmul2r_*, matmul2w_* and matmul2t_* (cuda/matmul.cu
-    Mm2rShape, whose layout the wgmma kernels share): quant bytes [128][16 kb (+16 when kb is even)] and scale windows
-    [128][32] of d (and of m: Q4_1)."""
+    Mm2rShape and mm2r_stage_bytes, whose layout the wgmma kernels share): quant bytes [128][16 kb (+16 when kb is
+    even)] and scale windows [128][32] of d (Q6_K: of its sub-block scales), then Q4_1's windows of m [128][32], or
+    Q6_K's super-block d (two 4-byte words a row, [128][8]) and high bits [128][8 kb + 8]."""
     qrow = 16 * kb + (16 if kb % 2 == 0 else 0)
-    return MATMUL2_BN * (qrow + 32 * (2 if qtype == "Q4_1" else 1))
+    second = {"Q4_1": 32, "Q6_K": 8 + 8 * kb + 8}.get(qtype, 0)
+    return MATMUL2_BN * (qrow + 32 + second)
 
 
 def matmul2r_smem(qtype: str, tm: int, cluster: bool = False) -> int:
     """Dynamic shared memory of matmul2r_<qtype>_bm<tm> (cuda/matmul.cu mm2r_stage_bytes; the kernel traps if given
-    less): MATMUL2R_STAGES stages of quant bytes [128][16 KB (+16 when KB is even)], scale chunks [128][32] of d
-    (and of m: Q4_1) and the A tile [tm][32 KB + 8] fp16. cluster: at least the fp32 partial tile, as matmul2_smem."""
+    less): MATMUL2R_STAGES stages of the weights' regions (_fragment_weight_stage_bytes) and the A tile
+    [tm][32 KB + 8] fp16. cluster: at least the fp32 partial tile, as matmul2_smem."""
     kb = matmul2r_blocks(tm)
-    stage = _q4_weight_stage_bytes(qtype, kb) + tm * (QK * kb + 8) * 2
+    stage = _fragment_weight_stage_bytes(qtype, kb) + tm * (QK * kb + 8) * 2
     pipeline = MATMUL2R_STAGES * stage
     return max(pipeline, 4 * tm * MATMUL2_BN) if cluster else pipeline
 
@@ -264,7 +267,7 @@ def matmul2w_smem(qtype: str, tm: int) -> int:
     kernel traps if given less): MATMUL2W_STAGES stages of the A tile [tm][64] fp16, quant bytes [128][48] and scale
     windows [128][32] of d (and of m: Q4_1), the fp16 weight tile [128][64], and 1 KiB to align the base to the
     swizzle's 1024 bytes."""
-    stage = tm * 64 * 2 + _q4_weight_stage_bytes(qtype, matmul2r_blocks(128))  # KB 2: 64 weights along K
+    stage = tm * 64 * 2 + _fragment_weight_stage_bytes(qtype, matmul2r_blocks(128))  # KB 2: 64 weights along K
     return MATMUL2W_STAGES * stage + MATMUL2_BN * 64 * 2 + 1024
 
 
@@ -273,11 +276,11 @@ def matmul2t_smem(qtype: str, tm: int) -> int:
     less): MATMUL2T_STAGES stages of the tokens [tm][32 KB] fp16 (64-wide swizzled regions), quant bytes
     [128][16 KB (+16 when KB is even)] and scale windows [128][32] of d (and of m: Q4_1), and 1 KiB of alignment."""
     kb = matmul2r_blocks(tm)
-    return MATMUL2T_STAGES * (tm * 64 * kb + _q4_weight_stage_bytes(qtype, kb)) + 1024
+    return MATMUL2T_STAGES * (tm * 64 * kb + _fragment_weight_stage_bytes(qtype, kb)) + 1024
 
 
 def matmul_uses_wgmma(image: str | None) -> bool:
-    """Whether MATMUL2R_TYPES GEMMs in tiles of MATMUL2W_TILE_ROWS and MATMUL2T_TILE_ROWS run the wgmma kernels
+    """Whether MATMUL2W_TYPES GEMMs in tiles of MATMUL2W_TILE_ROWS and MATMUL2T_TILE_ROWS run the wgmma kernels
     (matmul2w_*, matmul2t_*: Hopper's wgmma, which only an sm_90a image holds; elsewhere they trap) rather than
     matmul2r_*, for the matmul image the driver loads: INGOT_MATMUL=mma (the default; mma-sync keeps matmul2r)."""
     return image == "sm_90a" and settings.MATMUL.get() == "mma"
@@ -288,7 +291,7 @@ def matmul2r_serves(part: GpuMatrix, tiling: GemmTiling, M: int) -> bool:
     heights, with what its addressing assumes: 32-bit offsets (a part's quant bytes and the pass's A under 4 GiB),
     and for Q4_1 m at d's offset within 16 bytes (it reads m's scale windows at d's offsets; separate pool
     allocations, 256-byte aligned, always are). Q4_K's headers are read as 16-byte chunks, here as by every Q4_K
-    kernel (weights.cuh Q4_KW): the pool's alignment."""
+    kernel (weights.cuh Q4_KW): the pool's alignment. Q6_K's arrays need no more than their element sizes."""
     if part.qtype not in MATMUL2R_TYPES or tiling.tm not in MATMUL2R_TILE_ROWS:
         return False
     if part.rows * part.cols // 2 >= 1 << 32 or M * part.cols >= 1 << 32:
@@ -299,7 +302,10 @@ def matmul2r_serves(part: GpuMatrix, tiling: GemmTiling, M: int) -> bool:
 
 def fragment_args(part: GpuMatrix) -> list:
     """The weight arguments (qs, d, m) of matmul2r_*, matmul2w_* and matmul2t_* for a part of MATMUL2R_TYPES: Q4_0
-    (qs, d, null), Q4_1 (qs, d, m), Q4_K (qs, its super-block headers sc in d's place, null)."""
+    (qs, d, null), Q4_1 (qs, d, m), Q4_K (qs, its super-block headers sc in d's place, null); matmul2r_q6_k takes
+    matmul2_q6_k's (qs, qh, sc, d)."""
+    if part.qtype == "Q6_K":
+        return part.args()
     if part.qtype == "Q4_K":
         return [part.qs, part.sc, None]
     return [part.qs, part.d, part.m if part.qtype == "Q4_1" else None]
@@ -638,15 +644,17 @@ def norm_splits(n: int, dim: int, threads: int, sm_count: int) -> int:
 #   8B Q4_0 (layer 123 MB, fragment GEMMs)   b2 566 / 516, b3 637 / 757 (PERF.md v19), b4 681 / 1,016, b8 715 / 1,966
 #   8B Q4_K_M (layer ~140 MB, tile GEMMs)    b2 534 / 212, b4 632 / 420,   b8 684 / 829
 #   ... Q4_K in fragment GEMMs (PERF.md v25)  b3 600 / 418, b4 628 / 551,   b8 GEMM 1,086 (tile GEMMs 830)
+#   ... and Q6_K (PERF.md v26)                b3 591 / 496, b4 625 / 652,   b8 672 / 1,282
 #   SmolLM2 Q4_1 (layer 2.2 MB)              b2 2,580 / 1,918, b4 4,205 / 3,786, b8 7,694 / 7,444
 # A layer under DECODE_GEMM_LAYER_BYTES is launch-bound: its matvecs' extra columns cost little, and the GEMM
 # path's longer launch list more (SmolLM2's GEMM step is flat at ~1.04 ms; its matvec step 0.78 ms at b2).
 DECODE_GEMM_LAYER_BYTES = 64 << 20
 DECODE_GEMM_MIN_BATCH_FRAG = 3  # most of a large layer's bytes in DECODE_GEMM_EARLY_TYPES' fragment GEMMs
-# Q4_K runs fragment GEMMs too, but its header decoding and the Q6_K parts of a Q4_K_M layer (still matmul2) keep
-# its b3 / b4 behind the matvecs: it takes DECODE_GEMM_MIN_BATCH_TILE's 8, where its GEMMs win.
 DECODE_GEMM_EARLY_TYPES = ("Q4_0", "Q4_1")
-DECODE_GEMM_MIN_BATCH_TILE = 8  # the other types' matmul2 (dequantized through a shared-memory tile)
+# The K-quants' fragment GEMMs (Q4_K's header decoding, Q6_K's fp32 dequantization) lose to the matvecs at 3
+# sequences and win from 4: a layer mostly in MATMUL2R_TYPES takes them from 4 ...
+DECODE_GEMM_MIN_BATCH_FRAG_K = 4
+DECODE_GEMM_MIN_BATCH_TILE = 8  # ... the other types' matmul2 (dequantized through a shared-memory tile) from 8
 DECODE_GEMM_MIN_BATCH_SMALL = 16  # launch-bound layers (and any GPU without the mma GEMMs)
 
 
@@ -661,8 +669,12 @@ def decode_gemm_min_batch(layer_bytes: dict[str, int], mma: bool, frag: bool) ->
     mma, frag: the GEMM kernels in use (Kernels.matmul_mma, .matmul_frag). INGOT_DECODE_GEMM_MIN_BATCH overrides."""
     if not mma or launch_bound_layers(layer_bytes):
         return DECODE_GEMM_MIN_BATCH_SMALL
-    frag_bytes = sum(n for q, n in layer_bytes.items() if q in DECODE_GEMM_EARLY_TYPES) if frag else 0
-    return DECODE_GEMM_MIN_BATCH_FRAG if 2 * frag_bytes >= sum(layer_bytes.values()) else DECODE_GEMM_MIN_BATCH_TILE
+    total = sum(layer_bytes.values())
+    early = sum(n for q, n in layer_bytes.items() if q in DECODE_GEMM_EARLY_TYPES) if frag else 0
+    fragment = sum(n for q, n in layer_bytes.items() if q in MATMUL2R_TYPES) if frag else 0
+    if 2 * early >= total:
+        return DECODE_GEMM_MIN_BATCH_FRAG
+    return DECODE_GEMM_MIN_BATCH_FRAG_K if 2 * fragment >= total else DECODE_GEMM_MIN_BATCH_TILE
 
 
 def one_column_kernel(ncols: int) -> bool:
@@ -867,7 +879,7 @@ class Kernels:
                     if q in MATMUL2R_TYPES and tm in MATMUL2R_TILE_ROWS:
                         self.k[f"matmul2r_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2r_smem(q, tm, cluster=True))
             if self.matmul_wgmma:
-                for q in MATMUL2R_TYPES:
+                for q in MATMUL2W_TYPES:
                     for tm in MATMUL2W_TILE_ROWS:
                         self.k[f"matmul2w_{q.lower()}_bm{tm}"].allow_dynamic_smem(matmul2w_smem(q, tm))
                     for tm in MATMUL2T_TILE_ROWS:
@@ -1086,7 +1098,7 @@ class Kernels:
         With self.split_k_cluster (sm_90+) a tile's slices run as one thread-block cluster and sum through its
         shared memory instead (the scratch unused; the same bits). A GpuStack gets one launch per part, writing
         its columns of C at the part's offset. The kernels and their tiling: matmul_geometry (self.matmul_mma: the
-        pipelined mma.sync ones, else WMMA; with self.matmul_wgmma, MATMUL2R_TYPES tiles of MATMUL2W_TILE_ROWS whose
+        pipelined mma.sync ones, else WMMA; with self.matmul_wgmma, MATMUL2W_TYPES tiles of MATMUL2W_TILE_ROWS whose
         slices do not sum in a cluster run matmul2w_*, and tiles of MATMUL2T_TILE_ROWS matmul2t_*: the same tiling
         on Hopper's wgmma, matmul2t's slices summing through split_k)."""
         if mode in GATED_MODES:
@@ -1114,9 +1126,10 @@ class Kernels:
                     f"matmul2r_{part.qtype.lower()}_bm{tiling.tm}",
                     matmul2r_smem(part.qtype, tiling.tm, tiling.cluster),
                 )
-                if self.matmul_wgmma and tiling.tm in MATMUL2W_TILE_ROWS and not tiling.cluster:  # ... on wgmma
+                wgmma = self.matmul_wgmma and part.qtype in MATMUL2W_TYPES
+                if wgmma and tiling.tm in MATMUL2W_TILE_ROWS and not tiling.cluster:  # ... on wgmma
                     kernel, smem = f"matmul2w_{part.qtype.lower()}_bm{tiling.tm}", matmul2w_smem(part.qtype, tiling.tm)
-                elif self.matmul_wgmma and tiling.tm in MATMUL2T_TILE_ROWS:  # ... or wgmma with the roles swapped
+                elif wgmma and tiling.tm in MATMUL2T_TILE_ROWS:  # ... or wgmma with the roles swapped
                     kernel, smem = f"matmul2t_{part.qtype.lower()}_bm{tiling.tm}", matmul2t_smem(part.qtype, tiling.tm)
                     cluster = False  # matmul2t has no cluster path: its slices sum through the scratch
                 weights = fragment_args(part)

@@ -26,6 +26,7 @@ from ingot.runtime.gpu.kernels import (
     MATMUL2R_TYPES,
     MATMUL2T_TILE_ROWS,
     MATMUL2W_TILE_ROWS,
+    MATMUL2W_TYPES,
     MATVEC_MMA_MIN_COLS,
     SAMPLE_CHUNK,
     SUPERBLOCK_TYPES,
@@ -521,11 +522,13 @@ def test_fragment_gemm_gives_the_bits_of_the_tile_gemm(gpu, rng, qtype, tm, slic
     matmul2_<type>_bm<tm> (an fp16 tile, one block a step), both launched directly: the same bits, unsplit and in
     split-K slices summed by the last block or in a cluster. K = 37 blocks: slices of 13 and 11 blocks, so stages
     end part-full and each row's scales start at another offset in their 16-byte chunk (Q4_K: 56 blocks, 7 of its
-    super-blocks: slices of 19 and 18, so stages of 2 and of 4 blocks both run into a second header); M and N past a
-    tile, a strided output, MODE_ADD onto a residual with a bias. Both within numpy's 1e-3."""
+    super-blocks: slices of 19 and 18, so stages of 2 and of 4 blocks both run into a second header; Q6_K the same
+    56, so its stages run into a second super-block's d, the second of its 4-byte words too where a stage starts at
+    an odd super-block); M and N past a tile, a strided output, MODE_ADD onto a residual with a bias. Both within
+    numpy's 1e-3."""
     if gpu.dev.info.cc < (90 if cluster else 80):
         pytest.skip("needs compute capability 9.0 (clusters)" if cluster else "matmul2_* needs compute capability 8.0")
-    M, N, K_ = tm + 3, 203, 32 * (56 if qtype == "Q4_K" else 37)
+    M, N, K_ = tm + 3, 203, 32 * (56 if qtype in SUPERBLOCK_TYPES else 37)
     ldc = N + 5
     W, Wref = make_weight(gpu, rng, qtype, N, K_)
     A = gpu.put(rng.standard_normal((M, K_)).astype(np.float16))
@@ -557,7 +560,7 @@ WGMMA_KERNELS = [
 ]
 
 
-@pytest.mark.parametrize("qtype", MATMUL2R_TYPES)
+@pytest.mark.parametrize("qtype", MATMUL2W_TYPES)
 @pytest.mark.parametrize("kernel,tm,smem", WGMMA_KERNELS, ids=[k.format("q") for k, _, _ in WGMMA_KERNELS])
 @pytest.mark.parametrize(
     "M,K_,slices", [(-3, 32 * 37, 1), (-3, 32 * 37, 3), (300, 32 * 5, 1), (1, 32 * 64, 4), (5, 32 * 37, 4)]
@@ -608,11 +611,14 @@ def test_wgmma_gemm_against_the_fragment_gemm_and_numpy(gpu, rng, qtype, kernel,
         ("Q4_0", 20, 4096 + 37, 2048, None, "matmul2t_q4_0_bm32"),
         ("Q4_K", 512, 16384 + 37, 512, 512, "matmul2w_q4_k_bm128"),  # Q4_K: its super-block headers as the scales
         ("Q4_K", 40, 4096 + 37, 2048, None, "matmul2t_q4_k_bm64"),
+        ("Q6_K", 512, 16384 + 37, 512, 512, "matmul2r_q6_k_bm128"),  # Q6_K: matmul2r at every height
+        ("Q6_K", 40, 4096 + 37, 2048, None, "matmul2r_q6_k_bm64"),
     ],
 )
 def test_gemm_runs_on_wgmma_through_the_engine_tiling(gpu, rng, qtype, M, N, K_, slice_rows, kernel):
     """Kernels.matmul at a prefill pass's width and at decode batches (split-K scratch: K slices, summed through
-    it) launches the wgmma kernel of its tiling where the image has wgmma, and its result is numpy's."""
+    it) launches the wgmma kernel of its tiling where the image has wgmma (Q6_K: the fragment kernel, which it keeps
+    there), and its result is numpy's."""
     if not gpu.k.matmul_wgmma:
         pytest.skip("the wgmma kernels need the sm_90a image (a compute capability 9.0 GPU and INGOT_MATMUL=mma)")
     W, Wref = make_weight(gpu, rng, qtype, N, K_)

@@ -142,3 +142,27 @@ extern "C" int host_mm2r_deq(const char* q, const uint8_t* qs, const __half* d, 
             }
     return 0;
 }
+
+// matmul2r's Q6_K fragments (matmul_tiles.cuh deq_q6k_frag), per (row, block, lane column c) as its lanes do: the
+// block's quant words c/2 and 2 + c/2, its high-bit words, its two sub-block scales times the super-block's d; the
+// four registers put back at the weights they hold (as host_mm2r_deq). Arrays as soa-v2 packs them (qs u8[16], qh
+// u32[2], sc i8[2] per block; d f16 per 256); out as host_mm2_deq's.
+extern "C" int host_mm2r_q6k_deq(const uint8_t* qs, const uint32_t* qh, const int8_t* sc, const __half* d, int rows,
+                                 int cols, __half* out) {
+    const int nb = cols / QK;
+    for (int r = 0; r < rows; r++)
+        for (int kb = 0; kb < nb; kb++)
+            for (int c = 0; c < 4; c++) {
+                const long long b = (long long)r * nb + kb;
+                uint32_t w0, w1, frag[4];
+                memcpy(&w0, qs + b * 16 + 4 * (c >> 1), 4);
+                memcpy(&w1, qs + b * 16 + 8 + 4 * (c >> 1), 4);
+                const float dd = __half2float(d[b >> 3]);
+                const float dl0 = __fmul_rn(dd, i2f_exact(sc[2 * b])), dl1 = __fmul_rn(dd, i2f_exact(sc[2 * b + 1]));
+                deq_q6k_frag(w0, w1, qh[2 * b], qh[2 * b + 1], c, dl0, dl1, frag);
+                __half* o = out + (size_t)r * cols + kb * QK;
+                const int at[4] = {2 * c, 2 * c + 8, 16 + 2 * c, 24 + 2 * c};
+                for (int i = 0; i < 4; i++) memcpy(o + at[i], &frag[i], 4);
+            }
+    return 0;
+}
