@@ -780,27 +780,27 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 #undef MM2_RUN
 
 // =====================================================================================================================
-// matmul2r_<type>_bm<TM> (Q4_0, Q4_1, Q4_K: Fq below; compute capability >= 8.0): matmul2's product, tiles, warps,
-// split-K and epilogue (mm2_store), with the weights dequantized straight into the B fragments' registers instead of
-// an fp16 tile in shared memory, and KB quantization blocks a stage instead of one. Why (cuda/PERF.md v17, ncu on the
-// 8B's gate+up at 16 rows): matmul2's L1/shared pipe was 81% busy for 13% of DRAM bandwidth. A stage of one block
-// copies 16 quant bytes and one 2-byte scale per row, rows 2 KB apart: every copy touches its own sector for a part
-// of it (the cp.async wavefronts 8-32x the ideal), and the fp16 tile costs a store and an ldmatrix per weight on top.
-// Here a stage holds KB = 4 blocks (TM <= 32) or 2: 64 or 32 contiguous quant bytes a row, and the scales as the
+// matmul2r_<type>_bm<TM> (Q4_0, Q4_1, Q4_K, Q6_K: Fq below; compute capability >= 8.0): matmul2's product, tiles,
+// warps, split-K and epilogue (mm2_store), with the weights dequantized straight into the B fragments' registers
+// instead of an fp16 tile in shared memory, and KB quantization blocks a stage instead of one. Why (cuda/PERF.md v17,
+// ncu on the 8B's gate+up at 16 rows): matmul2's L1/shared pipe was 81% busy for 13% of DRAM bandwidth. A stage of one
+// block copies 16 quant bytes and one 2-byte scale per row, rows 2 KB apart: every copy touches its own sector for a
+// part of it (the cp.async wavefronts 8-32x the ideal), and the fp16 tile costs a store and an ldmatrix per weight on
+// top. Here a stage holds KB = 4 blocks (TM <= 32) or 2: 64 or 32 contiguous quant bytes a row, and the scales as the
 // aligned 16-byte chunk(s) of d (and m) that hold the stage's blocks of the row; one barrier a stage.
 //
-// Stage layout (Mm2rShape), MATMUL2R_STAGES stages: quant bytes [128][QROW] (QROW = 16*KB, + 16 when KB is even:
-// an odd number of 16-byte units, so the 8 rows a warp's lanes read at once fall in distinct banks); scale chunks
-// [128][32 bytes] of d, then of m (Q4_1); the A tile [TM][32*KB + 8] fp16 (rows 16*odd bytes apart: ldmatrix
-// conflict-free). Block j of a stage of row n is element o + j of its scale window, o = the stage's first block's
-// element offset in its 16-byte chunk (the second chunk is copied only when the blocks run into it). The lanes take
-// o from d's address, for m's windows too: Kernels.matmul (kernels.py matmul2r_serves) launches Q4_1 here only when
-// m lies at d's offset within 16 bytes (separate pool allocations always do), and only for 32-bit offsets.
-// Fragments: lane (g, c) of the warp owning n8 tile nt dequantizes weight row wn*NT*8 + nt*8 + g: two 4-byte words
-// of the block's quant bytes -> chunk 0's and chunk 1's b0, b1 (deq_frag_at: matmul_tiles.cuh deq_q4_frag or
-// deq_q4k_frag), then the MT m16 tiles' mma for both chunks. Each accumulator takes the same mma in the same order as
-// in matmul2 (block by block, chunk 0 then 1) from the same fp16 values: the two kernels give the same bits
-// (tests/gpu test_gpu_kernels.py).
+// Stage layout (Mm2rShape), MATMUL2R_STAGES stages: quant bytes [128][QROW] (QROW = 16*KB, + 16 when KB is even: an odd
+// number of 16-byte units, so the 8 rows a warp's lanes read at once fall in distinct banks); scale chunks
+// [128][32 bytes] of d, then of m (Q4_1; Q6_K: its d words [128][8] and high bits [128][HROW], below); the A tile
+// [TM][32*KB + 8] fp16 (rows 16*odd bytes apart: ldmatrix conflict-free). Block j of a stage of row n is element o + j
+// of its scale window, o = the stage's first block's element offset in its 16-byte chunk (the second chunk is copied
+// only when the blocks run into it). The lanes take o from d's address, for m's windows too: Kernels.matmul (kernels.py
+// matmul2r_serves) launches Q4_1 here only when m lies at d's offset within 16 bytes (separate pool allocations always
+// do), and only for 32-bit offsets. Fragments: lane (g, c) of the warp owning n8 tile nt dequantizes weight row
+// wn*NT*8 + nt*8 + g: two 4-byte words of the block's quant bytes -> chunk 0's and chunk 1's b0, b1 (deq_frag_at:
+// matmul_tiles.cuh deq_q4_frag or deq_q4k_frag; Q6_K deq_q6k_frag with its high-bit words), then the MT m16 tiles' mma
+// for both chunks. Each accumulator takes the same mma in the same order as in matmul2 (block by block, chunk 0 then 1)
+// from the same fp16 values: the two kernels give the same bits (tests/gpu test_gpu_kernels.py).
 // A slice's last stage may hold fewer than KB blocks: the missing ones are neither copied nor multiplied.
 // Warps 1 x 8 at every height (Mm2Warps<TM, 1>): a warp owns all TM rows x 16 columns (MT = TM/16 m16 tiles, NT = 2
 // n8 tiles), so each weight fragment is dequantized by one warp, once a block. matmul2's 2 x 4 and 4 x 2 would
