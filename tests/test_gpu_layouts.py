@@ -715,8 +715,9 @@ def test_wgmma_gemm_shared_memory_fits_its_blocks_an_sm(qtype):
 
 
 def test_q6_k_keeps_the_fragment_kernel_where_the_image_has_wgmma():
-    """Q6_K has no wgmma kernel (measured no faster on it, cuda/PERF.md v25): with an sm_90a image its tiles of every
-    height run matmul2r_q6_k_bm<tm> with (qs, qh, sc, d), clustered or not; INGOT_MATMUL=mma-tile keeps matmul2."""
+    """Q6_K has no wgmma kernel (a wgmma tile of it was slower than matmul2r_q6_k, cuda/PERF.md v25-v26): with an
+    sm_90a image its tiles of every height run matmul2r_q6_k_bm<tm> with (qs, qh, sc, d), clustered or not;
+    INGOT_MATMUL=mma-tile keeps matmul2."""
     W = _matrix("Q6_K", 4096, 14336)
     k = _kernels(mma=True, cluster=True)
     k.matmul_wgmma = True

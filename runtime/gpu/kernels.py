@@ -110,9 +110,10 @@ MATMUL2R_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
 # us) and served 16-64 rows only.
 MATMUL2R_TILE_ROWS = (16, 32, 64, 128)
 MATMUL2_PREFILL_MIN_ROWS = 32
-# Where the loaded image is sm_90a (Kernels.matmul_wgmma), MATMUL2W_TYPES (the 4-bit ones: Q6_K on wgmma measured
-# no faster in a prefill pass, cuda/PERF.md v25, and keeps matmul2r) in tiles of these heights run matmul2w_* (wgmma
-# on a dequantized fp16 weight tile: two warpgroups of m64 along M) when their slices do not sum in a cluster ...
+# Where the loaded image is sm_90a (Kernels.matmul_wgmma), MATMUL2W_TYPES (the 4-bit ones; Q6_K keeps matmul2r: a
+# wgmma tile of it took 193.9 us a launch of the 8B's prefill, matmul2r_q6_k 174.7, cuda/PERF.md v25-v26) in tiles
+# of these heights run matmul2w_* (wgmma on a dequantized fp16 weight tile: two warpgroups of m64 along M) when
+# their slices do not sum in a cluster ...
 MATMUL2W_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 MATMUL2W_TILE_ROWS = (128,)
 # ... and in tiles of these, matmul2t_* (wgmma with the weights dequantized into its register operand and the
