@@ -806,12 +806,13 @@ FOR_EACH_MATMUL2_TYPE(MATMUL2_KERNELS)
 // n8 tiles), so each weight fragment is dequantized by one warp, once a block. matmul2's 2 x 4 and 4 x 2 would
 // dequantize every fragment in 2 or 4 warps: ALU that matmul2 shares through its fp16 tile and this kernel cannot.
 // The price is A: each warp loads all MT A fragments (ldmatrix, conflict-free). At TM 128 a thread holds 64
-// accumulators + 32 A + 8 B registers: 128 registers at 2 blocks per SM, no spill (ptxas -v). cuda/PERF.md v18.
+// accumulators + 32 A + 8 B registers: 128 registers at 2 blocks per SM (ptxas -v at sm_90a, nvcc 13.0: Q4_0's
+// bm128 spills 8 bytes and Q6_K's bm64 4 at their bounds, the rest none; sm_80 spills up to 32). cuda/PERF.md v18.
 // =====================================================================================================================
 #define MM2R_STAGES MATMUL2R_STAGES
 
 // The types of the fragment kernels (matmul2r, matmul2w, matmul2t) and where a block's scale comes from. The kernels
-// take (qs, d, m) as kernels.py fragment_args gives them:
+// take (qs, d, m) as kernels.py fragment_args gives them (matmul2r_q6_k: matmul2_q6_k's qs, qh, sc, d, below):
 //   Q4_0  d: fp16 per block                                           w = d*(q - 8)
 //   Q4_1  d, m: fp16 per block                                        w = d*q + m
 //   Q4_K  d: the super-block headers (16 bytes per 8 blocks: f16 d, dmin, 6-bit scales and mins; weights.cuh),

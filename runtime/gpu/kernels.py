@@ -292,7 +292,8 @@ def matmul2r_serves(part: GpuMatrix, tiling: GemmTiling, M: int) -> bool:
     heights, with what its addressing assumes: 32-bit offsets (a part's quant bytes and the pass's A under 4 GiB),
     and for Q4_1 m at d's offset within 16 bytes (it reads m's scale windows at d's offsets; separate pool
     allocations, 256-byte aligned, always are). Q4_K's headers are read as 16-byte chunks, here as by every Q4_K
-    kernel (weights.cuh Q4_KW): the pool's alignment. Q6_K's arrays need no more than their element sizes."""
+    kernel (weights.cuh Q4_KW): the pool's alignment. Q6_K's d is read as the aligned 4-byte words holding its
+    elements (up to 2 bytes past either end, within the pool's 256-byte rounding)."""
     if part.qtype not in MATMUL2R_TYPES or tiling.tm not in MATMUL2R_TILE_ROWS:
         return False
     if part.rows * part.cols // 2 >= 1 << 32 or M * part.cols >= 1 << 32:
