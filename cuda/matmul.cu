@@ -908,10 +908,10 @@ __host__ __device__ constexpr int mm2r_stage_bytes() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 template <int TM, Fq Q>
 __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const __half* __restrict__ d,
-                                         const __half* __restrict__ mn, const __half* __restrict__ A,
-                                         const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K,
-                                         int ldc, int mode, float* __restrict__ ws, int* __restrict__ counters,
-                                         const uint2* __restrict__ qh = nullptr) {
+                                         const __half* __restrict__ mn, const uint2* __restrict__ qh,
+                                         const __half* __restrict__ A, const float* __restrict__ bias,
+                                         float* __restrict__ C, int M, int N, int K, int ldc, int mode,
+                                         float* __restrict__ ws, int* __restrict__ counters) {
     using Warps = Mm2Warps<TM, 1>;
     constexpr int WM = Warps::WM, WN = Warps::WN, MT = Warps::MT, NT = Warps::NT;
     static_assert(WM == 1 && NT == 2, "the fragment loop below: one warp per 16 columns");
@@ -1065,93 +1065,64 @@ __device__ __forceinline__ void matmul2r(const uint8_t* __restrict__ qs, const _
     INGOT_PDL_TRIGGER();
     mm2_store<TM, WM>(acc, bias, C, M, N, ldc, mode, ws, counters);
 }
-#define MM2R_RUN(TM, Q) matmul2r<TM, Q>(qs, d, m, A, bias, C, M, N, K, ldc, mode, ws, counters)
+#define MM2R_RUN(TM, Q, ...) matmul2r<TM, Q>(__VA_ARGS__, A, bias, C, M, N, K, ldc, mode, ws, counters)
 #else
-#define MM2R_RUN(TM, Q)   // sm_75: never launched
+#define MM2R_RUN(TM, Q, ...)   // sm_75: never launched
 #endif
 
 // Each: grid, threads and epilogue arguments as matmul2_<type>_bm<TM>; Kernels.matmul2r_smem(type, TM) bytes of
-// dynamic shared memory (MATMUL2R_STAGES stages of mm2r_stage_bytes). (qs, d, m) as fragment_args gives them: Q4_0
-// and Q4_K pass m = nullptr, Q4_K its headers as d. __launch_bounds__ as matmul2's. Tile heights 16, 32, 64, 128
-// (kernels.py MATMUL2R_TILE_ROWS). X(name, type).
-#define FOR_EACH_MATMUL2R_TYPE(X) \
-    X(q4_0, Fq::Q4_0)             \
-    X(q4_1, Fq::Q4_1)             \
-    X(q4_k, Fq::Q4_K)
+// dynamic shared memory (MATMUL2R_STAGES stages of mm2r_stage_bytes). Tile heights 16, 32, 64, 128 (kernels.py
+// MATMUL2R_TILE_ROWS). The weight arguments as fragment_args gives them: the 4-bit types (qs, d, m), Q4_0 and Q4_K
+// with m = nullptr and Q4_K its headers as d; Q6_K matmul2_q6_k's (qs, qh, sc, d), its sub-block scales (a char2 a
+// block) taking d's windows, the super-blocks' d (an f16 per 256 weights) two 4-byte words a row (Mm2rShape::DROW),
+// the high bits (8 bytes a block) a region of their own (HROW). X(name, type, weight parameters, matmul2r's weight
+// arguments: qs, d's windows, the second windows' array, qh).
+#define MM2R_Q4_PARAMS const uint8_t* qs, const __half* d, const __half* m
+#define MM2R_Q4_ARGS qs, d, m, nullptr
+#define MM2R_Q6_K_PARAMS const uint8_t* qs, const uint2* qh, const char2* sc, const __half* d
+#define MM2R_Q6_K_ARGS qs, reinterpret_cast<const __half*>(sc), d, qh
+#define FOR_EACH_FRAGMENT_Q4_TYPE(X)                \
+    X(q4_0, Fq::Q4_0, MM2R_Q4_PARAMS, MM2R_Q4_ARGS) \
+    X(q4_1, Fq::Q4_1, MM2R_Q4_PARAMS, MM2R_Q4_ARGS) \
+    X(q4_k, Fq::Q4_K, MM2R_Q4_PARAMS, MM2R_Q4_ARGS)
 
-#define MATMUL2R_KERNELS(NAME, Q)                                                                              \
-    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
-    matmul2r_##NAME##_bm128(const uint8_t* qs, const __half* d, const __half* m, const __half* A,               \
-                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
-                            int* counters) {                                                                     \
-        INGOT_PDL_WAIT();                                                                                        \
-        MM2R_RUN(128, Q);                                                                                        \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
-    matmul2r_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
-                           const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
-                           int* counters) {                                                                      \
-        INGOT_PDL_WAIT();                                                                                        \
-        MM2R_RUN(64, Q);                                                                                         \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                 \
-    matmul2r_##NAME##_bm32(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
-                           const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
-                           int* counters) {                                                                      \
-        INGOT_PDL_WAIT();                                                                                        \
-        MM2R_RUN(32, Q);                                                                                         \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MM2_THREADS, 4)                                                 \
-    matmul2r_##NAME##_bm16(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
-                           const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,       \
-                           int* counters) {                                                                      \
-        INGOT_PDL_WAIT();                                                                                        \
-        MM2R_RUN(16, Q);                                                                                         \
+#define FOR_EACH_MATMUL2R_TYPE(X) \
+    FOR_EACH_FRAGMENT_Q4_TYPE(X)  \
+    X(q6_k, Fq::Q6_K, MM2R_Q6_K_PARAMS, MM2R_Q6_K_ARGS)
+
+// Blocks an SM each asks for (__launch_bounds__; the 4-bit types' as matmul2's). Q6_K's stages take 69-96 KiB (at
+// most Q4_1's bm128, under sm_86/89/120's 99): a Hopper SM fits three at 16 and 64 rows, two at 32 and 128.
+template <Fq Q, int TM>
+constexpr int MM2R_BLOCKS = Q == Fq::Q6_K ? (TM == 16 || TM == 64 ? 3 : 2) : TM == 128 ? 2 : TM == 16 ? 4 : 3;
+
+#define MATMUL2R_KERNELS(NAME, Q, PARAMS, WARGS)                                                                \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, MM2R_BLOCKS<Q, 128>)                              \
+    matmul2r_##NAME##_bm128(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc, \
+                            int mode, float* ws, int* counters) {                                               \
+        INGOT_PDL_WAIT();                                                                                       \
+        MM2R_RUN(128, Q, WARGS);                                                                                \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, MM2R_BLOCKS<Q, 64>)                               \
+    matmul2r_##NAME##_bm64(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,  \
+                           int mode, float* ws, int* counters) {                                                \
+        INGOT_PDL_WAIT();                                                                                       \
+        MM2R_RUN(64, Q, WARGS);                                                                                 \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, MM2R_BLOCKS<Q, 32>)                               \
+    matmul2r_##NAME##_bm32(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,  \
+                           int mode, float* ws, int* counters) {                                                \
+        INGOT_PDL_WAIT();                                                                                       \
+        MM2R_RUN(32, Q, WARGS);                                                                                 \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MM2_THREADS, MM2R_BLOCKS<Q, 16>)                               \
+    matmul2r_##NAME##_bm16(PARAMS, const __half* A, const float* bias, float* C, int M, int N, int K, int ldc,  \
+                           int mode, float* ws, int* counters) {                                                \
+        INGOT_PDL_WAIT();                                                                                       \
+        MM2R_RUN(16, Q, WARGS);                                                                                 \
     }
 FOR_EACH_MATMUL2R_TYPE(MATMUL2R_KERNELS)
 #undef MATMUL2R_KERNELS
 #undef MM2R_RUN
-
-// matmul2r_q6_k_bm<TM>: arguments as matmul2_q6_k_bm<TM> (qs, qh, sc, d: its soa-v2 arrays), the rest as
-// matmul2r_<type>_bm<TM>. The sub-block scales (a char2 a block) take d's windows, the super-blocks' d (an f16 per
-// 256 weights) two 4-byte words a row (Mm2rShape::DROW), the high bits (8 bytes a block) a region of their own
-// (HROW). Its stages take 69-96 KiB (kernels.py matmul2r_smem; at most Q4_1's bm128, under sm_86/89/120's 99): three
-// blocks an SM fit a Hopper SM at 16 and 64 rows, two at 32 and 128, and each asks for as many.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define MM2R_Q6_K_RUN(TM) \
-    matmul2r<TM, Fq::Q6_K>(qs, reinterpret_cast<const __half*>(sc), d, A, bias, C, M, N, K, ldc, mode, ws, counters, \
-                           qh)
-#else
-#define MM2R_Q6_K_RUN(TM)   // sm_75: never launched
-#endif
-extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)
-matmul2r_q6_k_bm128(const uint8_t* qs, const uint2* qh, const char2* sc, const __half* d, const __half* A,
-                    const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
-    INGOT_PDL_WAIT();
-    MM2R_Q6_K_RUN(128);
-}
-
-extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)
-matmul2r_q6_k_bm64(const uint8_t* qs, const uint2* qh, const char2* sc, const __half* d, const __half* A,
-                   const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
-    INGOT_PDL_WAIT();
-    MM2R_Q6_K_RUN(64);
-}
-
-extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)
-matmul2r_q6_k_bm32(const uint8_t* qs, const uint2* qh, const char2* sc, const __half* d, const __half* A,
-                   const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
-    INGOT_PDL_WAIT();
-    MM2R_Q6_K_RUN(32);
-}
-
-extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)
-matmul2r_q6_k_bm16(const uint8_t* qs, const uint2* qh, const char2* sc, const __half* d, const __half* A,
-                   const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws, int* counters) {
-    INGOT_PDL_WAIT();
-    MM2R_Q6_K_RUN(16);
-}
-#undef MM2R_Q6_K_RUN
 
 // =====================================================================================================================
 // matmul2w_<type>_bm128 (Q4_0, Q4_1, Q4_K; sm_90a only: Hopper's warpgroup MMA): matmul2r's product,
@@ -1305,7 +1276,7 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
 
 // Each: grid (ceil(M/TM), ceil(N/128), split-K slices), MM2_THREADS threads, Kernels.matmul2w_smem(type, TM) bytes
 // of dynamic shared memory (Mm2wShape::SMEM); arguments as matmul2r_<type>_bm<TM> (fragment_args).
-#define MATMUL2W_KERNELS(NAME, Q)                                                                              \
+#define MATMUL2W_KERNELS(NAME, Q, ...)                                                                            \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 2)                                                 \
     matmul2w_##NAME##_bm128(const uint8_t* qs, const __half* d, const __half* m, const __half* A,               \
                             const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
@@ -1313,7 +1284,7 @@ __device__ __forceinline__ void matmul2w(const uint8_t* __restrict__ qs, const _
         INGOT_PDL_WAIT();                                                                                        \
         MM2W_RUN(128, Q);                                                                                        \
     }
-FOR_EACH_MATMUL2R_TYPE(MATMUL2W_KERNELS)
+FOR_EACH_FRAGMENT_Q4_TYPE(MATMUL2W_KERNELS)
 #undef MATMUL2W_KERNELS
 #undef MM2W_RUN
 
@@ -1509,7 +1480,7 @@ __device__ __forceinline__ void matmul2t(const uint8_t* __restrict__ qs, const _
 // tile spills 12 bytes at three (kept: measured in cuda/PERF.md v25 as it is).
 template <Fq Q>
 constexpr int MM2T_BLOCKS_BM32 = Q == Fq::Q4_K ? 2 : 3;
-#define MATMUL2T_KERNELS(NAME, Q)                                                                             \
+#define MATMUL2T_KERNELS(NAME, Q, ...)                                                                            \
     extern "C" __global__ void __launch_bounds__(MM2_THREADS, 3)                                                \
     matmul2t_##NAME##_bm64(const uint8_t* qs, const __half* d, const __half* m, const __half* A,                \
                            const float* bias, float* C, int M, int N, int K, int ldc, int mode, float* ws,      \
@@ -1524,6 +1495,6 @@ constexpr int MM2T_BLOCKS_BM32 = Q == Fq::Q4_K ? 2 : 3;
         INGOT_PDL_WAIT();                                                                                       \
         MM2T_RUN(32, Q);                                                                                        \
     }
-FOR_EACH_MATMUL2R_TYPE(MATMUL2T_KERNELS)
+FOR_EACH_FRAGMENT_Q4_TYPE(MATMUL2T_KERNELS)
 #undef MATMUL2T_KERNELS
 #undef MM2T_RUN
