@@ -527,6 +527,29 @@ def test_fragment_gemm_emulation_gives_the_bits_of_the_tile_gemm(qtype, M, N, nb
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
+def _k_quant_frag_gives_the_tile_bits(qtype, raw, M, N, nb, slices, rng, dbase=0, **frag):
+    """emulate_frag on a K-quant's packed arrays (qs, and frag: Q4_K's headers= or Q6_K's q6=) and emulate (matmul2,
+    from gguf's dequantization of raw rounded to fp16), MODE_ADD onto a residual with a bias: the same bits, each
+    output written once, and numpy's product."""
+    K = nb * QK
+    tm = next(t for t in MATMUL2_TILE_ROWS if t >= M)
+    qs = np.ascontiguousarray(soa.pack(qtype, raw, N, K)["qs"]).view(np.uint8).reshape(N, nb, 16)
+    with np.errstate(over="ignore"):
+        Wh = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(N, K).astype(np.float16)
+    A = rng.standard_normal((M, K)).astype(np.float16)
+    bias = rng.standard_normal(N).astype(np.float32)
+    ldc = N + 3
+    resid = rng.standard_normal(M * ldc).astype(np.float32)
+    frag_out, tile = resid.copy(), resid.copy()
+    writes = emulate_frag(A, qs, None, None, dbase, bias, frag_out, M, N, K, ldc, MODE_ADD, tm, slices, rng, **frag)
+    emulate(A, Wh, bias, tile, M, N, K, ldc, MODE_ADD, tm, slices, False, True, rng)
+    assert np.array_equal(frag_out.view(np.uint32), tile.view(np.uint32))
+    assert (writes.reshape(M, ldc)[:, :N] == 1).all() and not writes.reshape(M, ldc)[:, N:].any()
+    want = A.astype(np.float64) @ Wh.astype(np.float64).T + bias + resid.reshape(M, ldc)[:, :N]
+    got = frag_out.reshape(M, ldc)[:, :N]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
 @pytest.mark.parametrize(
     "M,N,nb,slices",
     [
@@ -538,30 +561,12 @@ def test_fragment_gemm_emulation_gives_the_bits_of_the_tile_gemm(qtype, M, N, nb
 )
 def test_fragment_gemm_emulation_reads_q4_k_headers_as_scale_windows(M, N, nb, slices):
     """matmul2r on Q4_K (emulate_frag with the super-block headers passed as d: one 16-byte header per 8 blocks, as a
-    chunk of fp16 scales) and matmul2 (emulate, from gguf's dequantization rounded to fp16) give the same bits, and
-    numpy's product: slices that start mid-super-block, so a stage's window runs into the next header at both stage
-    sizes."""
+    chunk of fp16 scales) and matmul2 give the same bits, and numpy's product: slices that start mid-super-block, so a
+    stage's window runs into the next header at both stage sizes."""
     rng = np.random.default_rng(M * 1000 + N + nb)
-    K = nb * QK
-    tm = next(t for t in MATMUL2_TILE_ROWS if t >= M)
-    raw = soa.random_blocks(rng, "Q4_K", N, K)
-    arrays = soa.pack("Q4_K", raw, N, K)
-    qs = np.ascontiguousarray(arrays["qs"]).view(np.uint8).reshape(N, nb, 16)
-    headers = np.ascontiguousarray(arrays["sc"]).view(np.uint8).reshape(N, nb // 8, 16)
-    with np.errstate(over="ignore"):
-        Wh = gguf_dequantize(raw, GGMLQuantizationType.Q4_K).reshape(N, K).astype(np.float16)
-    A = rng.standard_normal((M, K)).astype(np.float16)
-    bias = rng.standard_normal(N).astype(np.float32)
-    ldc = N + 3
-    resid = rng.standard_normal(M * ldc).astype(np.float32)
-    frag, tile = resid.copy(), resid.copy()
-    writes = emulate_frag(A, qs, None, None, 0, bias, frag, M, N, K, ldc, MODE_ADD, tm, slices, rng, headers=headers)
-    emulate(A, Wh, bias, tile, M, N, K, ldc, MODE_ADD, tm, slices, False, True, rng)
-    assert np.array_equal(frag.view(np.uint32), tile.view(np.uint32))
-    assert (writes.reshape(M, ldc)[:, :N] == 1).all() and not writes.reshape(M, ldc)[:, N:].any()
-    want = A.astype(np.float64) @ Wh.astype(np.float64).T + bias + resid.reshape(M, ldc)[:, :N]
-    got = frag.reshape(M, ldc)[:, :N]
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    raw = soa.random_blocks(rng, "Q4_K", N, nb * QK)
+    headers = np.ascontiguousarray(soa.pack("Q4_K", raw, N, nb * QK)["sc"]).view(np.uint8).reshape(N, nb // 8, 16)
+    _k_quant_frag_gives_the_tile_bits("Q4_K", raw, M, N, nb, slices, rng, headers=headers)
 
 
 @pytest.mark.parametrize(
@@ -576,30 +581,12 @@ def test_fragment_gemm_emulation_reads_q4_k_headers_as_scale_windows(M, N, nb, s
 )
 def test_fragment_gemm_emulation_reads_q6_k_from_its_four_arrays(M, N, nb, slices, dbase, ddbase):
     """matmul2r on Q6_K (emulate_frag with its sub-block scales as d's windows, the super-blocks' d as two 4-byte words
-    a row and the high bits in their own region) and matmul2 (emulate, from gguf's dequantization rounded to fp16)
-    give the same bits, and numpy's product: slices that start mid-super-block, scales and d at other offsets in
-    their chunks and words."""
+    a row and the high bits in their own region) and matmul2 give the same bits, and numpy's product: slices that
+    start mid-super-block, scales and d at other offsets in their chunks and words."""
     rng = np.random.default_rng(M * 1000 + N + nb + 7)
-    K = nb * QK
-    tm = next(t for t in MATMUL2_TILE_ROWS if t >= M)
-    raw = soa.random_blocks(rng, "Q6_K", N, K)
-    arrays = soa.pack("Q6_K", raw, N, K)
-    qs = np.ascontiguousarray(arrays["qs"]).view(np.uint8).reshape(N, nb, 16)
-    qh = np.ascontiguousarray(arrays["qh"]).view(np.uint8).reshape(N, nb, 8)
-    sc = np.ascontiguousarray(arrays["sc"]).view(np.int8).reshape(N, nb, 2)
-    dsb = np.ascontiguousarray(arrays["d"]).view(np.float16).reshape(N, nb // 8)
-    with np.errstate(over="ignore"):
-        Wh = gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(N, K).astype(np.float16)
-    A = rng.standard_normal((M, K)).astype(np.float16)
-    bias = rng.standard_normal(N).astype(np.float32)
-    ldc = N + 3
-    resid = rng.standard_normal(M * ldc).astype(np.float32)
-    frag, tile = resid.copy(), resid.copy()
-    q6 = (qh, sc, dsb, ddbase)
-    writes = emulate_frag(A, qs, None, None, dbase, bias, frag, M, N, K, ldc, MODE_ADD, tm, slices, rng, q6=q6)
-    emulate(A, Wh, bias, tile, M, N, K, ldc, MODE_ADD, tm, slices, False, True, rng)
-    assert np.array_equal(frag.view(np.uint32), tile.view(np.uint32))
-    assert (writes.reshape(M, ldc)[:, :N] == 1).all() and not writes.reshape(M, ldc)[:, N:].any()
-    want = A.astype(np.float64) @ Wh.astype(np.float64).T + bias + resid.reshape(M, ldc)[:, :N]
-    got = frag.reshape(M, ldc)[:, :N]
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    raw = soa.random_blocks(rng, "Q6_K", N, nb * QK)
+    arrays = {f: np.ascontiguousarray(a) for f, a in soa.pack("Q6_K", raw, N, nb * QK).items()}
+    qh = arrays["qh"].view(np.uint8).reshape(N, nb, 8)
+    sc = arrays["sc"].view(np.int8).reshape(N, nb, 2)
+    dsb = arrays["d"].view(np.float16).reshape(N, nb // 8)
+    _k_quant_frag_gives_the_tile_bits("Q6_K", raw, M, N, nb, slices, rng, dbase, q6=(qh, sc, dsb, ddbase))

@@ -113,56 +113,54 @@ extern "C" int host_mm2_deq(const char* q, const uint8_t* qs, const __half* d, c
     return 0;
 }
 
-// matmul2r's dequantization into mma B fragments (matmul_tiles.cuh deq_q4_frag), per (row, block, lane column c)
-// as its lanes do: the block's words c/2 and 2 + c/2, the row's d (and m) of the block; the four registers put
-// back at the weights they hold (b0: 2c, 2c+1; b1: 2c+8, 2c+9; chunk 1 the same + 16). Arguments as host_mm2_deq
-// (q4_k: deq_q4k_frag, the block's scale and min from its super-block header in d).
+// matmul2r's lanes over a weight matrix: per (row r, block b, lane column c) the block's quant words c/2 and
+// 2 + c/2 go to frag(b, c, w0, w1, regs), whose four registers are put back at the weights they hold (b0: 2c, 2c+1;
+// b1: 2c+8, 2c+9; chunk 1 the same + 16).
+template <typename Frag>
+static void fragment_weights(const uint8_t* qs, int rows, int cols, __half* out, Frag frag) {
+    const int nb = cols / QK;
+    for (int r = 0; r < rows; r++)
+        for (int kb = 0; kb < nb; kb++)
+            for (int c = 0; c < 4; c++) {
+                const long long b = (long long)r * nb + kb;
+                uint32_t w0, w1, regs[4];
+                memcpy(&w0, qs + b * 16 + 4 * (c >> 1), 4);
+                memcpy(&w1, qs + b * 16 + 8 + 4 * (c >> 1), 4);
+                frag(b, c, w0, w1, regs);
+                __half* o = out + (size_t)r * cols + kb * QK;
+                const int at[4] = {2 * c, 2 * c + 8, 16 + 2 * c, 24 + 2 * c};
+                for (int i = 0; i < 4; i++) memcpy(o + at[i], &regs[i], 4);
+            }
+}
+
+// matmul2r's dequantization into mma B fragments (matmul_tiles.cuh deq_q4_frag), as its lanes do
+// (fragment_weights): the row's d (and m) of the block. Arguments as host_mm2_deq (q4_k: deq_q4k_frag, the block's
+// scale and min from its super-block header in d).
 extern "C" int host_mm2r_deq(const char* q, const uint8_t* qs, const __half* d, const __half* m, int rows, int cols,
                              __half* out) {
     const std::string t(q);
     if (t != "q4_0" && t != "q4_1" && t != "q4_k") return 1;
-    const int nb = cols / QK;
-    for (int r = 0; r < rows; r++)
-        for (int kb = 0; kb < nb; kb++)
-            for (int c = 0; c < 4; c++) {
-                const long long b = (long long)r * nb + kb;
-                uint32_t w0, w1, frag[4];
-                memcpy(&w0, qs + b * 16 + 4 * (c >> 1), 4);
-                memcpy(&w1, qs + b * 16 + 8 + 4 * (c >> 1), 4);
-                if (t == "q4_k") {
-                    const KHeader k = k_header(reinterpret_cast<const uint4*>(d)[b >> 3], (int)(b & 7));
-                    deq_q4k_frag(w0, w1, c, k.dl, -k.ml, frag);
-                } else if (t == "q4_1")
-                    deq_q4_frag<true>(w0, w1, c, d[b], m[b], frag);
-                else
-                    deq_q4_frag<false>(w0, w1, c, d[b], d[b], frag);
-                __half* o = out + (size_t)r * cols + kb * QK;
-                const int at[4] = {2 * c, 2 * c + 8, 16 + 2 * c, 24 + 2 * c};
-                for (int i = 0; i < 4; i++) memcpy(o + at[i], &frag[i], 4);
-            }
+    fragment_weights(qs, rows, cols, out, [&](long long b, int c, uint32_t w0, uint32_t w1, uint32_t (&regs)[4]) {
+        if (t == "q4_k") {
+            const KHeader k = k_header(reinterpret_cast<const uint4*>(d)[b >> 3], (int)(b & 7));
+            deq_q4k_frag(w0, w1, c, k.dl, -k.ml, regs);
+        } else if (t == "q4_1")
+            deq_q4_frag<true>(w0, w1, c, d[b], m[b], regs);
+        else
+            deq_q4_frag<false>(w0, w1, c, d[b], d[b], regs);
+    });
     return 0;
 }
 
-// matmul2r's Q6_K fragments (matmul_tiles.cuh deq_q6k_frag), per (row, block, lane column c) as its lanes do: the
-// block's quant words c/2 and 2 + c/2, its high-bit words, its two sub-block scales times the super-block's d; the
-// four registers put back at the weights they hold (as host_mm2r_deq). Arrays as soa-v2 packs them (qs u8[16], qh
+// matmul2r's Q6_K fragments (matmul_tiles.cuh deq_q6k_frag), as its lanes do (fragment_weights): the block's
+// high-bit words, its two sub-block scales times the super-block's d. Arrays as soa-v2 packs them (qs u8[16], qh
 // u32[2], sc i8[2] per block; d f16 per 256); out as host_mm2_deq's.
 extern "C" int host_mm2r_q6k_deq(const uint8_t* qs, const uint32_t* qh, const int8_t* sc, const __half* d, int rows,
                                  int cols, __half* out) {
-    const int nb = cols / QK;
-    for (int r = 0; r < rows; r++)
-        for (int kb = 0; kb < nb; kb++)
-            for (int c = 0; c < 4; c++) {
-                const long long b = (long long)r * nb + kb;
-                uint32_t w0, w1, frag[4];
-                memcpy(&w0, qs + b * 16 + 4 * (c >> 1), 4);
-                memcpy(&w1, qs + b * 16 + 8 + 4 * (c >> 1), 4);
-                const float dd = __half2float(d[b >> 3]);
-                const float dl0 = __fmul_rn(dd, i2f_exact(sc[2 * b])), dl1 = __fmul_rn(dd, i2f_exact(sc[2 * b + 1]));
-                deq_q6k_frag(w0, w1, qh[2 * b], qh[2 * b + 1], c, dl0, dl1, frag);
-                __half* o = out + (size_t)r * cols + kb * QK;
-                const int at[4] = {2 * c, 2 * c + 8, 16 + 2 * c, 24 + 2 * c};
-                for (int i = 0; i < 4; i++) memcpy(o + at[i], &frag[i], 4);
-            }
+    fragment_weights(qs, rows, cols, out, [&](long long b, int c, uint32_t w0, uint32_t w1, uint32_t (&regs)[4]) {
+        const float dd = __half2float(d[b >> 3]);
+        const float dl0 = __fmul_rn(dd, i2f_exact(sc[2 * b])), dl1 = __fmul_rn(dd, i2f_exact(sc[2 * b + 1]));
+        deq_q6k_frag(w0, w1, qh[2 * b], qh[2 * b + 1], c, dl0, dl1, regs);
+    });
     return 0;
 }
