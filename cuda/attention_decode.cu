@@ -21,10 +21,21 @@
 //           tile's softmax update with warp reductions (running max m, sum l in shared memory);
 //   P.V:    thread t owns the dim pair 2*(t % (hd/2)) of every query head, over the keys j = t / (hd/2) mod
 //           256/hd (1, 2 or 4 key groups, summed once at the end).
+// That is the FMA page (hd 256, and sm_75). hd 64 / 128 from sm_80 take the tensor-core page instead (DECODE_MMA,
+// PERF.md v28: a page ~2x cheaper, the 8B's launch at 4,096 keys 15.9 -> 12.3 us on an H100): both products on
+// mma.sync m16n8k16 with the G <= 8 query heads as the n8 columns, q and P rounded to fp16 as the prefill kernel's
+// are, the softmax and every sum in fp32 (details at the page loop).
 // Scores are scaled by `scale`, then soft-capped (cap * tanh(s / cap)) when softcap > 0; everything accumulates
 // in fp32. Outputs: fp32 [B, H*hd], and when non-null its q8x2 (outq, outd) and fp16 (outh) forms.
 // v7's kernels (attention.cu, attn_decode_f16*) stay reachable with INGOT_DECODE_ATTN=v7 until v8 is measured.
 #include "attention.cuh"   // load8, rope_head, warp_rmsnorm, GMAX, NEG_BIG
+#include "mma.cuh"         // ldsm_x4, ldsm_x4_trans, mma16816 (sm_80+: the tensor-core page)
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define DECODE_MMA 1       // the tensor-core page is compiled (hd 64 / 128 take it); sm_75 and the host pass: not
+#else
+#define DECODE_MMA 0
+#endif
 
 // Dynamic shared memory of the block, in this order (Kernels.decode_smem computes the same total):
 //   sK, sV    fp16 [PAGE][HD + 8]     the staged page
@@ -54,6 +65,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     constexpr int LOADS = PAGE * CPR / NT;        // chunks of K (and of V) per thread per page: 2, 4, 8
     constexpr int HP = HD / 2;                    // dim pairs
     constexpr int KG = NT / HP;                   // P.V key groups: 4, 2, 1 (KG * HD == 256)
+    constexpr bool MMA = DECODE_MMA && HD <= 128; // the tensor-core page (below); hd 256 and sm_75 the FMA one
     static_assert(PAGE == WARP && PAGE * CPR % NT == 0 && NT % HP == 0 && KG * HD == 256, "decode geometry");
     static_assert(MAX_SPLITS % WARP == 0 && MAX_SPLITS <= 256, "the merge weights: whole warps, within sq");
     static_assert(GMAX * HD * 4 <= PAGE * ROW * 2, "the merged outputs fit over sK");
@@ -150,6 +162,40 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     float acc[GMAX][2];
 #pragma unroll
     for (int g = 0; g < GMAX; g++) acc[g][0] = acc[g][1] = 0.0f;
+    // The tensor-core page (MMA: hd 64 / 128 from sm_80), both products with the roles turned around so the few
+    // query heads are mma's n8 columns: scores^T [32 keys][8 heads] = K [keys][hd] . q^T (warps 0 and 1: one m16
+    // tile of keys each, hd/16 k-steps; q's B fragments in registers for the whole split), and out^T [hd][8 heads]
+    // += V^T [hd][32 keys] . P^T (each warp hd/64 m16 tiles of dims, V^T by transposing ldmatrix from sV, P as
+    // fp16 rows [GMAX][PR]). Lane (lg, lc) of a warp's accumulators holds heads 2lc, 2lc+1 of rows lg, lg + 8. q and
+    // P are rounded to fp16 (the prefill kernel's inputs too); scores, softmax and sums stay fp32. sQh, sPh: sq's
+    // upper half (red below takes its lower half after the pages).
+    constexpr int QR = HD + 8, PR = PAGE + 8, KS = HD / 16, MTW = HD / 16 / ATT_WARPS;
+    static_assert(!MMA || (GMAX * HD * 4 + (GMAX * QR + GMAX * PR) * 2 <= GMAX * 256 * 4 && MTW >= 1 && GMAX == 8 &&
+                           KS * 16 == HD),
+                  "the tensor-core page: fp16 q and P within sq, whole m16 tiles per warp, n8 = GMAX heads");
+#if DECODE_MMA
+    __half* sQh = reinterpret_cast<__half*>(sq + GMAX * HD);
+    __half* sPh = sQh + GMAX * QR;
+    const int lg = lane / 4, lc = lane % 4;
+    unsigned qf[MMA ? KS : 1][2];
+    float o[MMA ? MTW : 1][4];
+    if constexpr (MMA) {
+        for (int i = tid; i < GMAX * QR; i += NT) {
+            const int g = i / QR, d = i % QR;
+            sQh[i] = __float2half(g < G && d < HD ? sq[g * HD + d] : 0.0f);
+        }
+        for (int i = tid; i < GMAX * PR; i += NT) sPh[i] = __float2half(0.0f);   // heads past G: zero P rows
+        if (tid < GMAX) scorr[tid] = 1.0f;
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            qf[ks][0] = *reinterpret_cast<const unsigned*>(sQh + lg * QR + ks * 16 + 2 * lc);
+            qf[ks][1] = *reinterpret_cast<const unsigned*>(sQh + lg * QR + ks * 16 + 2 * lc + 8);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MTW; mt++) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+    }
+#endif
 
     for (int pg = page_begin; pg < page_end; pg++) {
         const int new_row = owns_new && pg == p / PAGE ? p % PAGE : -1;   // the new token's row in this page
@@ -171,6 +217,56 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
         }
         __syncthreads();
         if (pg + 1 < page_end) fetch(pg + 1);     // in flight while this page is computed
+
+#if DECODE_MMA
+        if constexpr (MMA) {
+            if (warp < 2) {                       // keys 16*warp .. +15 against the 8 head columns
+                float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                const __half* ka = sK + (16 * warp + lane % 16) * ROW + (lane / 16) * 8;
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++) {
+                    unsigned a[4];
+                    ldsm_x4(a, ka + ks * 16);
+                    mma16816(sc, a, qf[ks][0], qf[ks][1]);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) {     // sc[j]: key 16*warp + lg (+8 for j >= 2), head 2lc + j % 2
+                    const int kin = 16 * warp + lg + (j >> 1) * 8, h = 2 * lc + (j & 1), key = pg * PAGE + kin;
+                    float v = sc[j];
+                    if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
+                    if (h < G) sp[h * PAGE + kin] = key >= k_begin && key < k_end ? v : -INFINITY;
+                }
+            }
+            __syncthreads();
+            for (int g = warp; g < G; g += ATT_WARPS) {   // uniform per warp: the shuffles stay legal
+                const float s = sp[g * PAGE + lane];
+                const float m_old = sm[g];
+                const float m_new = fmaxf(m_old, warp_max(s));
+                const float pr = __expf(s - m_new), corr = __expf(m_old - m_new);
+                const float tile_l = warp_sum(pr);
+                sPh[g * PR + lane] = __float2half(pr);
+                if (lane == 0) { scorr[g] = corr; sm[g] = m_new; sl[g] = sl[g] * corr + tile_l; }
+            }
+            __syncthreads();
+            const float c0 = scorr[2 * lc], c1 = scorr[2 * lc + 1];
+#pragma unroll
+            for (int mt = 0; mt < MTW; mt++) { o[mt][0] *= c0; o[mt][1] *= c1; o[mt][2] *= c0; o[mt][3] *= c1; }
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {      // keys 16kk .. +15
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(sPh + lg * PR + kk * 16 + 2 * lc);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(sPh + lg * PR + kk * 16 + 2 * lc + 8);
+#pragma unroll
+                for (int mt = 0; mt < MTW; mt++) {   // V^T's matrices: (dims +0, keys +0), (+8, +0), (+0, +8), (+8, +8)
+                    unsigned a[4];
+                    const int d0 = (warp * MTW + mt) * 16;
+                    ldsm_x4_trans(a, sV + (kk * 16 + lane % 8 + (lane / 16) * 8) * ROW + d0 + ((lane / 8) & 1) * 8);
+                    mma16816(o[mt], a, b0, b1);
+                }
+            }
+            __syncthreads();                      // sK, sV, sp, sPh, scorr free for the next page
+            continue;
+        }
+#endif
 
         const int key = pg * PAGE + lane;
         const bool valid = key >= k_begin && key < k_end;
@@ -218,13 +314,28 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
         __syncthreads();                          // sK, sV, sp, scorr free for the next page
     }
 
-    // The key groups' sums into red [KG][GMAX][HD] (over sq: q is no longer read), then per output i = g*HD + d.
+    // The key groups' sums into red [KGO][GMAX][HD] (over sq: q is no longer read), then per output i = g*HD + d.
+    // (MMA: one group, the accumulators' rows as dims and columns as heads.)
+    constexpr int KGO = MMA ? 1 : KG;
     float* red = sq;
+#if DECODE_MMA
+    if constexpr (MMA) {
 #pragma unroll
-    for (int g = 0; g < GMAX; g++) {
-        if (g >= G) break;
-        red[(kg * GMAX + g) * HD + 2 * dp] = acc[g][0];
-        red[(kg * GMAX + g) * HD + 2 * dp + 1] = acc[g][1];
+        for (int mt = 0; mt < MTW; mt++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int h = 2 * lc + (j & 1), d = (warp * MTW + mt) * 16 + lg + (j >> 1) * 8;
+                if (h < G) red[h * HD + d] = o[mt][j];
+            }
+    } else
+#endif
+    {
+#pragma unroll
+        for (int g = 0; g < GMAX; g++) {
+            if (g >= G) break;
+            red[(kg * GMAX + g) * HD + 2 * dp] = acc[g][0];
+            red[(kg * GMAX + g) * HD + 2 * dp + 1] = acc[g][1];
+        }
     }
     __syncthreads();
     const size_t ob0 = (size_t)b * H * HD + (size_t)kvh * G * HD;   // this kv head's first output
@@ -240,7 +351,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
             const int g = i / HD, d = i % HD;
             float a = 0.0f;
 #pragma unroll
-            for (int k = 0; k < KG; k++) a += red[(k * GMAX + g) * HD + d];
+            for (int k = 0; k < KGO; k++) a += red[(k * GMAX + g) * HD + d];
             emit(i, a / sl[g]);
         }
         return;
@@ -251,7 +362,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
         const int g = i / HD, d = i % HD;
         float a = 0.0f;
 #pragma unroll
-        for (int k = 0; k < KG; k++) a += red[(k * GMAX + g) * HD + d];
+        for (int k = 0; k < KGO; k++) a += red[(k * GMAX + g) * HD + d];
         part_acc[(part + (size_t)g * S) * HD + d] = a;
     }
     if (tid < G) part_ml[part + (size_t)tid * S] = make_float2(sm[tid], sl[tid]);
@@ -312,9 +423,10 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
 // between them by name: qkv [B, (H + 2 Hkv) hd] as the qkv product wrote it (q, k not yet normed or rotated);
 // rope: the layer's table [positions, rope_dim/2] (cos, sin); pos[b] = the new token's position; part_acc
 // [B, H, S, hd], part_ml [B, H, S]; counters [B * Hkv] zero-initialized once, left zeroed after each launch;
-// q_norm, k_norm [hd] or null (no qk-norm). Launch bound: 4 blocks per SM on sm_90 (128 registers, no spill
-// there), so a long context's grid (Kernels.attn_decode_splits, decode_splits) runs twice the warps an SM that
-// 2 blocks did; 3 elsewhere (170 registers at most: at 128 sm_100/sm_120 spilled 12-20 bytes, sm_75 at 96).
+// q_norm, k_norm [hd] or null (no qk-norm). Launch bound: 4 blocks per SM on sm_90 (124 registers with the
+// tensor-core page, no spill there), so a long context's grid (Kernels.attn_decode_splits, decode_splits) runs
+// twice the warps an SM that 2 blocks did; 3 elsewhere (170 registers at most: at 128 sm_100/sm_120 spilled
+// 12-20 bytes, sm_75 at 96).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 #define DECODE_TILE_BLOCKS 4
 #else
