@@ -209,7 +209,8 @@ SPLIT_K_TILE_FLOATS = 64 * 128
 # gate+up (20 steps, Q4_K: 10 slices 4.5% slower at b16) and won on Qwen3 0.6B's (32 steps, Q4_0: 16 slices
 # +15.7%); at 3, Gemma keeps its slices and Qwen3's gate+up takes 8 (b16 the same, b32 +3.9%; its qkv then took
 # 10 slices of which 2 were empty, now v15's 8: the same cut of K). The rule still gives the 8B's gate+up (224
-# tiles) 2 slices, where 4 measured 12% faster: not modeled. SmolLM2's GEMMs keep their slices.
+# tiles) 2 slices, where 4 measured 12% faster alone. On the H100 (PERF.md v28) it ran unsplit 13% faster alone, and
+# in the decode graph +5.0% at b4, +4.0% at b16 but -6.9% at b8: not modeled. SmolLM2's GEMMs keep their slices.
 DECODE_SLICE_MIN_STEPS = 3
 
 # matmul2's prefill tiling (matmul_geometry with slice_rows): a cost model fitted on the H200 (cuda/PERF.md v15: every
