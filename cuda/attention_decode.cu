@@ -197,6 +197,18 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     }
 #endif
 
+    // One head's online-softmax update over a page (a warp, lane = key; s = -inf for a key outside the split): the
+    // running max sm[g] and sum sl[g], the rescale of what came before in scorr[g]; put(pr) stores the lane's
+    // probability (fp32 for the FMA page, fp16 for the tensor cores').
+    auto page_softmax = [&](int g, float s, auto put) {
+        const float m_old = sm[g];                // read by every lane before the shuffles below
+        const float m_new = fmaxf(m_old, warp_max(s));
+        const float pr = __expf(s - m_new), corr = __expf(m_old - m_new);
+        const float tile_l = warp_sum(pr);
+        put(pr);
+        if (lane == 0) { scorr[g] = corr; sm[g] = m_new; sl[g] = sl[g] * corr + tile_l; }
+    };
+
     for (int pg = page_begin; pg < page_end; pg++) {
         const int new_row = owns_new && pg == p / PAGE ? p % PAGE : -1;   // the new token's row in this page
 #pragma unroll
@@ -239,13 +251,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
             }
             __syncthreads();
             for (int g = warp; g < G; g += ATT_WARPS) {   // uniform per warp: the shuffles stay legal
-                const float s = sp[g * PAGE + lane];
-                const float m_old = sm[g];
-                const float m_new = fmaxf(m_old, warp_max(s));
-                const float pr = __expf(s - m_new), corr = __expf(m_old - m_new);
-                const float tile_l = warp_sum(pr);
-                sPh[g * PR + lane] = __float2half(pr);
-                if (lane == 0) { scorr[g] = corr; sm[g] = m_new; sl[g] = sl[g] * corr + tile_l; }
+                page_softmax(g, sp[g * PAGE + lane], [&](float pr) { sPh[g * PR + lane] = __float2half(pr); });
             }
             __syncthreads();
             const float c0 = scorr[2 * lc], c1 = scorr[2 * lc + 1];
@@ -284,13 +290,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
                 s += k8[4] * q1.x + k8[5] * q1.y + k8[6] * q1.z + k8[7] * q1.w;
             }
             if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-            s = valid ? s : -INFINITY;
-            const float m_old = sm[g];            // read by every lane before the shuffles below
-            const float m_new = fmaxf(m_old, warp_max(s));
-            const float pr = __expf(s - m_new), corr = __expf(m_old - m_new);
-            const float tile_l = warp_sum(pr);
-            sp[g * PAGE + lane] = pr;
-            if (lane == 0) { scorr[g] = corr; sm[g] = m_new; sl[g] = sl[g] * corr + tile_l; }
+            page_softmax(g, valid ? s : -INFINITY, [&](float pr) { sp[g * PAGE + lane] = pr; });
         }
         __syncthreads();
 #pragma unroll
