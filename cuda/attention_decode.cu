@@ -39,7 +39,8 @@
 
 // Dynamic shared memory of the block, in this order (Kernels.decode_smem computes the same total):
 //   sK, sV    fp16 [PAGE][HD + 8]     the staged page
-//   sq        fp32 [GMAX * 256]       q heads [G][HD]; after the key loop the P.V key groups [KG][GMAX][HD]
+//   sq        fp32 [GMAX * 256]       q heads [G][HD]; after the key loop the P.V key groups [KG][GMAX][HD];
+//                                     in the merge, the weights [GMAX][MAX_SPLITS]
 //   sk, sv    fp32 [HD] each          the new key (normed, rotated) and value
 //   snq, snk  fp32 [HD] each          the q and k norm weights
 //   scs       float2 [HD / 2]         the position's RoPE (cos, sin)
@@ -66,6 +67,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     constexpr int KG = NT / HP;                   // P.V key groups: 4, 2, 1 (KG * HD == 256)
     constexpr bool MMA = DECODE_MMA && HD <= 128; // the tensor-core page (below); hd 256 and sm_75 the FMA one
     static_assert(PAGE == WARP && PAGE * CPR % NT == 0 && NT % HP == 0 && KG * HD == 256, "decode geometry");
+    static_assert(MAX_SPLITS % WARP == 0 && MAX_SPLITS <= 256, "the merge weights: whole warps, within sq");
     static_assert(GMAX * HD * 4 <= PAGE * ROW * 2, "the merged outputs fit over sK");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __half* sK = reinterpret_cast<__half*>(smem_raw);
@@ -77,6 +79,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     float* snk = snq + HD;
     float2* scs = reinterpret_cast<float2*>(snk + HD);
     float* sp = reinterpret_cast<float*>(scs + HD / 2);
+    float* sw = sq;                               // (the merge runs after the partials are written)
     float* scorr = sp + GMAX * PAGE;
     float* sl = scorr + GMAX;
     float* sm = sl + GMAX;
@@ -370,42 +373,45 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    // The merge: out[g][d] = sum_s e^(m_s - M) acc_s[g][d] / sum_s e^(m_s - M) l_s over the active splits (M: their
-    // largest m). It is L2 round trips (the partials were just written by the other blocks) on one SM, so thread t
-    // folds float4 columns f = t, t + NT, .. of the G*HD/4 in split order with a running max, the online softmax's
-    // rescale, MERGE_U splits' partials and (m, l) loaded before the first of them is used: 64 splits are 4 round
-    // trips, with no pass over the (m, l) first (v8 took one, then 8 rounds of 8: 4.6 us of the 8B's 4,096-key
-    // launch, cuda/PERF.md v29). Into smerge [G][HD] (over sK: the pages are done), then emitted in the warps' order
-    // the quantizer needs.
-    constexpr int MERGE_U = 16;                   // (128 registers at sm_90a with the page loop's, no spill)
+    constexpr int SPL = MAX_SPLITS / WARP;        // splits per lane in the weights
+    for (int g = warp; g < G; g += ATT_WARPS) {   // weights e_s / L per (head, split): lane takes s = lane + 32j
+        const size_t ph = ((size_t)b * H + (size_t)kvh * G + g) * S;
+        float2 ml[SPL];
+        float mx = NEG_BIG;
+#pragma unroll
+        for (int j = 0; j < SPL; j++) {
+            const int s = lane + j * WARP;
+            ml[j] = s < active ? __ldcg(part_ml + ph + s) : make_float2(NEG_BIG, 0.0f);
+            mx = fmaxf(mx, ml[j].x);
+        }
+        const float M = warp_max(mx);
+        float e[SPL], l = 0.0f;
+#pragma unroll
+        for (int j = 0; j < SPL; j++) { e[j] = __expf(ml[j].x - M); l += ml[j].y * e[j]; }
+        const float L = warp_sum(l);
+#pragma unroll
+        for (int j = 0; j < SPL; j++) sw[g * MAX_SPLITS + lane + j * WARP] = e[j] / L;
+    }
+    __syncthreads();
+    // The weighted sum over the splits, four outputs (a float4 of one head's partials) a thread, eight splits'
+    // loads in flight: the merge is L2 round trips (32 splits: 4 of them, not one per split and output), into
+    // smerge [G][HD] (over sK: the pages are done), then emitted in the warps' order the quantizer needs.
     float* smerge = reinterpret_cast<float*>(sK);
     const size_t ph0 = ((size_t)b * H + (size_t)kvh * G) * S;
     for (int f = tid; f < G * HD / 4; f += NT) {
         const int g = 4 * f / HD, d = 4 * f % HD;
         const float4* src = reinterpret_cast<const float4*>(part_acc + (ph0 + (size_t)g * S) * HD + d);
-        const float2* mls = part_ml + ph0 + (size_t)g * S;
+        const float* w = sw + g * MAX_SPLITS;
         float4 m = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        float M = NEG_BIG, L = 0.0f;
-        for (int s0 = 0; s0 < active; s0 += MERGE_U) {
-            float4 v[MERGE_U];
-            float2 ml[MERGE_U];
-#pragma unroll
-            for (int j = 0; j < MERGE_U; j++) {   // past the last split: the last one again, not folded below
-                const int s = min(s0 + j, active - 1);
-                v[j] = __ldcg(src + (size_t)s * (HD / 4));
-                ml[j] = __ldcg(mls + s);
-            }
-#pragma unroll
-            for (int j = 0; j < MERGE_U; j++) {
-                if (s0 + j >= active) break;
-                const float Mn = fmaxf(M, ml[j].x), c = __expf(M - Mn), e = __expf(ml[j].x - Mn);
-                m = make_float4(m.x * c + e * v[j].x, m.y * c + e * v[j].y, m.z * c + e * v[j].z, m.w * c + e * v[j].w);
-                L = L * c + e * ml[j].y;
-                M = Mn;
-            }
+#pragma unroll 8
+        for (int s = 0; s < active; s++) {
+            const float4 v = __ldcg(src + (size_t)s * (HD / 4));
+            m.x += w[s] * v.x;
+            m.y += w[s] * v.y;
+            m.z += w[s] * v.z;
+            m.w += w[s] * v.w;
         }
-        const float inv = 1.0f / L;
-        *reinterpret_cast<float4*>(smerge + 4 * f) = make_float4(m.x * inv, m.y * inv, m.z * inv, m.w * inv);
+        *reinterpret_cast<float4*>(smerge + 4 * f) = m;
     }
     __syncthreads();
     for (int i = tid; i < G * HD; i += NT) emit(i, smerge[i]);

@@ -4,7 +4,7 @@ decode_split_ranges mirrors what cuda/attention_decode.cu derives from pos[b] on
 properties the kernel relies on (the active splits partition the visible keys [lo, pos], each holds at least one
 key, there are never more than the grid's splits, the last one holds pos and so writes the new k, v), and
 replay the kernel's arithmetic — per-page online softmax, P.V key groups, per-split partials, the merge's
-running fold — in float64 numpy against a direct softmax, so an algebra slip shows here before it reaches a device.
+weights — in float64 numpy against a direct softmax, so an algebra slip shows here before it reaches a device.
 """
 
 from __future__ import annotations
@@ -106,12 +106,9 @@ def _kernel_math(q, k, v, ranges, hd):
     if len(partials) == 1:
         _, lsum, a = partials[0]
         return a / lsum[:, None]
-    M, L, out = np.full(G, -1e30), np.zeros(G), np.zeros((G, hd))
-    for m, ls, a in partials:  # the merge: the splits in order, folded with a running max (the rescale)
-        M_new = np.maximum(M, m)
-        c, e = np.exp(M - M_new), np.exp(m - M_new)
-        out, L, M = out * c[:, None] + e[:, None] * a, L * c + e * ls, M_new
-    return out / L[:, None]
+    M = np.max([m for m, _, _ in partials], axis=0)
+    L = sum(ls * np.exp(m - M) for m, ls, _ in partials)
+    return sum((np.exp(m - M) / L)[:, None] * a for m, _, a in partials)
 
 
 @pytest.mark.parametrize("hd", [64, 128, 256])

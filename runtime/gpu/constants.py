@@ -42,7 +42,7 @@ SHARED: dict[str, tuple[int, str]] = {
     "ATT_WARPS": (4, "warps per attention block"),
     "ATT_QPW": (4, "prefill attention: queries per warp"),
     "ATT_ONE_SPLIT_PAGES": (2, "decode attention: keys on at most this many pages run as one split (no merge)"),
-    "MAX_SPLITS": (64, "split-KV partials per (sequence, head) v8's decode attention merges"),
+    "MAX_SPLITS": (64, "split-KV partials per (sequence, head): v8's merge takes MAX_SPLITS / 32 a lane"),
     "SAMPLE_THREADS": (1024, "threads per sampling block"),
     "PREP_THREADS": (256, "threads per sample_prep_f32 block (one chunk of a large vocabulary)"),
     "CAND_SLOTS": (4, "sample_f32, top-k over chunks: candidate logits kept per thread"),
