@@ -26,11 +26,7 @@
 // p - window + 1 .. p, itself included (Config.layer_window, the CPU reference's mask); window 0 sees 0 .. p.
 // Decode spreads its splits over the pages that hold the window only; prefill starts at the first tile any of
 // its queries can see and masks per query.
-#include "attention.cuh"   // load8, rope_head, warp_rmsnorm, GMAX, NEG_BIG
-
-__device__ __forceinline__ float softcapped(float s, float softcap) {
-    return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
-}
+#include "attention.cuh"   // load8, rope_head, warp_rmsnorm, softcapped, GMAX, NEG_BIG
 
 template <int HD>
 __device__ void attn_decode(const float* __restrict__ qkv, const float2* __restrict__ rope, int rope_dim, int neox,

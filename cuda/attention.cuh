@@ -1,10 +1,16 @@
 // Helpers shared by the attention kernels (attention.cu: v7 decode and the scalar prefill; attention_decode.cu: v8
-// decode): fp16 row loads, RoPE and RMSNorm of one head in shared memory, and the decode block's GQA bound.
+// decode; attention_prefill.cu: the tensor-core prefill): fp16 row loads, RoPE and RMSNorm of one head in shared
+// memory, the score soft-cap, the running-max start and the decode block's GQA bound.
 #pragma once
 #include "common.cuh"
 
 #define GMAX 8           // query heads per kv head one decode block serves (GQA group size; kernels.GQA_MAX)
 #define NEG_BIG -1e30f   // running-max start: exp(NEG_BIG - m) == 0 without inf - inf
+
+// A score soft-capped (Gemma 2's cap * tanh(s / cap)) when softcap > 0, else as it is.
+__device__ __forceinline__ float softcapped(float s, float softcap) {
+    return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
+}
 
 __device__ __forceinline__ void load8(const __half* p, float (&out)[8]) {
     const uint4 raw = *reinterpret_cast<const uint4*>(p);

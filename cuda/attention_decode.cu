@@ -28,7 +28,7 @@
 // Scores are scaled by `scale`, then soft-capped (cap * tanh(s / cap)) when softcap > 0; everything accumulates
 // in fp32. Outputs: fp32 [B, H*hd], and when non-null its q8x2 (outq, outd) and fp16 (outh) forms.
 // v7's kernels (attention.cu, attn_decode_f16*) stay reachable with INGOT_DECODE_ATTN=v7 until v8 is measured.
-#include "attention.cuh"   // load8, rope_head, warp_rmsnorm, GMAX, NEG_BIG
+#include "attention.cuh"   // load8, rope_head, warp_rmsnorm, softcapped, GMAX, NEG_BIG
 #include "mma.cuh"         // ldsm_x4, ldsm_x4_trans, mma16816 (sm_80+: the tensor-core page)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -244,8 +244,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
 #pragma unroll
                 for (int j = 0; j < 4; j++) {     // sc[j]: key 16*warp + lg (+8 for j >= 2), head 2lc + j % 2
                     const int kin = 16 * warp + lg + (j >> 1) * 8, h = 2 * lc + (j & 1), key = pg * PAGE + kin;
-                    float v = sc[j];
-                    if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
+                    const float v = softcapped(sc[j], softcap);
                     if (h < G) sp[h * PAGE + kin] = key >= k_begin && key < k_end ? v : -INFINITY;
                 }
             }
@@ -289,7 +288,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
                 s += k8[0] * q0.x + k8[1] * q0.y + k8[2] * q0.z + k8[3] * q0.w;
                 s += k8[4] * q1.x + k8[5] * q1.y + k8[6] * q1.z + k8[7] * q1.w;
             }
-            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            s = softcapped(s, softcap);
             page_softmax(g, valid ? s : -INFINITY, [&](float pr) { sp[g * PAGE + lane] = pr; });
         }
         __syncthreads();

@@ -33,11 +33,11 @@
 // is exactly the 99 KiB opt-in limit of sm_86/89/120).
 // hd 256 is its own kernel (attn_prefill_mma_f16_hd256): its O accumulator is 16x256 fp32 per warp = 128
 // registers a lane, and a kernel gets the registers of its hungriest path.
-#include "mma.cuh"   // smem_addr, cp_async*, ldsm_x4*, mma16816
+#include "attention.cuh"   // softcapped, NEG_BIG (the log2-domain running max starts there too)
+#include "mma.cuh"         // smem_addr, cp_async*, ldsm_x4*, mma16816
 
 #define BQ (ATT_WARPS * 16) // packed query rows per block, one m16 tile per warp (PREFILL_MMA_ROWS on the host)
 #define SPAD 8              // halfs of padding per shared-memory row (PREFILL_MMA_PAD on the host)
-#define NEG_BIG -1e30f      // running-max start: exp2(NEG_BIG - m) == 0 without inf - inf
 #define LOG2E 1.4426950408889634f
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -168,7 +168,7 @@ __device__ __forceinline__ void attn_prefill_mma(const float* __restrict__ qkv, 
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int kp = k0 + j * 8 + 2 * (lane % 4) + (e & 1), qp = e < 2 ? qpos0 : qpos1;
-                    float v = (softcap > 0.0f ? softcap * tanhf(s[j][e] / softcap) : s[j][e]) * LOG2E;
+                    float v = softcapped(s[j][e], softcap) * LOG2E;
                     if (!whole && !(kp <= qp && (window <= 0 || kp > qp - window))) v = -INFINITY;
                     s[j][e] = v;
                     mx[e / 2] = fmaxf(mx[e / 2], v);
