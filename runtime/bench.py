@@ -224,7 +224,7 @@ def cold_start(model_spec: str, device: str, reps: int = 3) -> Result:
 def run_benchmarks(
     engine,
     *,
-    n_prompt: int,
+    n_prompts: tuple[int, ...],
     n_gen: int,
     reps: int,
     batches: list[int],
@@ -232,14 +232,15 @@ def run_benchmarks(
     n_prefix: int = 0,
     model=None,
 ) -> dict:
-    """Every test at every depth (and pp with a cached prefix); with the model (for its weight sizes) and a GPU
-    the ceilings table knows, each result also gets its share of that GPU's ceiling."""
+    """Every test at every depth: pp at each prompt length (and, at depth 0, with a cached prefix of n_prefix
+    tokens), then tg at each batch size; with the model (for its weight sizes) and a GPU the ceilings table knows,
+    each result also gets its share of that GPU's ceiling."""
     results = []
     for depth in depths:
-        if n_prompt:
+        for n_prompt in n_prompts:
             results.append(bench_pp(engine, n_prompt, reps, depth))
-        if n_prompt and n_prefix and not depth:
-            results.append(bench_pp_prefix(engine, n_prompt, n_prefix, reps))
+            if n_prefix and not depth:
+                results.append(bench_pp_prefix(engine, n_prompt, n_prefix, reps))
         if n_gen:
             for b in batches:
                 results.append(bench_tg(engine, n_gen, reps, batch=b, depth=depth))

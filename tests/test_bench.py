@@ -21,15 +21,16 @@ from ingot.runtime.model.gguf import load_model
 def test_cpu_bench_runs_every_test_at_every_depth(ingot, synth_model):
     path = synth_model("tiny", "Q8_0")
     code, out, err = ingot(
-        "bench", path, "-p", "8", "-n", "2", "-r", "1", "--batch", "1,2", "-d", "0,24", "--device", "cpu",
+        "bench", path, "-p", "12,8", "-n", "2", "-r", "1", "--batch", "1,2", "-d", "0,24", "--device", "cpu",
         "--no-cold-start", "--json",
     )  # fmt: skip
     assert code == 0, err
     results = json.loads(out)["results"]
     names = [r["test"] for r in results]
-    assert names == ["pp8", "tg2", "tg2@b2", "pp8@d24", "tg2@d24", "tg2@b2@d24"]
-    assert [r["depth"] for r in results] == [0, 0, 0, 24, 24, 24]
-    assert [r["batch"] for r in results] == [1, 1, 2, 1, 1, 2]
+    assert names == ["pp8", "pp12", "tg2", "tg2@b2", "pp8@d24", "pp12@d24", "tg2@d24", "tg2@b2@d24"]
+    assert [r["depth"] for r in results] == [0, 0, 0, 0, 24, 24, 24, 24]
+    assert [r["batch"] for r in results] == [1, 1, 1, 2, 1, 1, 1, 2]
+    assert [r["n_tokens"] for r in results[:2]] == [8, 12]
     assert all(r["tok_s_mean"] > 0 for r in results)
     assert all(r["ceiling_share"] is None for r in results)  # no GPU ceiling for the CPU engine
 
@@ -41,6 +42,10 @@ def test_cpu_bench_runs_every_test_at_every_depth(ingot, synth_model):
         (["-d", "-5"], "--depth values must be >= 0"),
         (["--batch", "0"], "--batch values must be >= 1"),
         (["--batch", "1,a"], "--batch '1,a' is not a list of integers"),
+        (["-p", "512,2k"], "-p '512,2k' is not a list of integers"),
+        (["-p", "-1"], "-p values must be >= 0"),
+        (["-p", "0", "--prefix", "8"], "--prefix times a pp test, and -p 0 asks for none"),
+        (["-p", "64,16", "--prefix", "16"], "--prefix 16 leaves no prompt tokens to compute in pp16"),
     ],
 )
 def test_bad_lists_are_one_line_usage_errors(ingot, synth_model, args, message):

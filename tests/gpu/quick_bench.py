@@ -14,7 +14,7 @@ t0 = time.perf_counter()
 model = load_model(path)
 eng = CudaEngine(model, max_seqs=max(batches), max_ctx=1024)
 print(f"engine up in {time.perf_counter() - t0:.2f} s", flush=True)
-rep = run_benchmarks(eng, n_prompt=512, n_gen=128, reps=3, batches=batches)
+rep = run_benchmarks(eng, n_prompts=(512,), n_gen=128, reps=3, batches=batches)
 for r in rep["results"]:
     print(f"{r['test']:>14}: {r['tok_s_mean']:10.1f} ± {r['tok_s_std']:7.1f} tok/s  ({r['ms_mean']:.2f} ms/rep)")
 print(json.dumps(rep.get("gpu")))

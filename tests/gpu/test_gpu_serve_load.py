@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import shutil
 import statistics
@@ -49,6 +50,14 @@ LLAMA_BATCHED_BENCH = 12_028  # tok/s, llama-batched-bench on the same H200 and 
 CLIENTS, REQUESTS, PROMPT, GENERATED = 64, 4, 128, 128
 LOADGEN_PROCS = 4  # 16 clients each: well under what one loadgen process parses
 SYSTEM_PROMPT, QUESTION, PREFIX_REQUESTS = 1000, 24, 8
+
+# Its figures are timings of the whole GPU and host: beside other xdist workers' GPU tests they measure those too
+# (the README's `bash ci/test.sh` runs tests/gpu at -n auto; at -n 14 on the H200 the 64-client test failed there
+# and passed alone), so under xdist with more than one worker the module skips and says how to run it.
+pytestmark = pytest.mark.skipif(
+    int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1,
+    reason="timing acceptance: run it alone, python -m pytest tests/gpu/test_gpu_serve_load.py -s (-n 0)",
+)
 
 
 @pytest.fixture(scope="module")

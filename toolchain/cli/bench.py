@@ -28,10 +28,11 @@ def _int_list(option: str, text: str, low: int, example: str) -> list[int]:
 @click.option(
     "-p",
     "--n-prompt",
-    default=512,
+    "prompts",
+    default="512",
     show_default=True,
-    type=click.IntRange(min=0),
-    help="Prompt tokens for the pp test (0 skips it).",
+    metavar="LIST",
+    help="Prompt tokens for the pp tests, e.g. 512,2048 (llama-bench's -p; 0 skips them).",
 )
 @click.option(
     "-n",
@@ -87,7 +88,7 @@ def _int_list(option: str, text: str, low: int, example: str) -> list[int]:
 @json_option("the results")
 def bench(
     model_spec,
-    n_prompt,
+    prompts,
     n_gen,
     n_prefix,
     reps,
@@ -104,19 +105,23 @@ def bench(
     hardware's ceiling."""
     sizes = _int_list("--batch", batches, 1, "1,4,16")
     depth_list = _int_list("--depth", depths, 0, "0,4096")
-    if n_prefix and n_prefix >= n_prompt:
+    prompt_list = [n for n in _int_list("-p", prompts, 0, "512,2048") if n]  # (0 only asks for no pp test)
+    if n_prefix and not prompt_list:
+        raise UsageError("--prefix times a pp test, and -p 0 asks for none", hint=f"e.g. -p {n_prefix + 512}")
+    if n_prefix and n_prefix >= min(prompt_list):
         raise UsageError(
-            f"--prefix {n_prefix} leaves no prompt tokens to compute", hint=f"use --prefix < -p {n_prompt}"
+            f"--prefix {n_prefix} leaves no prompt tokens to compute in pp{min(prompt_list)}",
+            hint=f"use --prefix < {min(prompt_list)}, the shortest -p",
         )
     opened = open_model_for_cli(model_spec, allow_unverified, quiet=as_json, pubkeys=pubkeys)
     model = opened.model
-    # the longest sequence: the deepest cache, then the pp prompt or the longest tg prompt and its generation
-    longest = max(depth_list) + max(n_prompt, tg_prompt_len(max(sizes) - 1) + n_gen) + 8
+    # the longest sequence: the deepest cache, then the longest pp prompt or the longest tg prompt and its generation
+    longest = max(depth_list) + max([*prompt_list, tg_prompt_len(max(sizes) - 1) + n_gen]) + 8
     engine = open_engine(model, device, kernels=opened.kernels, max_seqs=max(sizes), max_ctx=longest)
     try:
         report = run_benchmarks(
             engine,
-            n_prompt=n_prompt,
+            n_prompts=tuple(prompt_list),
             n_gen=n_gen,
             reps=reps,
             batches=sizes,
