@@ -73,7 +73,9 @@ def _at(depth: int) -> str:
     return f"@d{depth}" if depth else ""
 
 
-def _tokens(engine, n: int, seed: int) -> list[int]:
+def _tokens(engine, n: int, seed: int | tuple[int, ...]) -> list[int]:
+    """n random token ids. One seed's stream is the same whatever n, so a longer prompt drawn with the seed of a
+    shorter one starts with it and would be served from the prefix cache: pp prompts are seeded by (length, rep)."""
     return [int(t) for t in np.random.default_rng(seed).integers(0, engine.config.n_vocab, size=n)]
 
 
@@ -88,7 +90,7 @@ def bench_pp(engine, n_prompt: int, reps: int, depth: int = 0) -> Result:
     for r in range(reps + 1):  # repetition 0 warms up (plans, caches)
         s = engine.new_sequence(SamplingParams())
         _fill(engine, s, depth, seed=10_000 + r)
-        prompt = _tokens(engine, n_prompt, seed=r)
+        prompt = _tokens(engine, n_prompt, seed=(n_prompt, r))
         t0 = time.perf_counter()
         engine.prefill(s, prompt)  # returns after the sampled token is on the host
         dt = time.perf_counter() - t0
@@ -103,7 +105,7 @@ def bench_pp_prefix(engine, n_prompt: int, n_prefix: int, reps: int) -> Result:
     times = []
     for r in range(reps + 1):  # repetition 0 computes the shared prefix (and warms up)
         s = engine.new_sequence(SamplingParams())
-        prompt = shared + _tokens(engine, n_prompt - n_prefix, seed=r)
+        prompt = shared + _tokens(engine, n_prompt - n_prefix, seed=(n_prompt, r))
         t0 = time.perf_counter()
         engine.prefill(s, prompt)
         dt = time.perf_counter() - t0

@@ -35,6 +35,19 @@ def test_cpu_bench_runs_every_test_at_every_depth(ingot, synth_model):
     assert all(r["ceiling_share"] is None for r in results)  # no GPU ceiling for the CPU engine
 
 
+def test_pp_lengths_do_not_serve_each_other_from_the_prefix_cache(ingot, synth_model):
+    # one seed's token stream starts the same whatever its length: pp96 drawn like pp64 would find pp64's first two
+    # pages cached (the pool of 8 sequences keeps them) and time 32 computed tokens as 96
+    code, out, err = ingot(
+        "bench", synth_model("tiny", "Q8_0"), "-p", "64,96", "-n", "0", "-r", "2", "--batch", "8", "--device", "cpu",
+        "--no-cold-start", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert [r["test"] for r in report["results"]] == ["pp64", "pp96"]
+    assert report["prefix_cache"]["queried_tokens"] > 0 and report["prefix_cache"]["hit_tokens"] == 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
