@@ -59,6 +59,9 @@ def test_pp_lengths_do_not_serve_each_other_from_the_prefix_cache(ingot, synth_m
         (["-p", "-1"], "-p values must be >= 0"),
         (["-p", "0", "--prefix", "8"], "--prefix times a pp test, and -p 0 asks for none"),
         (["-p", "64,16", "--prefix", "16"], "--prefix 16 leaves no prompt tokens to compute in pp16"),
+        # the CPU engine's KV cache for the deepest test (tiny: 512 bytes a token) checked before it is mapped
+        (["-p", "1000000000", "-n", "0"], "GiB of KV cache a sequence on the CPU, more than this machine's"),
+        (["-d", "0,1000000000"], "GiB of KV cache a sequence on the CPU, more than this machine's"),
     ],
 )
 def test_bad_lists_are_one_line_usage_errors(ingot, synth_model, args, message):

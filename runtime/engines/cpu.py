@@ -13,6 +13,7 @@ INGOT_CPU_WEIGHT_CACHE_MIB); a bigger model (an 8B) is dequantized matrix by mat
 from __future__ import annotations
 
 import math
+import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,15 @@ class CpuEngine:
         self.config = model.config
         self.max_seqs = max_seqs
         self.max_ctx = max_ctx or min(model.config.n_ctx_train, DEFAULT_MAX_CTX)
+        c = self.config
+        kv_bytes = 2 * c.n_layers * self.max_ctx * c.n_kv_heads * c.head_dim * 4  # a sequence's KVCache, fp32 k and v
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if kv_bytes > ram:  # (np.zeros maps it lazily, but the mapping itself fails past what the host can commit)
+            raise UsageError(
+                f"a {self.max_ctx:,}-token context needs {kv_bytes / 2**30:,.1f} GiB of KV cache a sequence on the "
+                f"CPU, more than this machine's {ram / 2**30:,.1f} GiB",
+                hint="ask for fewer tokens of context",
+            )
         budget = weight_cache_budget() if weight_cache_bytes is None else weight_cache_bytes
         self.weights = DequantizedWeights(model, budget)
         self._seqs: dict[int, _Sequence] = {}
