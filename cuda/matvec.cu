@@ -156,19 +156,8 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
     }
 }
 
-// matvec_<type>_b1n's blocks per row and lane in flight, and its blocks per SM for the register bound (sm_90).
-// It runs one 16-warp block an SM under PDL (Kernels.norm_smem), so each lane's chain of nb / 32 dependent round
-// trips sets its time (the 8B's down: 14); 2 with a one-block bound (111 registers at Q4_0) issues two blocks'
-// loads before the first product. WRITTEN, NOT MEASURED (cuda/PERF.md v31): 1 and the two-block bound until it is.
-#ifndef MVN_UNROLL
-#define MVN_UNROLL 1
-#endif
-#ifndef MVN_MINB
-#define MVN_MINB(N) ((N) * MV_WARPS / MVN_WARPS > 0 ? (N) * MV_WARPS / MVN_WARPS : 1)
-#endif
-
 // The main loop: acc[s][c] = row rr[s] of W times column c0 + c of x, this lane's share of the blocks.
-template <typename W, int NC, int UN = 0>
+template <typename W, int NC>
 __device__ __forceinline__ void dot_rows(const W& w, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
                                          int cols, int c0, const long long r[2], const bool ok[2],
                                          float (&acc)[2][NC]) {
@@ -184,7 +173,7 @@ __device__ __forceinline__ void dot_rows(const W& w, const int8_t* __restrict__ 
     const long long rr[2] = {r[0], FREE && !ok[1] ? r[0] : r[1]};
     // U blocks per row in flight per lane before the first use: decode is bound by how many bytes are in
     // flight to DRAM, not by arithmetic (fewer for wide batches, whose activation loads take the registers).
-    constexpr int U = UN > 0 ? UN : NC <= 2 ? W::UNROLL : (W::UNROLL > 1 ? W::UNROLL / 2 : 1);
+    constexpr int U = NC <= 2 ? W::UNROLL : (W::UNROLL > 1 ? W::UNROLL / 2 : 1);
     for (int kb0 = lane; kb0 < nb; kb0 += U * WARP) {
         typename W::Block wb[U][2];
 #pragma unroll
@@ -197,17 +186,6 @@ __device__ __forceinline__ void dot_rows(const W& w, const int8_t* __restrict__ 
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int kb = kb0 + u * WARP;
-            if constexpr (FREE && U > 1) {
-                // No branch: a block past the row's end (u > 0 only) re-reads the last one and adds 0. A `break`
-                // here let ptxas sink block u's loads below it, to their use: one round trip a block, U or not.
-                const XBlock x = load_x(xq, xd, cols, c0, min(kb, nb - 1));
-#pragma unroll
-                for (int s = 0; s < 2; s++) {
-                    const float d = W::dot(wb[u][s], x);
-                    acc[s][0] += kb < nb ? d : 0.0f;
-                }
-                continue;
-            }
             if (kb >= nb) break;
 #pragma unroll
             for (int c = 0; c < NC; c++) {
@@ -261,7 +239,7 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
         if (bias) { b0 = bias[r[0]]; b1 = bias[r[1]]; }
     }
     float acc[2][1] = {};
-    dot_rows<W, 1, MVN_UNROLL>(w, xq, xd, cols, 0, r, ok, acc);
+    dot_rows<W, 1>(w, xq, xd, cols, 0, r, ok, acc);
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
     const float v0 = warp_sum(acc[0][0]), v1 = warp_sum(acc[1][0]);
     if (lane == 0) {
@@ -301,7 +279,7 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
 // ptxas keeps its own choice; the one-column kernel still leaves out the wide loop's registers.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 #define MV_BOUNDS(N) __launch_bounds__(MV_WARPS * WARP, N)
-#define MVN_BOUNDS(N) __launch_bounds__(MVN_WARPS * WARP, MVN_MINB(N))
+#define MVN_BOUNDS(N) __launch_bounds__(MVN_WARPS * WARP, (N) * MV_WARPS / MVN_WARPS > 0 ? (N) * MV_WARPS / MVN_WARPS : 1)
 #else
 #define MV_BOUNDS(N) __launch_bounds__(MV_WARPS * WARP)
 #define MVN_BOUNDS(N) __launch_bounds__(MVN_WARPS * WARP)
