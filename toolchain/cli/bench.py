@@ -106,13 +106,15 @@ def bench(
     sizes = _int_list("--batch", batches, 1, "1,4,16")
     depth_list = _int_list("--depth", depths, 0, "0,4096")
     prompt_list = [n for n in _int_list("-p", prompts, 0, "512,2048") if n]  # (0 only asks for no pp test)
-    if n_prefix and not prompt_list:
-        raise UsageError("--prefix times a pp test, and -p 0 asks for none", hint=f"e.g. -p {n_prefix + 512}")
-    if n_prefix and n_prefix >= min(prompt_list):
-        raise UsageError(
-            f"--prefix {n_prefix} leaves no prompt tokens to compute in pp{min(prompt_list)}",
-            hint=f"use --prefix < {min(prompt_list)}, the shortest -p",
-        )
+    if n_prefix:
+        if not prompt_list:
+            raise UsageError("--prefix times a pp test, and -p 0 asks for none", hint=f"e.g. -p {n_prefix + 512}")
+        shortest = prompt_list[0]  # (_int_list sorts)
+        if n_prefix >= shortest:
+            raise UsageError(
+                f"--prefix {n_prefix} leaves no prompt tokens to compute in pp{shortest}",
+                hint=f"use --prefix < {shortest}, the shortest -p",
+            )
     opened = open_model_for_cli(model_spec, allow_unverified, quiet=as_json, pubkeys=pubkeys)
     model = opened.model
     # the longest sequence: the deepest cache, then the longest pp prompt or the longest tg prompt and its generation
