@@ -108,33 +108,6 @@ __device__ __forceinline__ void prefetch_l2(const P*... p) {
     (prefetch_l2(static_cast<const void*>(p)), ...);
 }
 
-// Weights a kernel asks into L2 for a product that runs after it ("ahead", runtime/gpu/kernels.py ahead_arg):
-// up to AHEAD_REGIONS byte ranges (16-byte aligned, multiples of 16; n[i] = 0: none), passed by value. Each
-// block's thread 0 asks for the block's 1/gridDim share of every range in AHEAD_CHUNK-byte requests of
-// cp.async.bulk.prefetch.L2 (sm_90+: one instruction a request, nothing returned, nothing to wait for; its
-// address is a uniform register, so one thread issuing keeps it one instruction, where 32 lanes with 32
-// addresses would be looped over). The host fills it only on sm_90+ and as INGOT_AHEAD_MB allows.
-struct Ahead {
-    unsigned long long p[AHEAD_REGIONS];
-    unsigned int n[AHEAD_REGIONS];
-};
-__device__ __forceinline__ void prefetch_ahead(const Ahead& a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (threadIdx.x != 0) return;
-    const unsigned int blocks = gridDim.x * gridDim.y, b = blockIdx.y * gridDim.x + blockIdx.x;
-#pragma unroll 1
-    for (int i = 0; i < AHEAD_REGIONS; i++) {
-        const unsigned int n = a.n[i], share = ((n + blocks - 1) / blocks + 15u) & ~15u;   // 16-byte multiples
-        const unsigned long long lo = (unsigned long long)b * share, hi = min(lo + share, (unsigned long long)n);
-#pragma unroll 1
-        for (unsigned long long o = lo; o < hi; o += AHEAD_CHUNK) {
-            const unsigned int bytes = (unsigned int)min(hi - o, (unsigned long long)AHEAD_CHUNK);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.p[i] + o), "r"(bytes));
-        }
-    }
-#endif
-}
-
 // Nibble j of a Q4 block (GGUF order): byte j holds w[j] (low) and w[j + 16] (high).
 __device__ __forceinline__ int q4_nibble(const uint8_t* qs, int j) {
     return j < 16 ? (qs[j] & 0xF) : (qs[j - 16] >> 4);

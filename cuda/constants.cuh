@@ -12,8 +12,6 @@
 #define PDL_LATE            2     // matvec `pdl` flag: let the next kernel launch only after this one's main loop
 #define MV_WARPS            4     // warps per matvec block (2 rows each; 1 row pair each in the gated modes)
 #define MV_COLS             4     // batch columns (sequences) per matvec block
-#define AHEAD_REGIONS       8     // one-column matvec: byte ranges of the product after next it asks into L2 (struct Ahead)
-#define AHEAD_CHUNK         32768 // one-column matvec: bytes per cp.async.bulk.prefetch.L2 of those ranges (a multiple of 16)
 #define MVN_WARPS           16    // warps per matvec_<type>_b1n block: 32 rows, one q8x2 block of the fused norm's output
 #define MV_NORM_MAX         4096  // widest row a fused norm's consumer (matvec_<type>_b1) sums: a float4 of partials a lane
 #define MVM_WARPS           4     // warps per matvec_<type>_mma block (16 rows, K split between the warps)

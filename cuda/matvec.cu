@@ -202,8 +202,7 @@ template <typename W, int NC>
 __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
                                          const float* __restrict__ bias, float* __restrict__ y,
                                          int rows, int cols, int ldy, int mode, int pdl,
-                                         const float4* __restrict__ ss = nullptr, float eps = 0.0f,
-                                         const Ahead* ahead = nullptr) {
+                                         const float4* __restrict__ ss = nullptr, float eps = 0.0f) {
     const int c0 = blockIdx.y * MV_COLS;
     long long r[2], out_row; bool ok[2];
     warp_rows(mode, rows, r, ok, &out_row);
@@ -215,7 +214,6 @@ __device__ __forceinline__ void matvec_q(const W& w, const int8_t* __restrict__ 
     float acc[2][NC] = {};
     dot_rows<W, NC>(w, xq, xd, cols, c0, r, ok, acc);
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
-    if (ahead) prefetch_ahead(*ahead);   // this block's reads are issued: the next weights may stream behind them
     const float scale = ss ? rsqrtf(warp_sum((sv.x + sv.y) + (sv.z + sv.w)) / cols + eps) : 1.0f;
     write_out<NC>(acc, mode, ok, out_row, bias, y, c0, ldy, scale);
 }
@@ -229,8 +227,7 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
                                               const float4* __restrict__ xd, const float* __restrict__ bias,
                                               float* __restrict__ x, int rows, int cols,
                                               const float* __restrict__ w_next, int8_t* __restrict__ yq,
-                                              float4* __restrict__ yd, float* __restrict__ ss, int pdl,
-                                              const Ahead& ahead) {
+                                              float4* __restrict__ yd, float* __restrict__ ss, int pdl) {
     __shared__ float sx[2 * MVN_WARPS];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = blockIdx.x;
     long long r[2], out_row; bool ok[2];
@@ -244,7 +241,6 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
     float acc[2][1] = {};
     dot_rows<W, 1>(w, xq, xd, cols, 0, r, ok, acc);
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
-    prefetch_ahead(ahead);
     const float v0 = warp_sum(acc[0][0]), v1 = warp_sum(acc[1][0]);
     if (lane == 0) {
         const float n0 = x0 + (v0 + b0), n1 = x1 + (v1 + b1);   // write_out's MODE_ADD: y += dot + bias
@@ -306,19 +302,17 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
     }                                                                                                            \
     extern "C" __global__ void MV_BOUNDS(WT::B1_BLOCKS)                                                          \
     matvec_##NAME##_b1(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,       \
-                       int cols, int ncols, int ldy, int mode, int pdl, const float4* ss, float eps,             \
-                       const __grid_constant__ Ahead ahead) {                                                    \
+                       int cols, int ncols, int ldy, int mode, int pdl, const float4* ss, float eps) {           \
         INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, mode));         \
         if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
-        matvec_q<WT, 1>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, y, rows, cols, ldy, mode, pdl, ss, eps, &ahead); \
+        matvec_q<WT, 1>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, y, rows, cols, ldy, mode, pdl, ss, eps);       \
     }                                                                                                            \
     extern "C" __global__ void MVN_BOUNDS(WT::B1_BLOCKS)                                                         \
     matvec_##NAME##_b1n(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* x, int rows,      \
-                        int cols, const float* w_next, int8_t* yq, float4* yd, float* ss, int pdl,               \
-                        const __grid_constant__ Ahead ahead) {                                                   \
+                        int cols, const float* w_next, int8_t* yq, float4* yd, float* ss, int pdl) {             \
         INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, MODE_ADD));     \
         if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
-        matvec_q_norm<WT>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, x, rows, cols, w_next, yq, yd, ss, pdl, ahead); \
+        matvec_q_norm<WT>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, x, rows, cols, w_next, yq, yd, ss, pdl);     \
     }
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 #undef MATVEC_KERNELS

@@ -57,13 +57,6 @@ def _fraction(text: str) -> float:
     return x
 
 
-def _ahead_mb(text: str) -> int:
-    n = int(text)
-    if not 0 <= n <= 1024:  # a region's bytes are a u32 in the kernel (cuda/common.cuh struct Ahead)
-        raise ValueError(text)
-    return n
-
-
 def _flag(text: str) -> bool:
     return text.lower() not in ("0", "false", "no", "off")
 
@@ -218,14 +211,6 @@ WEIGHT_PREFETCH = Setting(
     "Matrix-vector kernels launched with PDL request their first weights into L2 while the previous kernel finishes;"
     " 0 turns it off.",
 )
-AHEAD_MB = Setting(
-    "INGOT_AHEAD_MB",
-    16,
-    _ahead_mb,
-    "an integer from 0 to 1024",
-    "Single-sequence decode on sm_90+: each matrix-vector kernel asks for up to this many MiB of the weights of the"
-    " product after the next kernel into L2 once its own reads are issued (cp.async.bulk.prefetch); 0 turns it off.",
-)
 PDL_TRIGGER = Setting(
     "INGOT_PDL_TRIGGER",
     "auto",
@@ -375,7 +360,6 @@ ALL: tuple[Setting, ...] = (
     MATMUL,
     PDL,
     WEIGHT_PREFETCH,
-    AHEAD_MB,
     PDL_TRIGGER,
     API_KEY,
     PREFILL_CHUNK,

@@ -22,8 +22,6 @@ from ingot.runtime.errors import IncompatibleError, UsageError
 from ingot.runtime.gpu import constants
 from ingot.runtime.gpu.driver import DeviceBuffer
 from ingot.runtime.gpu.kernels import (
-    AHEAD_DTYPE,
-    AHEAD_GAP,
     CLUSTER_GRID_PER_SM,
     DECODE_SLICE_MIN_STEPS,
     GPU_QTYPES,
@@ -39,14 +37,12 @@ from ingot.runtime.gpu.kernels import (
     MAX_K_SLICES,
     SPLIT_K_TILES_PER_SM,
     SUPERBLOCK_TYPES,
-    Ahead,
     GpuMatrix,
     GpuStack,
     Kernels,
     NormedQ8,
     SplitK,
     _k_slices,
-    ahead_regions,
     image_cc,
     layout_bytes,
     matmul2_smem,
@@ -180,14 +176,7 @@ def _kernels(sm_count=132, mma=False, cluster=False):
 
 
 def _ptr_args(launch) -> list[int]:
-    """The launch's scalar and pointer arguments, in order (a one-column matvec's Ahead struct left out: _ahead)."""
-    return [int(h) for h in launch._held if h.dtype != AHEAD_DTYPE]
-
-
-def _ahead(launch) -> list[tuple[int, int]]:
-    """The (address, bytes) ranges of the launch's Ahead argument (cuda/common.cuh), the empty ones left out."""
-    (a,) = [h for h in launch._held if h.dtype == AHEAD_DTYPE]
-    return [(int(p), int(n)) for p, n in zip(a["p"], a["n"], strict=True) if n]
+    return [int(h) for h in launch._held]
 
 
 def _fragment_ptrs(W) -> list[int]:
@@ -318,7 +307,7 @@ def test_a_pending_norm_goes_to_the_one_column_kernel_with_its_sums_and_eps(monk
     for launch, part in zip(launches, parts, strict=True):
         n = len(part.args())
         assert _ptr_args(launch)[n : n + 2] == [11, 12] and _ptr_args(launch)[-2] == 13
-        assert launch._held[-2] == np.float32(1e-6)  # then the Ahead
+        assert launch._held[-1] == np.float32(1e-6)
     for W, ncols in ((_matrix("Q4_0", 64, 256), 2), (_matrix("F16", 64, 256), 1), (_matrix("Q4_0", 64, 4128), 1)):
         with pytest.raises(IncompatibleError, match="pending norm"):
             k.matvec(W, x, 100, ncols, ldy=64)
@@ -338,74 +327,6 @@ def test_matvec_norm_launches_a_block_per_32_rows():
     for bad, x in ((_matrix("Q4_0", 48, 256), (1, 2)), (_matrix("F16", 64, 256), (1, 2)), (W, out)):
         with pytest.raises(IncompatibleError, match="INGOT_FUSED_NORM=0"):
             _kernels().matvec_norm(bad, x, 100, DeviceBuffer(5000, 4 * 4096, "w_next"), out)
-
-
-def _placed(qtype: str, rows: int, cols: int, at: int, gap: int = 256) -> GpuMatrix:
-    """A matrix whose arrays follow one another from `at`, `gap` bytes apart (the pool's padding)."""
-    arrays = {}
-    for f, n in layout_bytes(qtype, rows, cols).items():
-        arrays[f] = DeviceBuffer(at, n, f)
-        at += n + gap
-    return GpuMatrix(qtype, rows, cols, **arrays)
-
-
-def test_ahead_regions_take_the_same_share_of_every_array():
-    """kernels.ahead_regions: a matrix within the cap is one range (its arrays are neighbours); over the cap, the
-    same leading share of each array, and of both halves of each for a gated [gate; up] (row r is read with row
-    r + rows/2); every range 16-byte aligned and a multiple of 16 bytes; no cap, nothing."""
-    W = _placed("Q4_1", 64, 512, 1 << 20)  # qs 16 KiB, d 2 KiB, m 2 KiB
-    qs, d, m = W.qs, W.d, W.m
-    assert ahead_regions(Ahead(W), 1 << 30) == [(qs.ptr, m.ptr + m.nbytes - qs.ptr)]
-    total = qs.nbytes + d.nbytes + m.nbytes
-    assert ahead_regions(Ahead(W), total // 4) == [(b.ptr, b.nbytes // 4) for b in (qs, d, m)]
-    gated = ahead_regions(Ahead(W, gated=True), total // 4)
-    assert gated == [(b.ptr + h * b.nbytes // 2, b.nbytes // 8) for b in (qs, d, m) for h in (0, 1)]
-    assert ahead_regions(Ahead(W), 0) == [] and ahead_regions(Ahead(W, gated=True), 0) == []
-    odd = _placed("Q4_0", 36, 576, (1 << 20) + 8, gap=AHEAD_GAP + 8)  # unaligned start, d rows of 36 bytes
-    for a in (Ahead(odd), Ahead(odd, gated=True)):
-        for cap in (1000, 5000, 1 << 30):
-            got = ahead_regions(a, cap)
-            assert got and all(p % 16 == 0 and n % 16 == 0 and n > 0 for p, n in got), (a, cap)
-            ends = [(b.ptr, b.ptr + b.nbytes) for b in odd.args()]
-            assert all(any(lo <= p and p + n <= hi for lo, hi in ends) for p, n in got), "a range outside the arrays"
-            assert sum(n for _, n in got) <= cap
-
-
-def test_ahead_regions_keep_the_largest_when_there_are_too_many():
-    """Three Q6_K parts (four arrays each) far apart, over the cap: twelve ranges, the AHEAD_REGIONS largest kept
-    (the quants and high bits; the small scale arrays dropped), in address order."""
-    parts = [_placed("Q6_K", 64, 512, (1 + 4 * i) << 20, gap=AHEAD_GAP + 16) for i in range(3)]
-    got = ahead_regions(Ahead(GpuStack(parts)), 8 << 10)
-    assert len(got) == constants.AHEAD_REGIONS and got == sorted(got)
-    # equal shares: the three sc ranges tie, and the first two by address are kept (a stable sort)
-    assert [p for p, _ in got] == sorted(
-        [P.qs.ptr for P in parts] + [P.qh.ptr for P in parts] + [parts[0].sc.ptr, parts[1].sc.ptr]
-    )
-
-
-def test_one_column_matvecs_carry_ahead_on_sm90_within_the_setting(monkeypatch):
-    """The one-column kernels (matvec_<type>_b1, _b1n) take an Ahead after their other arguments: ahead_regions
-    within INGOT_AHEAD_MB on sm_90+, empty below sm_90 or with INGOT_AHEAD_MB=0. Of a stack, the first part's
-    launch asks; the any-column kernel has no such argument."""
-    nxt = _placed("Q4_0", 256, 1024, 1 << 24)
-    W = _placed("Q4_0", 64, 1024, 1 << 22)
-    monkeypatch.setenv("INGOT_AHEAD_MB", "1")
-    want = ahead_regions(Ahead(nxt), 1 << 20)
-    (launch,) = _kernels(mma=True).matvec(W, (1, 2), 100, 1, ldy=64, ahead=Ahead(nxt))
-    assert _ahead(launch) == want and want
-    norm = _kernels(mma=True).matvec_norm(
-        W, (1, 2), 100, DeviceBuffer(5000, 4 * 64, "w_next"), NormedQ8(1, 2, 3, 1e-5), ahead=Ahead(nxt)
-    )
-    assert _ahead(norm) == want
-    (old,) = _kernels(mma=False).matvec(W, (1, 2), 100, 1, ldy=64, ahead=Ahead(nxt))  # an sm_75
-    assert _ahead(old) == []
-    (wide,) = _kernels(mma=True).matvec(W, (1, 2), 100, 2, ldy=64, ahead=Ahead(nxt))
-    assert not [h for h in wide._held if h.dtype == AHEAD_DTYPE]
-    first, second = _kernels(mma=True).matvec(GpuStack([W, W]), (1, 2), 100, 1, ldy=128, ahead=Ahead(nxt))
-    assert _ahead(first) == want and _ahead(second) == []
-    monkeypatch.setenv("INGOT_AHEAD_MB", "0")
-    (off,) = _kernels(mma=True).matvec(W, (1, 2), 100, 1, ldy=64, ahead=Ahead(nxt))
-    assert _ahead(off) == []
 
 
 def test_the_f16_one_column_kernel_gets_no_norm_arguments():

@@ -21,8 +21,6 @@ from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
 from ingot.runtime.gpu.driver import Copy, DeviceBuffer, Kernel, Launch
 from ingot.runtime.gpu.kernels import (
-    AHEAD_DTYPE,
-    Ahead,
     GpuMatrix,
     Kernels,
     NormedQ8,
@@ -254,31 +252,6 @@ def test_one_sequence_fuses_each_pre_norm_into_the_residual_projection_before_it
     assert readers == [out] * (2 * c.n_layers)  # gate/up of every layer, qkv of every layer but the first, head
     monkeypatch.setenv("INGOT_FUSED_NORM", "0")
     assert kernel_names(e._decode_launches(1)).count("rmsnorm_f32") == 2 * c.n_layers + 1
-
-
-def test_one_sequence_asks_for_the_product_after_next_behind_each_matvec(monkeypatch):
-    """At one sequence every matrix-vector product carries the weights of the product after the next kernel
-    (kernels.Ahead): qkv -> o, o -> gate/up (gated: both halves read in pairs), gate/up -> down, down -> the next
-    layer's qkv, the last down -> the head; the head, the last product of the step, none. On this planned sm_90
-    each one-column launch's Ahead struct holds that matrix, whole (INGOT_AHEAD_MB=1024): its arrays are
-    neighbours in the pool, so one range from its qs to the end of its d. The wide-batch path asks for nothing."""
-    c = config_of(SHAPES["tiny-k"])
-    e = plan_engine(c)
-    monkeypatch.setenv("INGOT_AHEAD_MB", "1024")
-    launches = [s for s in e._decode_launches(1) if isinstance(s, Launch)]
-    L = e.w.layers
-    nxt = [L[i + 1].wqkv if i + 1 < len(L) else e.w.head for i in range(len(L))]
-    mv = [(args[0], kw.get("ahead")) for args, kw in e.k.of("matvec")]
-    assert mv == [x for lw in L for x in ((lw.wqkv, Ahead(lw.wo)), (lw.wgu, Ahead(lw.wdown)))] + [(e.w.head, None)]
-    mn = [(args[0], kw.get("ahead")) for args, kw in e.k.of("matvec_norm")]
-    assert mn == [x for i, lw in enumerate(L) for x in ((lw.wo, Ahead(lw.wgu, gated=True)), (lw.wdown, Ahead(nxt[i])))]
-    structs = [h for s in launches for h in s._held if h.dtype == AHEAD_DTYPE]
-    ranges = [[(int(p), int(n)) for p, n in zip(a["p"], a["n"], strict=True) if n] for a in structs]
-    in_step_order = [W for i, lw in enumerate(L) for W in (lw.wo, lw.wgu, lw.wdown, nxt[i])]
-    assert ranges == [[(W.qs.ptr, W.d.ptr + W.d.nbytes - W.qs.ptr)] for W in in_step_order] + [[]]
-    e.k.calls.clear()
-    e._decode_launches(GEMM_MIN_BATCH)
-    assert not [kw for _, kw in e.k.of("matvec") if kw.get("ahead")] and not e.k.of("matvec_norm")
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,6 @@ from ingot.runtime.gpu.kernels import (
     ACTIVATION_KERNELS,
     GQA_MAX,
     HEAD_DIMS,
-    Ahead,
     Kernels,
     NormedQ8,
     SplitK,
@@ -251,11 +250,7 @@ class _Ops:
         self.L.append(self.k.rmsnorm(x, w, self.n, c.dim, c.norm_eps, **outs))
         return act
 
-    def linear(
-        self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None, ahead: Ahead | None = None
-    ) -> None:
-        """out[n, ld] = W · xin (+ bias). ahead: the weights of the product after the next kernel, which a path may
-        ask into L2 behind this product's reads (kernels.Ahead)."""
+    def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
         raise NotImplementedError
 
     def attention(self, layer: int, lw: LayerWeights) -> Act:
@@ -265,12 +260,10 @@ class _Ops:
         """x (MODE_ADD) or o (MODE_STORE) [n, D] = W · xin."""
         raise NotImplementedError
 
-    def residual(
-        self, W, xin: Act, post_norm: DeviceBuffer | None, then: Norm | None, ahead: Ahead | None = None
-    ) -> Act | None:
+    def residual(self, W, xin: Act, post_norm: DeviceBuffer | None, then: Norm | None) -> Act | None:
         """x += W · xin, or x += rmsnorm(W · xin) * post_norm (post-norm architectures); then the norm `then`
         (weights, and the matrix the result feeds) of the new x, fused into the post-norm add when there is one.
-        Returns that normalized activation (None without `then`). ahead: as linear's."""
+        Returns that normalized activation (None without `then`)."""
         c = self.c
         if post_norm is None:
             self.project(W, xin, MODE_ADD)
@@ -338,10 +331,8 @@ class _MatvecOps(_Ops):
         """W · xin for this batch into out (row stride ld), as the model allows (narrow_mma: matvec_<type>_mma)."""
         self.L += self.k.matvec(W, xin, out, self.n, ldy=ld, narrow=self.e.narrow_mma, **kw)
 
-    def linear(
-        self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None, ahead: Ahead | None = None
-    ) -> None:
-        self._matvec(W, xin, out, ld, bias=bias, ahead=ahead)
+    def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
+        self._matvec(W, xin, out, ld, bias=bias)
 
     def attention(self, layer: int, lw: LayerWeights) -> Act:
         q8 = lw.wo.quantized  # the merge also writes the q8x2 form the output projection reads
@@ -354,25 +345,22 @@ class _MatvecOps(_Ops):
     def project(self, W, xin: Act, mode: int) -> None:
         self._matvec(W, xin, self.x if mode == MODE_ADD else self.o, self.c.dim, mode=mode)
 
-    def residual(
-        self, W, xin: Act, post_norm: DeviceBuffer | None, then: Norm | None, ahead: Ahead | None = None
-    ) -> Act | None:
+    def residual(self, W, xin: Act, post_norm: DeviceBuffer | None, then: Norm | None) -> Act | None:
         """One sequence, pre-norm: x += W · xin with the next norm in the same launch (matvec_<type>_b1n); the
         product reading it applies the norm's scale (NormedQ8). Otherwise as _Ops."""
         if post_norm is None and then is not None and norm_fusable(W, then[1], self.n):
             e = self.e
             out = NormedQ8(e.nq.ptr, e.nd.ptr, e.nss.ptr, self.c.norm_eps)
-            self.L.append(self.k.matvec_norm(W, xin, self.x, then[0], out, ahead=ahead))
+            self.L.append(self.k.matvec_norm(W, xin, self.x, then[0], out))
             return out
         return super().residual(W, xin, post_norm, then)
 
     def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
         e, F = self.e, self.c.ffn_dim
-        ahead = Ahead(wdown)  # behind gate/up's reads: the down projection's first weights
         if wgu.uniform:
-            self._matvec(wgu, xin, e.h.ptr, F, mode=ACTIVATION_MODES[activation], ahead=ahead)
+            self._matvec(wgu, xin, e.h.ptr, F, mode=ACTIVATION_MODES[activation])
         else:  # gate and up in different quant types: no fused epilogue pairs their rows
-            self._matvec(wgu, xin, e.gu.ptr, 2 * F, ahead=ahead)
+            self._matvec(wgu, xin, e.gu.ptr, 2 * F)
             self.L.append(self.k.gated_act(activation, e.gu.ptr, F, self.n, hf=e.h.ptr))
         if not wdown.quantized:
             return e.h.ptr
@@ -404,9 +392,7 @@ class _GemmOps(_Ops):
     def norm_outs(self, W) -> tuple[dict, Act]:
         return {"yh": self.xh}, self.xh
 
-    def linear(
-        self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None, ahead: Ahead | None = None
-    ) -> None:  # (ahead: the GEMMs ask for nothing)
+    def linear(self, W, xin: Act, out: int, ld: int, bias: DeviceBuffer | None = None) -> None:
         assert isinstance(xin, int)
         self.L += self.k.matmul(
             W, xin, out, self.n, ldc=ld, bias=bias, split_k=self.split_k, slice_rows=self.slice_rows
@@ -796,16 +782,13 @@ class CudaEngine:
         h: Act | None = ops.norm(ops.x, layers[0].attn_norm, layers[0].wqkv)
         for i, lw in enumerate(layers):
             assert h is not None  # every residual but the last is followed by a norm
-            # (ahead: the weights of the product after the next kernel, asked into L2 behind this one's reads)
-            ops.linear(lw.wqkv, h, ops.qkv, self.qkv_dim, bias=lw.bqkv, ahead=Ahead(lw.wo))
+            ops.linear(lw.wqkv, h, ops.qkv, self.qkv_dim, bias=lw.bqkv)
             att = ops.attention(i, lw)  # [q, k = rmsnorm per head;] rope; cache write; attention
-            # x += [rmsnorm](Wo att); one gated gate/up product reads gate row r with up row r
-            gu = Ahead(lw.wgu, gated=lw.wgu.uniform)
-            h = ops.residual(lw.wo, att, lw.post_attn_norm, then=(lw.ffn_norm, lw.wgu), ahead=gu)
+            h = ops.residual(lw.wo, att, lw.post_attn_norm, then=(lw.ffn_norm, lw.wgu))  # x += [rmsnorm](Wo att)
             assert h is not None
             f = ops.ffn(lw.wgu, h, a.activation, lw.wdown)  # act(gate h) * (up h)
             nxt = (layers[i + 1].attn_norm, layers[i + 1].wqkv) if i + 1 < len(layers) else head
-            h = ops.residual(lw.wdown, f, lw.post_ffn_norm, then=nxt, ahead=Ahead(nxt[1]) if nxt else None)
+            h = ops.residual(lw.wdown, f, lw.post_ffn_norm, then=nxt)  # x += [rmsnorm](Wdown f)
         return h
 
     def _decode_launches(self, B: int) -> list[Launch]:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,7 +22,6 @@ from ingot.runtime.errors import IncompatibleError
 from ingot.runtime.gpu.archs import installed_kernel_dir
 from ingot.runtime.gpu.compat import decide, driver_from_cuda_int
 from ingot.runtime.gpu.constants import (
-    AHEAD_REGIONS,
     ATT_ONE_SPLIT_PAGES,
     ATT_WARPS,
     CAND_SLOTS,
@@ -745,51 +744,6 @@ class NormedQ8(NamedTuple):
     eps: float
 
 
-@dataclass(frozen=True)
-class Ahead:
-    """The weights of a product that runs after the next kernel, which a one-column matvec asks into L2 once its
-    own reads are issued (cuda/common.cuh struct Ahead): they then stream from DRAM during this kernel's tail, the
-    launch handshake and the small kernel between the two, instead of after them. gated: W stacks [gate; up] and
-    its kernel reads row r with row r + rows/2, so a capped prefetch takes the same share of both halves."""
-
-    W: GpuMatrix | GpuStack
-    gated: bool = False
-
-
-AHEAD_DTYPE = np.dtype([("p", "<u8", (AHEAD_REGIONS,)), ("n", "<u4", (AHEAD_REGIONS,))])  # struct Ahead, 96 bytes
-AHEAD_GAP = 512  # arrays of one matrix this close (DevicePool pads to 256 bytes) make one range
-
-
-def ahead_regions(a: Ahead, cap: int) -> list[tuple[int, int]]:
-    """(address, bytes) ranges of a.W's arrays to ask into L2, sorted, each 16-byte aligned and a multiple of 16
-    bytes (cp.async.bulk.prefetch): at most `cap` bytes in all, the same leading share of every array (and of
-    both halves of each when gated: the rows the first blocks of its kernel read first); a matrix within the cap
-    is whole, its neighbouring arrays one range (with the pool's padding between them); at most AHEAD_REGIONS
-    ranges, the largest kept."""
-    arrays = [buf for part in a.W.parts for buf in part.args() if buf is not None]
-    total = sum(buf.nbytes for buf in arrays)
-    if cap <= 0 or total == 0:
-        return []
-    share = min(1.0, cap / total)
-    halves = 2 if a.gated else 1
-    spans = []
-    for buf in arrays:
-        half = buf.nbytes // halves
-        for h in range(halves):
-            start = buf.ptr + h * half
-            lo, hi = (start + 15) & ~15, (start + int(half * share)) & ~15
-            if hi > lo:
-                spans.append([lo, hi])
-    merged: list[list[int]] = []
-    for lo, hi in sorted(spans):  # whole arrays only: a gap inside an array holds weights nobody asked for
-        if merged and share == 1.0 and lo - merged[-1][1] <= AHEAD_GAP:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    kept = sorted(merged, key=lambda s: s[1] - s[0], reverse=True)[:AHEAD_REGIONS]
-    return [(lo, hi - lo) for lo, hi in sorted(kept)]
-
-
 def norm_fusable(W: GpuMatrix | GpuStack, W_next: GpuMatrix | GpuStack, ncols: int) -> bool:
     """Whether the residual projection x += W · a and the norm after it, read by W_next, run as one
     matvec_<type>_b1n (cuda/matvec.cu): one sequence through the one-column kernels, W one quantized matrix, W_next
@@ -1028,14 +982,12 @@ class Kernels:
         mode: int = MODE_STORE,
         bias: DeviceBuffer | None = None,
         narrow: bool = False,
-        ahead: Ahead | None = None,
     ) -> list[Launch]:
         """y[c, :] (op)= W · x[c, :] for c < ncols. x is (xq, xd) q8x2 for quantized W, fp32 for F16 W, or a
         NormedQ8 (one column: the fused norm's output, norm_fusable). Gated modes (MODE_SWIGLU, MODE_GEGLU): W stacks
         [gate; up] in one matrix and y gets act(gate·x) * (up·x), rows/2 outputs per column. A GpuStack gets one
         launch per part, writing its rows at the part's offset. narrow: the model allows matvec_<type>_mma
-        (narrow_mma_model; narrow_mma_kernel decides per matrix). ahead: the weights the one-column kernel asks
-        into L2 after its main loop (the first part's launch; ahead_arg)."""
+        (narrow_mma_model; narrow_mma_kernel decides per matrix)."""
         if mode in GATED_MODES and len(W.parts) > 1:
             raise IncompatibleError(
                 f"a gated matvec needs [gate; up] in one matrix, got a stack of {[p.qtype for p in W.parts]}",
@@ -1062,9 +1014,8 @@ class Kernels:
             else:
                 per_block = MATVEC_ROWS_PER_BLOCK // 2 if mode in GATED_MODES else MATVEC_ROWS_PER_BLOCK
                 grid, threads = ((rows + per_block - 1) // per_block, (ncols + MATVEC_COLS - 1) // MATVEC_COLS), 128
-            # the one-column kernel's fused-norm arguments: the partial sums (null: none) and eps; its Ahead
+            # the one-column kernel's fused-norm arguments: the partial sums (null: none) and eps
             b1 = [x.ss, f32(x.eps)] if normed else [None, f32(0.0)]
-            b1.append(self.ahead_arg(ahead if offset == 0 else None))
             launches.append(
                 Launch(
                     kernel,
@@ -1090,18 +1041,11 @@ class Kernels:
         return launches
 
     def matvec_norm(
-        self,
-        W: GpuMatrix,
-        x,
-        resid: int,
-        w_next: DeviceBuffer,
-        out: NormedQ8,
-        bias: DeviceBuffer | None = None,
-        ahead: Ahead | None = None,
+        self, W: GpuMatrix, x, resid: int, w_next: DeviceBuffer, out: NormedQ8, bias: DeviceBuffer | None = None
     ) -> Launch:
         """resid[:] += W · x (one column, x q8x2), then the next norm's input as `out` reads it: q8x2(resid * w_next)
         into (out.xq, out.xd) and the sums of squares of resid's 32-value blocks into out.ss (matvec_<type>_b1n,
-        one block of MATVEC_NORM_WARPS warps per 32 rows). Only where norm_fusable said so. ahead: as matvec's."""
+        one block of MATVEC_NORM_WARPS warps per 32 rows). Only where norm_fusable said so."""
         if not (W.quantized and W.rows % QK == 0 and W.rows <= MATVEC_NORM_MAX) or isinstance(x, NormedQ8):
             raise IncompatibleError(
                 f"matvec_norm takes a quantized matrix of at most {MATVEC_NORM_MAX} rows in whole blocks of 32 and "
@@ -1110,17 +1054,8 @@ class Kernels:
             )
         kernel = self.k[f"matvec_{W.qtype.lower()}_b1n"]
         args = [*W.args(), *x, bias, resid, i32(W.rows), i32(W.cols), w_next, out.xq, out.xd, out.ss]
-        args += [i32(matvec_pdl_flags(kernel.pdl, W)), self.ahead_arg(ahead)]
+        args.append(i32(matvec_pdl_flags(kernel.pdl, W)))
         return Launch(kernel, (W.rows // QK,), 32 * MATVEC_NORM_WARPS, args, smem=self.norm_smem[W.qtype])
-
-    def ahead_arg(self, ahead: Ahead | None) -> np.void:
-        """The one-column matvecs' Ahead argument: ahead's ranges (ahead_regions) within INGOT_AHEAD_MB, on sm_90+
-        (cp.async.bulk); all empty otherwise (the kernel then asks for nothing)."""
-        arg = np.zeros((), AHEAD_DTYPE)
-        if ahead is not None and self.device.info.cc >= 90:
-            for i, (ptr, n) in enumerate(ahead_regions(ahead, settings.AHEAD_MB.get() << 20)):
-                arg["p"][i], arg["n"][i] = ptr, n
-        return cast(np.void, arg[()])
 
     def quantize(self, x: int, xq: int, xd: int, n_values: int) -> Launch:
         """x fp32 [n_values] -> q8x2: xq int8 [2 * n_values], xd float4 [n_values / 32] (cuda/common.cuh)."""

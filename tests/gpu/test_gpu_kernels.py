@@ -21,7 +21,6 @@ from ingot.runtime.engines.cuda_weights import _alloc_matrix
 from ingot.runtime.gpu import constants as K
 from ingot.runtime.gpu.driver import Launch
 from ingot.runtime.gpu.kernels import (
-    AHEAD_DTYPE,
     MATMUL2_TILE_ROWS,
     MATMUL2R_TILE_ROWS,
     MATMUL2R_TYPES,
@@ -31,7 +30,6 @@ from ingot.runtime.gpu.kernels import (
     MATVEC_MMA_MIN_COLS,
     SAMPLE_CHUNK,
     SUPERBLOCK_TYPES,
-    Ahead,
     GpuMatrix,
     GpuStack,
     NormedQ8,
@@ -374,35 +372,6 @@ def test_matvec_norm_adds_the_residual_and_writes_the_next_norm_input(gpu, rng, 
     ss = gpu.get(out.ss, np.float32, (rows // 32,))
     ss_ref = (got.astype(np.float64).reshape(-1, 32) ** 2).sum(axis=1)
     assert np.allclose(ss, ss_ref, rtol=1e-6)
-
-
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
-def test_one_column_matvecs_asking_ahead_write_the_same_bits(gpu, rng, monkeypatch, qtype):
-    """An Ahead (kernels.ahead_regions of another matrix: whole, capped, gated halves) only asks L2 for bytes
-    (cp.async.bulk.prefetch.L2 after the main loop), so matvec_<type>_b1 and _b1n write exactly what they write
-    with an empty one, and nothing faults; on sm_90+, where the host fills it (below, it stays empty)."""
-    cols = width(qtype, 4096)
-    W, _ = make_weight(gpu, rng, qtype, 96, cols)
-    nxt, _ = make_weight(gpu, rng, qtype, 2 * 1000, cols)  # a [gate; up] of 1000 rows a half
-    xin, _ = _activation(gpu, W, rng.standard_normal((1, cols)).astype(np.float32))
-    resid = rng.standard_normal(96).astype(np.float32)
-    w_next = gpu.put(rng.uniform(0.5, 1.5, 96).astype(np.float32))
-    outs = {}
-    for mb in ("0", "1", "1024"):
-        monkeypatch.setenv("INGOT_AHEAD_MB", mb)
-        for gated in (False, True):
-            y, x = gpu.empty(4 * 96), gpu.put(resid)
-            (mv,) = gpu.k.matvec(W, xin, y.ptr, 1, ldy=96, ahead=Ahead(nxt, gated=gated))
-            out = NormedQ8(gpu.empty(2 * 96).ptr, gpu.empty(16 * 3).ptr, gpu.empty(4 * 3).ptr, 1e-5)
-            mn = gpu.k.matvec_norm(W, xin, x.ptr, w_next, out, ahead=Ahead(nxt, gated=gated))
-            for launch in (mv, mn):
-                (a,) = [h for h in launch._held if h.dtype == AHEAD_DTYPE]
-                assert bool(a["n"].any()) == (mb != "0" and gpu.dev.info.cc >= 90), (mb, launch.kernel.name)
-            _run_steps(gpu, [mv, mn])
-            outs[mb, gated] = [gpu.get(y, np.float32, (96,)), gpu.get(x, np.float32, (96,))]
-            outs[mb, gated] += [gpu.get(out.xq, np.int8, (3, 64)), gpu.get(out.ss, np.float32, (3,))]
-    for key, got in outs.items():
-        assert all(np.array_equal(g, w) for g, w in zip(got, outs["0", False], strict=True)), key
 
 
 def test_matvec_norm_runs_one_block_an_sm_under_pdl(gpu):
