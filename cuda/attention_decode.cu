@@ -39,8 +39,7 @@
 
 // Dynamic shared memory of the block, in this order (Kernels.decode_smem computes the same total):
 //   sK, sV    fp16 [PAGE][HD + 8]     the staged page
-//   sq        fp32 [GMAX * 256]       q heads [G][HD]; after the key loop the P.V key groups [KG][GMAX][HD];
-//                                     in the merge, the weights [GMAX][MAX_SPLITS]
+//   sq        fp32 [GMAX * 256]       q heads [G][HD]; after the key loop the P.V key groups [KG][GMAX][HD]
 //   sk, sv    fp32 [HD] each          the new key (normed, rotated) and value
 //   snq, snk  fp32 [HD] each          the q and k norm weights
 //   scs       float2 [HD / 2]         the position's RoPE (cos, sin)
@@ -67,7 +66,6 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     constexpr int KG = NT / HP;                   // P.V key groups: 4, 2, 1 (KG * HD == 256)
     constexpr bool MMA = DECODE_MMA && HD <= 128; // the tensor-core page (below); hd 256 and sm_75 the FMA one
     static_assert(PAGE == WARP && PAGE * CPR % NT == 0 && NT % HP == 0 && KG * HD == 256, "decode geometry");
-    static_assert(MAX_SPLITS % WARP == 0 && MAX_SPLITS <= 256, "the merge weights: whole warps, within sq");
     static_assert(GMAX * HD * 4 <= PAGE * ROW * 2, "the merged outputs fit over sK");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __half* sK = reinterpret_cast<__half*>(smem_raw);
@@ -79,7 +77,6 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     float* snk = snq + HD;
     float2* scs = reinterpret_cast<float2*>(snk + HD);
     float* sp = reinterpret_cast<float*>(scs + HD / 2);
-    float* sw = sq;                               // (the merge runs after the partials are written)
     float* scorr = sp + GMAX * PAGE;
     float* sl = scorr + GMAX;
     float* sm = sl + GMAX;
@@ -372,45 +369,48 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    constexpr int SPL = MAX_SPLITS / WARP;        // splits per lane in the weights
-    for (int g = warp; g < G; g += ATT_WARPS) {   // weights e_s / L per (head, split): lane takes s = lane + 32j
-        const size_t ph = ((size_t)b * H + (size_t)kvh * G + g) * S;
-        float2 ml[SPL];
-        float mx = NEG_BIG;
-#pragma unroll
-        for (int j = 0; j < SPL; j++) {
-            const int s = lane + j * WARP;
-            ml[j] = s < active ? __ldcg(part_ml + ph + s) : make_float2(NEG_BIG, 0.0f);
-            mx = fmaxf(mx, ml[j].x);
-        }
-        const float M = warp_max(mx);
-        float e[SPL], l = 0.0f;
-#pragma unroll
-        for (int j = 0; j < SPL; j++) { e[j] = __expf(ml[j].x - M); l += ml[j].y * e[j]; }
-        const float L = warp_sum(l);
-#pragma unroll
-        for (int j = 0; j < SPL; j++) sw[g * MAX_SPLITS + lane + j * WARP] = e[j] / L;
-    }
-    __syncthreads();
-    // The weighted sum over the splits, four outputs (a float4 of one head's partials) a thread, eight splits'
-    // loads in flight: the merge is L2 round trips (32 splits: 4 of them, not one per split and output), into
-    // smerge [G][HD] (over sK: the pages are done), then emitted in the warps' order the quantizer needs.
+    // The merge: out[g][d] = sum_s e^(m_s - M) acc_s[g][d] / sum_s e^(m_s - M) l_s over the active splits (M: their
+    // largest m). It is L2 round trips (the partials were just written by the other blocks) on one SM, so thread t
+    // takes float4 columns f = t, t + NT, .. of the G*HD/4 and folds the splits in rounds of MERGE_U (16): the round's
+    // partials and (m, l) are loaded first, then its max M' (with the running M), one rescale of the running sums by
+    // e^(M - M'), and its MERGE_U terms e^(m_s - M'), independent of one another. 64 splits are 4 round trips, with
+    // no pass over the (m, l) first (v8 took one, then 8 rounds of 8: 4.6 us of the 8B's 4,096-key launch, PERF.md
+    // v29). No branch inside a round: the slots past the last split load the last split again and weigh 0, because a
+    // `break` there let ptxas sink each load to its use (one round trip a split, 15 us: PERF.md v30).
+    // Into smerge [G][HD] (over sK: the pages are done), then emitted in the warps' order the quantizer needs.
     float* smerge = reinterpret_cast<float*>(sK);
     const size_t ph0 = ((size_t)b * H + (size_t)kvh * G) * S;
     for (int f = tid; f < G * HD / 4; f += NT) {
         const int g = 4 * f / HD, d = 4 * f % HD;
         const float4* src = reinterpret_cast<const float4*>(part_acc + (ph0 + (size_t)g * S) * HD + d);
-        const float* w = sw + g * MAX_SPLITS;
+        const float2* mls = part_ml + ph0 + (size_t)g * S;
         float4 m = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-        for (int s = 0; s < active; s++) {
-            const float4 v = __ldcg(src + (size_t)s * (HD / 4));
-            m.x += w[s] * v.x;
-            m.y += w[s] * v.y;
-            m.z += w[s] * v.z;
-            m.w += w[s] * v.w;
+        float M = NEG_BIG, L = 0.0f;
+        for (int s0 = 0; s0 < active; s0 += MERGE_U) {
+            float4 v[MERGE_U];
+            float2 ml[MERGE_U];
+#pragma unroll
+            for (int j = 0; j < MERGE_U; j++) {
+                const int s = min(s0 + j, active - 1);
+                v[j] = __ldcg(src + (size_t)s * (HD / 4));
+                ml[j] = __ldcg(mls + s);
+            }
+            float Mr = M;
+#pragma unroll
+            for (int j = 0; j < MERGE_U; j++) Mr = fmaxf(Mr, ml[j].x);   // (a repeated last split: max unchanged)
+            const float c = __expf(M - Mr);
+            m = make_float4(m.x * c, m.y * c, m.z * c, m.w * c);
+            L *= c;
+#pragma unroll
+            for (int j = 0; j < MERGE_U; j++) {
+                const float e = s0 + j < active ? __expf(ml[j].x - Mr) : 0.0f;
+                m = make_float4(m.x + e * v[j].x, m.y + e * v[j].y, m.z + e * v[j].z, m.w + e * v[j].w);
+                L += e * ml[j].y;
+            }
+            M = Mr;
         }
-        *reinterpret_cast<float4*>(smerge + 4 * f) = m;
+        const float inv = 1.0f / L;
+        *reinterpret_cast<float4*>(smerge + 4 * f) = make_float4(m.x * inv, m.y * inv, m.z * inv, m.w * inv);
     }
     __syncthreads();
     for (int i = tid; i < G * HD; i += NT) emit(i, smerge[i]);
@@ -422,7 +422,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
 // between them by name: qkv [B, (H + 2 Hkv) hd] as the qkv product wrote it (q, k not yet normed or rotated);
 // rope: the layer's table [positions, rope_dim/2] (cos, sin); pos[b] = the new token's position; part_acc
 // [B, H, S, hd], part_ml [B, H, S]; counters [B * Hkv] zero-initialized once, left zeroed after each launch;
-// q_norm, k_norm [hd] or null (no qk-norm). Launch bound: 4 blocks per SM on sm_90 (124 registers with the
+// q_norm, k_norm [hd] or null (no qk-norm). Launch bound: 4 blocks per SM on sm_90 (127 registers with the
 // tensor-core page, no spill there), so a long context's grid (Kernels.attn_decode_splits, decode_splits) runs
 // twice the warps an SM that 2 blocks did; 3 elsewhere (170 registers at most: at 128 sm_100/sm_120 spilled
 // 12-20 bytes, sm_75 at 96).

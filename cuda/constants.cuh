@@ -32,7 +32,8 @@
 #define ATT_WARPS           4     // warps per attention block
 #define ATT_QPW             4     // prefill attention: queries per warp
 #define ATT_ONE_SPLIT_PAGES 2     // decode attention: keys on at most this many pages run as one split (no merge)
-#define MAX_SPLITS          64    // split-KV partials per (sequence, head): v8's merge takes MAX_SPLITS / 32 a lane
+#define MAX_SPLITS          64    // split-KV partials per (sequence, head) that v8's decode attention merges
+#define MERGE_U             16    // decode attention's merge: splits' partials loaded a round, before any is used
 #define SAMPLE_THREADS      1024  // threads per sampling block
 #define PREP_THREADS        256   // threads per sample_prep_f32 block (one chunk of a large vocabulary)
 #define CAND_SLOTS          4     // sample_f32, top-k over chunks: candidate logits kept per thread

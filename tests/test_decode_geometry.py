@@ -4,7 +4,7 @@ decode_split_ranges mirrors what cuda/attention_decode.cu derives from pos[b] on
 properties the kernel relies on (the active splits partition the visible keys [lo, pos], each holds at least one
 key, there are never more than the grid's splits, the last one holds pos and so writes the new k, v), and
 replay the kernel's arithmetic — per-page online softmax, P.V key groups, per-split partials, the merge's
-weights — in float64 numpy against a direct softmax, so an algebra slip shows here before it reaches a device.
+running fold — in float64 numpy against a direct softmax, so an algebra slip shows here before it reaches a device.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ingot.runtime.gpu.constants import ATT_ONE_SPLIT_PAGES, MAX_SPLITS, PAGE
+from ingot.runtime.gpu.constants import ATT_ONE_SPLIT_PAGES, MAX_SPLITS, MERGE_U, PAGE
 from ingot.runtime.gpu.kernels import (
     SAMPLE_CHUNK,
     SAMPLE_PREP_MIN_V,
@@ -106,9 +106,19 @@ def _kernel_math(q, k, v, ranges, hd):
     if len(partials) == 1:
         _, lsum, a = partials[0]
         return a / lsum[:, None]
-    M = np.max([m for m, _, _ in partials], axis=0)
-    L = sum(ls * np.exp(m - M) for m, ls, _ in partials)
-    return sum((np.exp(m - M) / L)[:, None] * a for m, _, a in partials)
+    # the merge: rounds of MERGE_U splits, each rescaling the running sums once to the round's max, then adding
+    # its terms (slots past the last split repeat it with weight 0: they change nothing and are left out here)
+    M, L, out = np.full(G, -1e30), np.zeros(G), np.zeros((G, hd))
+    for r in range(0, len(partials), MERGE_U):
+        round_ = partials[r : r + MERGE_U]
+        M_round = np.max([M, *(m for m, _, _ in round_)], axis=0)
+        c = np.exp(M - M_round)
+        out, L = out * c[:, None], L * c
+        for m, ls, a in round_:
+            e = np.exp(m - M_round)
+            out, L = out + e[:, None] * a, L + e * ls
+        M = M_round
+    return out / L[:, None]
 
 
 @pytest.mark.parametrize("hd", [64, 128, 256])

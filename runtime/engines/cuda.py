@@ -633,6 +633,13 @@ class CudaEngine:
         if kv_pages is None:
             want = self.max_seqs * self.max_pages
             free, _ = self.dev.memory()
+            one_seq = 2 * c.n_layers * self.max_pages * page_bytes  # k and v of every layer, one sequence's pages
+            if one_seq > free:  # (refused before any allocation: the OOM would come layers in, after seconds)
+                raise UsageError(
+                    f"a {self.max_ctx:,}-token context needs {one_seq / 2**30:,.1f} GiB of KV cache a sequence on "
+                    f"the GPU, more than the {free / 2**30:,.1f} GiB free on {self.dev.info.name}",
+                    hint="ask for fewer tokens of context",
+                )
             budget = int(settings.KV_FRACTION.get() * free)
             kv_pages = max(self.max_pages, min(want, budget // (2 * c.n_layers * page_bytes)))
         self.pages = PagePool(kv_pages, PAGE, prefix_cache=self.prefix_cache)

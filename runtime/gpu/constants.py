@@ -42,7 +42,8 @@ SHARED: dict[str, tuple[int, str]] = {
     "ATT_WARPS": (4, "warps per attention block"),
     "ATT_QPW": (4, "prefill attention: queries per warp"),
     "ATT_ONE_SPLIT_PAGES": (2, "decode attention: keys on at most this many pages run as one split (no merge)"),
-    "MAX_SPLITS": (64, "split-KV partials per (sequence, head): v8's merge takes MAX_SPLITS / 32 a lane"),
+    "MAX_SPLITS": (64, "split-KV partials per (sequence, head) that v8's decode attention merges"),
+    "MERGE_U": (16, "decode attention's merge: splits' partials loaded a round, before any is used"),
     "SAMPLE_THREADS": (1024, "threads per sampling block"),
     "PREP_THREADS": (256, "threads per sample_prep_f32 block (one chunk of a large vocabulary)"),
     "CAND_SLOTS": (4, "sample_f32, top-k over chunks: candidate logits kept per thread"),
@@ -80,6 +81,7 @@ PREFILL_QUERIES = SHARED["ATT_WARPS"][0] * SHARED["ATT_QPW"][0]
 ATT_WARPS = SHARED["ATT_WARPS"][0]
 PREFILL_MMA_ROWS = 16 * ATT_WARPS  # tensor-core prefill: one m16 tile of packed query rows per warp (BQ there)
 MAX_SPLITS = SHARED["MAX_SPLITS"][0]
+MERGE_U = SHARED["MERGE_U"][0]
 ATT_ONE_SPLIT_PAGES = SHARED["ATT_ONE_SPLIT_PAGES"][0]
 SAMPLE_THREADS = SHARED["SAMPLE_THREADS"][0]
 PREP_THREADS = SHARED["PREP_THREADS"][0]

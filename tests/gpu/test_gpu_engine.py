@@ -30,6 +30,7 @@ from tiny_models import VARIANTS, write_model
 from ingot.runtime import settings
 from ingot.runtime.engines.base import PrefillChunk
 from ingot.runtime.engines.cpu import CpuEngine
+from ingot.runtime.errors import UsageError
 from ingot.runtime.gpu.kernels import norm_fusable
 from ingot.runtime.model.gguf import load_model
 from ingot.runtime.sampling import SamplingParams
@@ -456,3 +457,15 @@ def test_prompt_of_three_chunks_prefilled_for_sampling_matches_cpu(engines):
     finally:
         cpu.release(c)
         gpu.release(g)
+
+
+def test_a_context_whose_kv_cache_exceeds_the_gpu_is_refused_before_any_allocation(tmp_path):
+    """A sequence's KV cache larger than the GPU's free memory is a usage error (exit 2 in the CLI) naming the
+    context and the GiB, raised before the cache is allocated: `ingot bench -d 100000000` used to allocate layer
+    after layer until the driver's out-of-memory error. A context that fits still opens."""
+    from ingot.runtime.engines.cuda import CudaEngine
+
+    model = load_model(write_model(tmp_path / "m.gguf", "q4_0-tied"))
+    with pytest.raises(UsageError, match=r"a 1,000,000,000,000-token context needs [\d,.]+ GiB of KV cache"):
+        CudaEngine(model, max_seqs=1, max_ctx=10**12)
+    CudaEngine(model, max_seqs=1, max_ctx=4096).close()
