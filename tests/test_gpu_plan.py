@@ -17,15 +17,18 @@ import pytest
 
 from ingot.runtime.engines.cuda import GPU_ARCHITECTURES, PREFILL_CHUNK, CudaEngine, _PassPlan, layer_matrix_bytes
 from ingot.runtime.engines.cuda_weights import GpuWeights, LayerWeights
-from ingot.runtime.errors import IncompatibleError
+from ingot.runtime.errors import IncompatibleError, UsageError
+from ingot.runtime.gpu import kernels as kernels_module
 from ingot.runtime.gpu.constants import MODE_ADD, MODE_GEGLU, MODE_STORE, MODE_SWIGLU
 from ingot.runtime.gpu.driver import Copy, DeviceBuffer, Kernel, Launch
 from ingot.runtime.gpu.kernels import (
+    MODULES,
     GpuMatrix,
     Kernels,
     NormedQ8,
     SplitK,
     decode_gemm_min_batch,
+    kernel_images,
     mark_pdl,
     narrow_mma_model,
 )
@@ -885,3 +888,30 @@ def test_a_small_model_runs_three_to_eight_sequences_through_the_tensor_core_mat
         narrow = kernel_names(e._decode_launches(B))
         assert narrow.count("matvec_q4_1_mma") == 4 * c.n_layers + 1 == plain[B].count("matvec_q4_1")
         assert [n.replace("matvec_q4_1_mma", "matvec_q4_1") for n in narrow] == plain[B]
+
+
+def test_a_kernel_folder_named_in_INGOT_KERNELS_must_exist_and_be_whole(tmp_path, monkeypatch):
+    """--device auto falls back to the CPU engine on an IncompatibleError (an install built without nvcc), so a
+    folder named in INGOT_KERNELS that is absent or incomplete is a usage error (exit 2) instead: a mistyped
+    INGOT_KERNELS turned `ingot bench` on an H100 into a silent CPU run (58 tok/s, PERF.md v33)."""
+    monkeypatch.setenv("INGOT_KERNELS", str(tmp_path / "nope"))
+    with pytest.raises(UsageError, match=r"^INGOT_KERNELS \S*nope: no such folder"):
+        kernel_images()
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "matvec.fatbin").write_bytes(b"\0")
+    monkeypatch.setenv("INGOT_KERNELS", str(part))
+    with pytest.raises(UsageError, match=r"^INGOT_KERNELS \S*part lacks .*norm\.fatbin") as e:
+        kernel_images()
+    assert "matvec.fatbin" not in str(e.value) and "ingot build --out" in e.value.hint
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    for m in MODULES:
+        (whole / f"{m}.fatbin").write_bytes(m.encode())
+    monkeypatch.setenv("INGOT_KERNELS", str(whole))
+    assert kernel_images() == {m: m.encode() for m in MODULES}
+    # unnamed, an install without fatbins stays an IncompatibleError: what --device auto falls back on
+    monkeypatch.delenv("INGOT_KERNELS")
+    monkeypatch.setattr(kernels_module, "installed_kernel_dir", lambda: part)
+    with pytest.raises(IncompatibleError, match="GPU kernels missing from"):
+        kernel_images()
