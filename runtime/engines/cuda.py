@@ -633,7 +633,8 @@ class CudaEngine:
         if kv_pages is None:
             want = self.max_seqs * self.max_pages
             free, _ = self.dev.memory()
-            one_seq = 2 * c.n_layers * self.max_pages * page_bytes  # k and v of every layer, one sequence's pages
+            per_page = 2 * c.n_layers * page_bytes  # k and v of every layer
+            one_seq = self.max_pages * per_page
             if one_seq > free:  # (refused before any allocation: the OOM would come layers in, after seconds)
                 raise UsageError(
                     f"a {self.max_ctx:,}-token context needs {one_seq / 2**30:,.1f} GiB of KV cache a sequence on "
@@ -641,7 +642,7 @@ class CudaEngine:
                     hint="ask for fewer tokens of context",
                 )
             budget = int(settings.KV_FRACTION.get() * free)
-            kv_pages = max(self.max_pages, min(want, budget // (2 * c.n_layers * page_bytes)))
+            kv_pages = max(self.max_pages, min(want, budget // per_page))
         self.pages = PagePool(kv_pages, PAGE, prefix_cache=self.prefix_cache)
         self.kv_pages_total = kv_pages
         self.k_cache = [self.pool.alloc(kv_pages * page_bytes, f"k cache {i}") for i in range(c.n_layers)]

@@ -775,22 +775,21 @@ def matvec_pdl_flags(pdl: bool, W: GpuMatrix) -> int:
     return (PDL_PREFETCH if settings.WEIGHT_PREFETCH.get() else 0) | (PDL_LATE if late else 0)
 
 
-def kernel_images(kernel_dir: Path | None = None) -> dict[str, bytes]:
-    """Fatbins for running a bare GGUF without a bundle: kernel_dir, else $INGOT_KERNELS (a folder of
-    fatbins, e.g. `ingot build --out DIR`), else the ones `pip install` built (ingot/runtime/fatbins).
-    A folder someone named (kernel_dir, INGOT_KERNELS) that is absent or incomplete is a usage error: --device
-    auto falls back to the CPU engine only on an IncompatibleError (a CPU-only install), and a mistyped
-    INGOT_KERNELS must not turn a GPU run into a silent CPU one."""
-    named = kernel_dir or settings.KERNELS.get()
+def kernel_images() -> dict[str, bytes]:
+    """Fatbins for running a bare GGUF without a bundle: $INGOT_KERNELS (a folder of fatbins, e.g. `ingot build
+    --out DIR`), else the ones `pip install` built (ingot/runtime/fatbins). A folder named in INGOT_KERNELS that
+    is absent or incomplete is a usage error: --device auto falls back to the CPU engine only on an
+    IncompatibleError (a CPU-only install), and a mistyped INGOT_KERNELS must not turn a GPU run into a silent
+    CPU one."""
+    named = settings.KERNELS.get()
     kdir = Path(named or installed_kernel_dir())
-    what = "INGOT_KERNELS" if named and not kernel_dir else "the kernel folder"
     if named and not kdir.is_dir():
-        raise UsageError(f"{what} {kdir}: no such folder", hint="name the output of `ingot build --out DIR`")
+        raise UsageError(f"INGOT_KERNELS {kdir}: no such folder", hint="name the output of `ingot build --out DIR`")
     images = {p.stem: p.read_bytes() for p in sorted(kdir.glob("*.fatbin"))}
     missing = [m for m in MODULES if m not in images]
     if missing and named:
         raise UsageError(
-            f"{what} {kdir} lacks {', '.join(f'{m}.fatbin' for m in missing)}",
+            f"INGOT_KERNELS {kdir} lacks {', '.join(f'{m}.fatbin' for m in missing)}",
             hint=f"rebuild it with `ingot build --out {kdir}`",
         )
     if missing:
