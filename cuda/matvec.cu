@@ -156,8 +156,24 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
     }
 }
 
+// matvec_<type>_b1n's blocks per row and lane in flight. It runs one 16-warp block an SM under PDL
+// (Kernels.norm_smem), so each lane's chain of nb / 32 dependent weight round trips sets its time (the 8B's down:
+// 14). A row of at least MVN_WIDE_BLOCKS blocks (every lane has two or more) takes two blocks a step, which with a
+// one-block register bound (111 registers at Q4_0, sm_90a) issues both blocks' loads before the first product;
+// shorter rows keep one. Two blocks a step for every row (H100, cuda/PERF.md v33) made the 8B's b1n launches 9.1
+// -> 8.6 us and tg128 +4%, and SmolLM2's (rows of 18 and 48 blocks) 2.6 -> 2.9 us, tg128 -3%; this split (wide
+// rows only) on the H200 (v34): 8B tg128 +2.6%, @ d4096 +2.3%, the SmolLM2 shape within its noise.
+// Only sm_90 takes it: measured there; at sm_75 / sm_80 / sm_120, without a register bound, the two-block
+// path spills 4-20 bytes in some types, so those keep one block a step until a GPU of theirs measures it.
+#define MVN_WIDE_BLOCKS (2 * WARP)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define MVN_WIDE 1
+#else
+#define MVN_WIDE 0
+#endif
+
 // The main loop: acc[s][c] = row rr[s] of W times column c0 + c of x, this lane's share of the blocks.
-template <typename W, int NC>
+template <typename W, int NC, int UN = 0>
 __device__ __forceinline__ void dot_rows(const W& w, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
                                          int cols, int c0, const long long r[2], const bool ok[2],
                                          float (&acc)[2][NC]) {
@@ -173,7 +189,7 @@ __device__ __forceinline__ void dot_rows(const W& w, const int8_t* __restrict__ 
     const long long rr[2] = {r[0], FREE && !ok[1] ? r[0] : r[1]};
     // U blocks per row in flight per lane before the first use: decode is bound by how many bytes are in
     // flight to DRAM, not by arithmetic (fewer for wide batches, whose activation loads take the registers).
-    constexpr int U = NC <= 2 ? W::UNROLL : (W::UNROLL > 1 ? W::UNROLL / 2 : 1);
+    constexpr int U = UN > 0 ? UN : NC <= 2 ? W::UNROLL : (W::UNROLL > 1 ? W::UNROLL / 2 : 1);
     for (int kb0 = lane; kb0 < nb; kb0 += U * WARP) {
         typename W::Block wb[U][2];
 #pragma unroll
@@ -186,6 +202,17 @@ __device__ __forceinline__ void dot_rows(const W& w, const int8_t* __restrict__ 
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int kb = kb0 + u * WARP;
+            if constexpr (FREE && U > 1) {
+                // No branch: a block past the row's end (u > 0 only) re-reads the last one and adds 0. A `break`
+                // here let ptxas sink block u's loads below it, to their use: one round trip a block, U or not.
+                const XBlock x = load_x(xq, xd, cols, c0, min(kb, nb - 1));
+#pragma unroll
+                for (int s = 0; s < 2; s++) {
+                    const float d = W::dot(wb[u][s], x);
+                    acc[s][0] += kb < nb ? d : 0.0f;
+                }
+                continue;
+            }
             if (kb >= nb) break;
 #pragma unroll
             for (int c = 0; c < NC; c++) {
@@ -239,7 +266,8 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
         if (bias) { b0 = bias[r[0]]; b1 = bias[r[1]]; }
     }
     float acc[2][1] = {};
-    dot_rows<W, 1>(w, xq, xd, cols, 0, r, ok, acc);
+    if (MVN_WIDE && cols / QK >= MVN_WIDE_BLOCKS) dot_rows<W, 1, 2>(w, xq, xd, cols, 0, r, ok, acc);   // (block-uniform)
+    else dot_rows<W, 1>(w, xq, xd, cols, 0, r, ok, acc);
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
     const float v0 = warp_sum(acc[0][0]), v1 = warp_sum(acc[1][0]);
     if (lane == 0) {
@@ -268,18 +296,18 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
 // Three kernels per type:
 //   matvec_<type>     any number of columns; each block takes MV_COLS of them (blockIdx.y), the last group fewer.
 //   matvec_<type>_b1n a residual projection at one column with the next norm fused (above), MVN_WARPS warps a
-//                     block; it asks for the registers of matvec_<type>_b1's B1_BLOCKS (at least one block).
+//                     block; it asks for one block's registers an SM (sm_90: what its grid gets under PDL).
 //   matvec_<type>_b1  exactly one column: single-stream decode, the case tg128 measures. A kernel's register
 //                     count is that of its widest path, so the 4-column loop's needs (72-102 registers on sm_90
 //                     uncapped) would set the one-column case's occupancy too. Alone, one column runs at 6-8
 //                     blocks of 4 warps per SM (64-80 registers) with every weight load of a step issued before
 //                     the first wait: one DRAM round trip per step (v7's K-quants took two, see matvec_q).
-// The blocks per SM each asks for are the type's BLOCKS and B1_BLOCKS (weights.cuh), chosen on sm_90. Other
+// The blocks per SM the others ask for are the type's BLOCKS and B1_BLOCKS (weights.cuh), chosen on sm_90. Other
 // archs allocate registers differently (the same caps spill 50-450 bytes per thread on sm_75..sm_120), so there
 // ptxas keeps its own choice; the one-column kernel still leaves out the wide loop's registers.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 #define MV_BOUNDS(N) __launch_bounds__(MV_WARPS * WARP, N)
-#define MVN_BOUNDS(N) __launch_bounds__(MVN_WARPS * WARP, (N) * MV_WARPS / MVN_WARPS > 0 ? (N) * MV_WARPS / MVN_WARPS : 1)
+#define MVN_BOUNDS(N) __launch_bounds__(MVN_WARPS * WARP, 1)   // (N unused: one block an SM, see above)
 #else
 #define MV_BOUNDS(N) __launch_bounds__(MV_WARPS * WARP)
 #define MVN_BOUNDS(N) __launch_bounds__(MVN_WARPS * WARP)

@@ -345,12 +345,14 @@ def test_matvec_one_column_kernel_matches_the_any_column_kernel(gpu, rng, monkey
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED)
-@pytest.mark.parametrize("rows,cols", [(32, 256), (96, 768), (4064, 4096), (544, 14336)])
+@pytest.mark.parametrize("rows,cols", [(32, 256), (96, 768), (96, 2336), (4064, 4096), (544, 14336)])
 def test_matvec_norm_adds_the_residual_and_writes_the_next_norm_input(gpu, rng, qtype, rows, cols):
     """matvec_<type>_b1n (cuda/matvec.cu, the fused norm): x += W·a (+ bias) at one column, then per 32 rows the
     q8x2 of x * w_next and the sum of x's squares. The residual is matched to the product's 1e-5 (as MODE_ADD);
     the q8x2 codes exactly against the numpy emulation applied to the kernel's own new x (the same fp32 product
-    x * w, then warp_quantize_q8x2's operations); the sums to fp32 summation order (1e-6)."""
+    x * w, then warp_quantize_q8x2's operations); the sums to fp32 summation order (1e-6). Rows of 8 and 24
+    blocks take one block a lane and step, those of 73 (80 for the K-quants: a last step past the row's end), 128
+    and 448 two (MVN_WIDE_BLOCKS)."""
     cols = width(qtype, cols)
     W, Wref = make_weight(gpu, rng, qtype, rows, cols)
     a = rng.standard_normal((1, cols)).astype(np.float32)
