@@ -31,6 +31,22 @@ __device__ __forceinline__ void rope_head(float* x, const float2* cs, int rope_d
     }
 }
 
+// The same over G heads of hd floats at q [G][hd] and, when k is not null, the head at k, in one pass: the
+// (G + 1) * rope_dim/2 pairs split among the block's threads (rope_head per head left all but rope_dim/2 threads
+// idle, G + 1 times in a row).
+__device__ __forceinline__ void rope_heads(float* q, int G, float* k, int hd, const float2* cs, int rope_dim,
+                                           int neox, int t, int nt) {
+    const int half_dim = rope_dim / 2, pairs = (G + (k ? 1 : 0)) * half_dim;
+    for (int n = t; n < pairs; n += nt) {
+        const int h = n / half_dim, i = n - h * half_dim;
+        float* x = h < G ? q + h * hd : k;
+        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half_dim : 2 * i + 1;
+        const float x0 = x[i0], x1 = x[i1];
+        x[i0] = x0 * cs[i].x - x1 * cs[i].y;   // (rope_head's arithmetic, pair for pair)
+        x[i1] = x0 * cs[i].y + x1 * cs[i].x;
+    }
+}
+
 // RMSNorm of one head in place, x * w / sqrt(mean(x^2) + eps) over hd values: one warp per head.
 __device__ __forceinline__ void warp_rmsnorm(float* x, const float* __restrict__ w, int hd, float eps) {
     const int lane = threadIdx.x % WARP;

@@ -121,18 +121,31 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
         }
     };
     fetch(page_begin);                            // the row at p, not written yet, is replaced from sk, sv below
+    const int new_page = owns_new ? bt[p / PAGE] : 0;   // where k, v go (read now: off the chain after the wait)
     for (int i = tid; i < rope_dim / 2; i += NT) scs[i] = cs[i];
     if (q_norm) for (int d = tid; d < HD; d += NT) { snq[d] = q_norm[d]; snk[d] = k_norm[d]; }
     if (tid < GMAX) { sm[tid] = NEG_BIG; sl[tid] = 0.0f; }
     INGOT_PDL_ENTRY();
 
-    // 1. q heads (normed, rotated, scaled) into shared memory; the last split writes k, v to the cache
-    for (int i = tid; i < G * HD; i += NT) sq[i] = row[(size_t)kvh * G * HD + i];
-    if (owns_new) {
-        for (int d = tid; d < HD; d += NT) {
-            sk[d] = row[(size_t)(H + kvh) * HD + d];
-            sv[d] = row[(size_t)(H + Hkv + kvh) * HD + d];
-        }
+    // 1. q heads (normed, rotated, scaled) into shared memory; the last split writes k, v to the cache. Every
+    // float4 of q, k and v is loaded before the first is stored: one round trip, not one per loop trip (a store
+    // waits for its load; at short context this phase was three L2 round trips, PERF.md v34).
+    constexpr int QV = GMAX * HD / 4 / NT;        // float4s of q per thread at most: 1, 2, 4
+    static_assert(QV * NT * 4 == GMAX * HD && HD / 4 <= NT, "whole float4 rounds of q; k and v one round");
+    {
+        const float4* q4 = reinterpret_cast<const float4*>(row + (size_t)kvh * G * HD);
+        const float4* k4 = reinterpret_cast<const float4*>(row + (size_t)(H + kvh) * HD);
+        const float4* v4 = reinterpret_cast<const float4*>(row + (size_t)(H + Hkv + kvh) * HD);
+        float4 rq[QV], rkn = make_float4(0.0f, 0.0f, 0.0f, 0.0f), rvn = rkn;
+#pragma unroll
+        for (int j = 0; j < QV; j++)
+            if (tid + j * NT < G * HD / 4) rq[j] = q4[tid + j * NT];
+        const bool kv_here = owns_new && tid < HD / 4;
+        if (kv_here) { rkn = k4[tid]; rvn = v4[tid]; }
+#pragma unroll
+        for (int j = 0; j < QV; j++)
+            if (tid + j * NT < G * HD / 4) reinterpret_cast<float4*>(sq)[tid + j * NT] = rq[j];
+        if (kv_here) { reinterpret_cast<float4*>(sk)[tid] = rkn; reinterpret_cast<float4*>(sv)[tid] = rvn; }
     }
     __syncthreads();
     if (q_norm) {                                 // one warp per head: the G q heads, then k (if written here)
@@ -140,19 +153,19 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
             warp_rmsnorm(g < G ? sq + g * HD : sk, g < G ? snq : snk, HD, eps);
         __syncthreads();
     }
-    for (int g = 0; g < G; g++) rope_head(sq + g * HD, scs, rope_dim, neox, tid, NT);
-    if (owns_new) rope_head(sk, scs, rope_dim, neox, tid, NT);
+    rope_heads(sq, G, owns_new ? sk : nullptr, HD, scs, rope_dim, neox, tid, NT);   // one pass over G (+1) heads
     __syncthreads();
-    for (int i = tid; i < G * HD; i += NT) sq[i] *= scale;
     if (owns_new) {                               // (read by later steps; this one stages the row from sk, sv)
-        const int page = bt[p / PAGE];
-        const size_t o = (((size_t)page * Hkv + kvh) * PAGE + p % PAGE) * HD;
+        const size_t o = (((size_t)new_page * Hkv + kvh) * PAGE + p % PAGE) * HD;
         for (int d = tid; d < HD; d += NT) {
             k_cache[o + d] = __float2half(sk[d]);
             v_cache[o + d] = __float2half(sv[d]);
         }
     }
-    __syncthreads();                              // q ready
+    if (!MMA) {                                   // (the tensor-core page scales q as it rounds it to fp16)
+        for (int i = tid; i < G * HD; i += NT) sq[i] *= scale;
+        __syncthreads();                          // q ready
+    }
 
     // 2. the split's pages: stage one, fetch the next, score, softmax update, P.V
     const int dp = tid % HP, kg = tid / HP;
@@ -179,7 +192,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     if constexpr (MMA) {
         for (int i = tid; i < GMAX * QR; i += NT) {
             const int g = i / QR, d = i % QR;
-            sQh[i] = __float2half(g < G && d < HD ? sq[g * HD + d] : 0.0f);
+            sQh[i] = __float2half(g < G && d < HD ? sq[g * HD + d] * scale : 0.0f);   // (as sq *= scale did)
         }
         for (int i = tid; i < GMAX * PR; i += NT) sPh[i] = __float2half(0.0f);   // heads past G: zero P rows
         if (tid < GMAX) scorr[tid] = 1.0f;
@@ -335,21 +348,35 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
     }
     __syncthreads();
     const size_t ob0 = (size_t)b * H * HD + (size_t)kvh * G * HD;   // this kv head's first output
-    // G*HD is a multiple of 32, so each warp's trip count is uniform (warp_quantize_q8x2 needs all 32 lanes)
-    auto emit = [&](int i, float o) {
-        const size_t ob = ob0 + i;
-        out[ob] = o;
-        if (outh) outh[ob] = __float2half(o);
-        if (outq) warp_quantize_q8x2(o, outq + 2 * (ob - lane), outd + ob / QK);
+    // The outputs i = 0 .. G*HD-1 (value(i)), two per thread and trip (i and i + NT) so the two q8x2 quantizations'
+    // shuffle chains interleave (one after the other, the emit was a fifth of the short-context launch, PERF.md v34).
+    // G*HD is a multiple of 32, so `two` and each warp's trip count are uniform (the shuffles need all 32 lanes).
+    auto emit_all = [&](auto value) {
+        for (int i = tid; i < G * HD; i += 2 * NT) {
+            const bool two = i + NT < G * HD;
+            const float o1 = value(i), o2 = two ? value(i + NT) : 0.0f;
+            const size_t ob1 = ob0 + i, ob2 = ob1 + NT;
+            out[ob1] = o1;
+            if (two) out[ob2] = o2;
+            if (outh) {
+                outh[ob1] = __float2half(o1);
+                if (two) outh[ob2] = __float2half(o2);
+            }
+            if (outq) {
+                const Q8x2 c1 = warp_q8x2(o1), c2 = warp_q8x2(o2);
+                store_q8x2(c1, outq + 2 * (ob1 - lane), outd + ob1 / QK);
+                if (two) store_q8x2(c2, outq + 2 * (ob2 - lane), outd + ob2 / QK);
+            }
+        }
     };
     if (active == 1) {                            // 3a. the only split: normalize and write
-        for (int i = tid; i < G * HD; i += NT) {
+        emit_all([&](int i) {
             const int g = i / HD, d = i % HD;
             float a = 0.0f;
 #pragma unroll
             for (int k = 0; k < KGO; k++) a += red[(k * GMAX + g) * HD + d];
-            emit(i, a / sl[g]);
-        }
+            return a / sl[g];
+        });
         return;
     }
     // 3b. partials [B, H, S, HD] and (m, l) [B, H, S]; the last active block merges them
@@ -413,7 +440,7 @@ __device__ void attn_decode_tile(const float* __restrict__ qkv, const float2* __
         *reinterpret_cast<float4*>(smerge + 4 * f) = make_float4(m.x * inv, m.y * inv, m.z * inv, m.w * inv);
     }
     __syncthreads();
-    for (int i = tid; i < G * HD; i += NT) emit(i, smerge[i]);
+    emit_all([&](int i) { return smerge[i]; });
     if (tid == 0) *counter = 0;                   // ready for the next step (stream order separates steps)
 }
 

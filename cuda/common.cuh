@@ -154,8 +154,10 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // sub-blocks subtract an offset or min per half).
 // The reciprocals are correctly rounded (__frcp_rn): q1 may differ from round(v/d1) only at an exact .5 tie,
 // which leaves |v - q1*d1| <= d1/2 (plus one rounding), still inside the fine level's +-127 range.
-__device__ __forceinline__ void warp_quantize_q8x2(float v, int8_t* xq, float4* xd) {
-    const int lane = threadIdx.x % WARP;
+struct Q8x2 {                                     // one lane's share of a q8x2 block: its two levels, the block's scales
+    float q1, q2, d1, d2, s, s_lo;
+};
+__device__ __forceinline__ Q8x2 warp_q8x2(float v) {
     const float amax = warp_max(fabsf(v));
     const float d1 = amax / 127.0f, d2 = d1 / 254.0f;
     float q1 = 0.0f, q2 = 0.0f;
@@ -170,8 +172,15 @@ __device__ __forceinline__ void warp_quantize_q8x2(float v, int8_t* xq, float4* 
     const float s_lo = d1 * a + d2 * b;
     a += __shfl_xor_sync(0xffffffff, a, 16);
     b += __shfl_xor_sync(0xffffffff, b, 16);
-    const float s = d1 * a + d2 * b;
-    xq[lane] = (int8_t)q1;
-    xq[WARP + lane] = (int8_t)q2;
-    if (lane == 0) *xd = make_float4(d1, d2, s, s_lo);
+    return {q1, q2, d1, d2, d1 * a + d2 * b, s_lo};
+}
+__device__ __forceinline__ void store_q8x2(const Q8x2& c, int8_t* xq, float4* xd) {
+    const int lane = threadIdx.x % WARP;
+    xq[lane] = (int8_t)c.q1;
+    xq[WARP + lane] = (int8_t)c.q2;
+    if (lane == 0) *xd = make_float4(c.d1, c.d2, c.s, c.s_lo);
+}
+// (Split in two so a caller can quantize two warps' worth at once: the second's shuffles fill the first's waits.)
+__device__ __forceinline__ void warp_quantize_q8x2(float v, int8_t* xq, float4* xd) {
+    store_q8x2(warp_q8x2(v), xq, xd);
 }

@@ -965,10 +965,13 @@ def test_sample_prep_gives_the_single_block_paths_tokens(gpu, rng, V, B):
             assert list(two) == [int(np.argmax(r)) for r in ref], kw
 
 
-@pytest.mark.parametrize("V", [1000, 49152, 128256])
+@pytest.mark.parametrize("V", [1000, 49152, 49157, 128256])
 def test_sample_greedy_argmax_lowest_id_on_ties(gpu, rng, V):
     logits = rng.standard_normal((4, V)).astype(np.float32)
     logits[1, [17, 900]] = 50.0  # a tie: the lower id wins
+    if V >= 10 * 1024:  # ties one thread meets in one round of its 8 loads in flight, and across rounds (scan_row)
+        logits[2, [5 + 1024 * 9, 5 + 1024 * 3, 5 + 1024 * 6]] = 50.0
+        logits[3, [V - 1, 1024 * 8 + 7]] = 50.0  # the last id (a remainder trip) ties an earlier round's
     assert list(_sample(gpu, logits)) == [int(np.argmax(r)) for r in logits]
 
 
