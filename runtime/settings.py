@@ -126,15 +126,6 @@ DECODE_ATTN = Setting(
     "v8 or v7",
     "The GPU decode attention kernel: v8 (per-page tiles, cost follows the context) or v7 (the previous one).",
 )
-DECODE_TRIM = Setting(
-    "INGOT_DECODE_TRIM",
-    True,
-    _flag,
-    "1 or 0",
-    "Each GPU decode step launches only the decode attention splits its longest sequence can use (the step graph's"
-    " attention nodes resized when that changes, runtime/gpu/kernels.py decode_grid_splits); 0 launches the"
-    " captured grid every step.",
-)
 MATVEC_B1 = Setting(
     "INGOT_MATVEC_B1",
     True,
@@ -360,7 +351,6 @@ ALL: tuple[Setting, ...] = (
     DECODE_GEMM_MIN_BATCH,
     DECODE_SPLITS,
     DECODE_ATTN,
-    DECODE_TRIM,
     MATVEC_B1,
     MATVEC_MMA,
     FUSED_NORM,

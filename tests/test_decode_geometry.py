@@ -16,7 +16,6 @@ from ingot.runtime.gpu.constants import ATT_ONE_SPLIT_PAGES, MAX_SPLITS, MERGE_U
 from ingot.runtime.gpu.kernels import (
     SAMPLE_CHUNK,
     SAMPLE_PREP_MIN_V,
-    decode_grid_splits,
     decode_split_ranges,
     decode_splits,
     norm_splits,
@@ -41,38 +40,6 @@ def test_active_splits_partition_the_visible_keys(window, splits):
         npages = pos // PAGE - lo // PAGE + 1
         per_split = npages if npages <= ATT_ONE_SPLIT_PAGES else -(-npages // splits)
         assert all(-(-e // PAGE) - b // PAGE <= per_split for b, e in ranges)  # pages per split, as the kernel
-
-
-def _v7_active(pos: int, window: int, splits: int) -> int:
-    """The splits cuda/attention.cu's v7 decode kernel uses: pages cut in runs of ceil(npages / splits), no
-    one-split rule."""
-    lo = max(0, pos - window + 1) if window else 0
-    npages = pos // PAGE - lo // PAGE + 1
-    return -(-npages // -(-npages // splits))
-
-
-@pytest.mark.parametrize("splits", [1, 2, 3, 7, 32, MAX_SPLITS])
-def test_trimmed_grid_covers_every_active_split_of_every_layer_and_position(splits):
-    """A step launches decode_grid_splits(max position) blocks along x (the graph's attention nodes resized): every
-    sequence at or below that position, on a full or sliding-window layer, must find all its active splits in it,
-    for either kernel; and the grid is no wider than a full-attention sequence at max_pos uses (v8), so the trim
-    is the most it can be. Positions: every one to 40 pages, and the long ones."""
-    positions = list(range(0, 40 * PAGE)) + POSITIONS
-    for max_pos in positions:
-        gx = decode_grid_splits(max_pos, splits)
-        assert 1 <= gx <= splits
-        assert gx == len(decode_split_ranges(max_pos, 0, splits)) or max_pos // PAGE + 1 > splits
-        gx7 = decode_grid_splits(max_pos, splits, "v7")
-        for window in (0, 1, 33, 512, 4096):
-            for pos in {max_pos, max(0, max_pos - 1), max_pos // 2, max(0, max_pos - PAGE)}:
-                assert len(decode_split_ranges(pos, window, splits)) <= gx, (max_pos, pos, window)
-                assert _v7_active(pos, window, splits) <= gx7, (max_pos, pos, window)
-
-
-def test_trimmed_grid_follows_the_pages_to_the_captured_splits():
-    assert [decode_grid_splits(p, 64) for p in (0, 63, 64, 95, 96, 2047, 2048, 100_000)] == [1, 1, 3, 3, 4, 64, 64, 64]
-    assert [decode_grid_splits(p, 64, "v7") for p in (0, 31, 32, 63, 64)] == [1, 1, 2, 2, 3]
-    assert decode_grid_splits(10_000, 5) == 5
 
 
 def test_short_context_uses_one_block_per_page():

@@ -713,7 +713,7 @@ def stream_engine():
     ]
     e._flight = []
     e.step = _Inputs(e.max_seqs, 512, e.max_pages, e.mask_words)
-    e._row_of, e._bt_signature, e._grid_rules = [None] * e.max_seqs, None, {}
+    e._row_of, e._bt_signature = [None] * e.max_seqs, None
     e._graph = lambda B: SimpleNamespace(launch=lambda stream: log.append(("decode", stream.name)))
     e._plan = lambda shape, all_logits: _PassPlan(
         [lambda stream: log.append(("body", stream.name))], [lambda stream: log.append(("head", stream.name))]

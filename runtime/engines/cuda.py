@@ -17,15 +17,14 @@ stream), with the optional steps in brackets:
     x        += [rmsnorm](Wdown · f)
 then logits = Whead · rmsnorm(x) * out_norm and a token per sequence is sampled on the GPU.
 
-Decode (one token for each of B sequences) is the hot path: its launches (8 per layer for Llama, 6 at B=1) are
-captured once per batch size B into a CUDA graph and replayed with one cuGraphLaunch per step. Everything that changes
+Decode (one token for each of B sequences) is the hot path: its launches (8 per layer for Llama, 6 at B=1) are captured
+once per batch size B into a CUDA graph and replayed with one cuGraphLaunch per step. Everything that changes
 between steps — token ids, positions, block tables, sampling parameters — lives in device memory written by one
-host->device copy before the replay; the one node parameter patched is the decode attention's grid, resized to the
-splits the step's longest sequence can use when that changes (every PAGE tokens at most: decode_grid_splits). The only
-readback is the B sampled token ids. Prefill runs up to PREFILL_CHUNK tokens per pass, of one sequence or of several
-(prefill_many: the server admits several prompts in a step): the GEMMs take all their tokens at once, the cache write
-finds each token's block-table row, and the flash attention is launched per sequence on its rows. A pass's launch list
-is built once per shape (its sequences' token counts, which of them sample) and replayed.
+host->device copy before the replay, so no graph node is ever patched; the only readback is the B sampled
+token ids. Prefill runs up to PREFILL_CHUNK tokens per pass, of one sequence or of several (prefill_many: the
+server admits several prompts in a step): the GEMMs take all their tokens at once, the cache write finds each
+token's block-table row, and the flash attention is launched per sequence on its rows. A pass's launch list is
+built once per shape (its sequences' token counts, which of them sample) and replayed.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import contextlib
 import itertools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -620,7 +619,6 @@ class CudaEngine:
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
         self._graphs: dict[int, Graph] = {}
-        self._grid_rules: dict[int, Callable[[int], int]] = {}  # B -> the attention grid x for the step's max position
         self._prefill_plans: dict[tuple[PassShape, bool], _PassPlan] = {}
         self._bt_signature: tuple | None = None
         self._row_of: list[_Seq | None] = [None] * self.max_seqs  # whose sampling fields each decode row holds
@@ -756,7 +754,7 @@ class CudaEngine:
         """Free everything on the GPU. Safe to call twice."""
         for g in getattr(self, "_graphs", {}).values():
             g.close()
-        self._graphs, self._grid_rules = {}, {}
+        self._graphs = {}
         for name in ("step", "pre"):
             if hasattr(self, name):
                 getattr(self, name).close()
@@ -1271,11 +1269,7 @@ class CudaEngine:
         if fed:
             assert prev is not None
             self._copy_runs(s.ptr["tokens"], prev.slot.out_dev, fed)
-        graph = self._graph(B)
-        rule = self._grid_rules.get(B)
-        if rule is not None:  # only the attention splits this step's longest sequence can use (decode_grid_splits)
-            graph.set_grid_x(rule(max(positions)))
-        graph.launch(self.stream)
+        self._graph(B).launch(self.stream)
         self._read_back(self.stream, 0, B)
         append, filled = self.pages.append, self._decode_filled
         deferred = {b for b, _ in fed}
@@ -1306,12 +1300,7 @@ class CudaEngine:
         graph = self._graphs.get(B)
         if graph is None:
             launches = self._decode_launches(B)
-            kernel, rule = self.k.attn_decode_resize(self.config)
-            trim = kernel if settings.DECODE_TRIM.get() else None
-            graph = self._graphs[B] = Graph(self.stream, lambda: self._launch_all(launches), resizable=trim)
-            if graph.resizable_nodes:
-                splits = graph.captured_grid_x
-                self._grid_rules[B] = lambda max_pos: rule(max_pos, splits)
+            graph = self._graphs[B] = Graph(self.stream, lambda: self._launch_all(launches))
         return graph
 
     def warm(self) -> None:

@@ -491,13 +491,9 @@ class Copy:
 
 
 class Graph:
-    """A captured sequence of stream work, instantiated once and replayed with one cuGraphLaunch.
+    """A captured sequence of stream work, instantiated once and replayed with one cuGraphLaunch."""
 
-    `resizable`: a kernel whose launches in the graph may change their grid's x between replays (set_grid_x),
-    for a kernel whose blocks past what a step needs return at once (the decode attention's splits). Nothing
-    else of a node changes: its arguments, block, shared memory and edges (PDL's included) are the captured ones."""
-
-    def __init__(self, stream: Stream, work, resizable: Kernel | None = None):
+    def __init__(self, stream: Stream, work):
         stream.after_kernel = False  # the graph's first kernel has no kernel before it
         _check(
             cu.cuStreamBeginCapture(stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
@@ -510,43 +506,6 @@ class Graph:
             stream.after_kernel = False  # the captured work did not run: the stream is where it was
         self.graph = graph
         self.exec = _check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        self._resizable = self._kernel_nodes(resizable) if resizable is not None else []
-        self._grid_x = self._resizable[0][1].gridDimX if self._resizable else 0  # (all captured alike)
-        self.captured_grid_x = self._grid_x
-
-    def _kernel_nodes(self, kernel: Kernel) -> list:
-        """(node, its CUDA_KERNEL_NODE_PARAMS) of every launch of `kernel` in the captured graph. The params come
-        from the graph, so their kernelParams is the driver's copy of the arguments: set_grid_x passes them back."""
-        _, count = _check(cu.cuGraphGetNodes(self.graph, 0), "cuGraphGetNodes")
-        nodes, _ = _check(cu.cuGraphGetNodes(self.graph, count), "cuGraphGetNodes")
-        found, kernel_node = [], cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
-        for node in nodes[:count]:
-            if _check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType") != kernel_node:
-                continue
-            params = _check(cu.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
-            if int(params.func) == int(kernel.fn):
-                found.append((node, params))
-        return found
-
-    def set_grid_x(self, gx: int) -> None:
-        """The resizable kernel's launches run gx blocks along x from the next replay on (replays already queued
-        keep theirs: cuGraphExecKernelNodeSetParams). gx no larger than the captured grid's x, whose arguments
-        (the partials' room) were sized for it."""
-        if gx == self._grid_x:
-            return
-        for node, params in self._resizable:
-            params.gridDimX = gx
-            _check(cu.cuGraphExecKernelNodeSetParams(self.exec, node, params), "cuGraphExecKernelNodeSetParams")
-        self._grid_x = gx
-
-    @property
-    def resizable_nodes(self) -> int:
-        return len(self._resizable)
-
-    @property
-    def grid_x(self) -> int:
-        """The resizable launches' grid x the next replay runs (0: none)."""
-        return self._grid_x
 
     def launch(self, stream: Stream) -> None:
         stream.after_kernel = False

@@ -852,18 +852,6 @@ def decode_split_ranges(pos: int, window: int, splits: int) -> list[tuple[int, i
     return ranges
 
 
-def decode_grid_splits(max_pos: int, splits: int, version: str = "v8") -> int:
-    """The splits a decode attention grid needs along x when no sequence of the step is past position max_pos:
-    every block past a sequence's active splits (decode_split_ranges) returns at once, yet each is launched,
-    placed and retired (cuda/PERF.md v34-v36: 189 such blocks cost SmolLM2's launch 0.6 us). A token at p has at
-    most m = p // PAGE + 1 pages of keys (fewer on a sliding-window layer), and a sequence with n <= m pages runs
-    at most min(n, splits) splits (v8: one split up to ATT_ONE_SPLIT_PAGES pages; v7 has no such rule)."""
-    m = max_pos // PAGE + 1
-    if version == "v8" and m <= ATT_ONE_SPLIT_PAGES:
-        return 1
-    return min(splits, m)
-
-
 class Kernels:
     """All kernel modules loaded into the current context, and the launch geometry of each op."""
 
@@ -1324,13 +1312,6 @@ class Kernels:
         per_sm = max(kernel.blocks_per_sm(ATT_WARPS * 32, self.decode_smem(cfg.head_dim, version)), 1)
         sm_count = self.device.info.sm_count
         return lambda B: decode_splits(sm_count, B, cfg.n_kv_heads, per_sm, cap)
-
-    def attn_decode_resize(self, cfg) -> tuple[Kernel, Callable[[int, int], int]]:
-        """The decode attention kernel attn_decode launches now for this model, and the grid x its launches need
-        as a function of (the step's largest position, the captured splits): decode_grid_splits for its version."""
-        version = settings.DECODE_ATTN.get()
-        kernel = self.k[self._attn_kernel(self._decode_name(version), cfg.head_dim)]
-        return kernel, functools.partial(decode_grid_splits, version=version)
 
     def attn_decode_splits(self, B: int, cfg) -> int:
         """The decode attention grid's splits for B sequences on this GPU (attn_decode's `splits`, _split_rule)."""

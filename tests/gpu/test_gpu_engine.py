@@ -186,54 +186,6 @@ def test_fused_norm_matches_the_norm_kernel(engines, monkeypatch):
         plain.close()
 
 
-def test_decode_attention_grid_trimmed_per_step_gives_the_full_grids_logits(engines, monkeypatch):
-    """Each decode step resizes its graph's attention nodes to the splits its longest sequence can use
-    (decode_grid_splits: the blocks past a sequence's active splits would only return). The logits are bit for bit
-    those of an engine that launches the captured grid every step (INGOT_DECODE_TRIM=0, read when a graph is
-    captured): one sequence across the page counts where the grid changes (2 -> 3 pages: 1 -> 3 splits, 3 -> 4),
-    then three sequences of different lengths in one step. Tiny models only (two more engines)."""
-    from ingot.runtime.engines.cuda import CudaEngine
-
-    model, _, gpu = engines
-    if gpu.strict:
-        pytest.skip("tiny models only")
-    full, trim = CudaEngine(model, max_seqs=3, max_ctx=512), CudaEngine(model, max_seqs=3, max_ctx=512)
-    try:
-        monkeypatch.setenv("INGOT_DECODE_TRIM", "0")
-        full.warm()
-        monkeypatch.delenv("INGOT_DECODE_TRIM")
-        trim.warm()
-        n_layers = len(trim.w.layers)
-        assert [trim._graph(B).resizable_nodes for B in (1, 2, 3)] == [n_layers] * 3
-        assert full._graph(1).resizable_nodes == 0
-        splits = trim._graph(1).captured_grid_x
-        runs = []
-        for eng in (full, trim):
-            s = eng.new_sequence(SamplingParams())
-            eng.prefill(s, _prompt(model, 58, seed=31))
-            one, grids = [], []
-            for t in _prompt(model, 44, seed=32):  # positions 58 .. 101
-                one.append(eng.decode_logits([s], [t])[0])
-                grids.append(eng._graph(1).grid_x)
-            eng.release(s)
-            seqs = [eng.new_sequence(SamplingParams()) for _ in range(3)]
-            for q, n in zip(seqs, (3, 60, 130), strict=True):
-                eng.prefill(q, _prompt(model, n, seed=40 + n))
-            many = [eng.decode_logits(seqs, [5, 6, 7]) for _ in range(4)]
-            for q in seqs:
-                eng.release(q)
-            runs.append((np.stack(one), np.stack(many), grids))
-        (one_full, many_full, grids_full), (one_trim, many_trim, grids_trim) = runs
-        assert set(grids_full) == {0}  # (no resizable node: the captured grid every step)
-        if splits >= 4:  # the grid followed the pages: 1 split up to 64 keys, then one a page
-            assert grids_trim[:6] == [1] * 6 and grids_trim[6] == 3 and grids_trim[-1] == 4, grids_trim
-        assert np.array_equal(one_full, one_trim)
-        assert np.array_equal(many_full, many_trim)
-    finally:
-        full.close()
-        trim.close()
-
-
 def test_batched_decode_equals_single(engines):
     """Sequences of different lengths decoded together give the same tokens as decoded alone."""
     model, _, gpu = engines
