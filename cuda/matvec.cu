@@ -25,9 +25,6 @@
 //   matvec_<type>_b1n  x += W·a at one column in blocks of MVN_WARPS warps, 32 rows: the block's new x values are
 //                      one q8x2 block, so it writes q8x2(x * w_next) (unnormalized: q8x2 levels do not depend on
 //                      a common factor) and ss[block] = the sum of their squares.
-//   matvec_<type>_b1nf matvec_<type>_b1n with an fp32 input a[cols] (the FFN's activation h, cols <= MVNF_MAX: small
-//                      models), quantized to q8x2 by each block into its shared memory after the PDL wait: one
-//                      launch (quantize_q8x2) and one kernel boundary fewer a layer (cuda/PERF.md v35).
 //   matvec_<type>_b1   given ss (else null), multiplies each product by rsqrt(sum(ss) / cols + eps): the norm's
 //                      scale, a scalar per row, taken out of the dot. Each lane loads one float4 of the cols / 32
 //                      partials before the main loop (so cols <= MV_NORM_MAX) and every warp sums them in the same
@@ -286,34 +283,6 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
     }
 }
 
-// matvec_<type>_b1nf's body: a[cols] fp32 -> q8x2 in shared memory, the bits quantize_q8x2 writes (warp w takes
-// blocks w, w + MVN_WARPS, ...: all its values loaded before the first block's shuffles), then b1n's body reading
-// it there (load_x's loads become shared-memory loads once inlined). Every block quantizes the whole row: cheap at
-// SmolLM2's 1,536 (48 blocks, three a warp), which is why wide rows (the 8B's 14,336) keep quantize_q8x2.
-template <typename W>
-__device__ __forceinline__ void matvec_q_norm_f(const W& w, const float* __restrict__ a,
-                                                const float* __restrict__ bias, float* __restrict__ x, int rows,
-                                                int cols, const float* __restrict__ w_next, int8_t* __restrict__ yq,
-                                                float4* __restrict__ yd, float* __restrict__ ss, int pdl) {
-    constexpr int PER_WARP = MVNF_MAX / (QK * MVN_WARPS);
-    __shared__ __align__(16) int8_t sq[2 * MVNF_MAX];
-    __shared__ float4 sd[MVNF_MAX / QK];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nb = cols / QK;
-    float v[PER_WARP];
-#pragma unroll
-    for (int i = 0; i < PER_WARP; i++) {
-        const int g = warp + i * MVN_WARPS;
-        v[i] = g < nb ? a[g * QK + lane] : 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < PER_WARP; i++) {
-        const int g = warp + i * MVN_WARPS;
-        if (g < nb) warp_quantize_q8x2(v[i], sq + g * 2 * QK, sd + g);   // (warp-uniform)
-    }
-    __syncthreads();
-    matvec_q_norm<W>(w, sq, sd, bias, x, rows, cols, w_next, yq, yd, ss, pdl);
-}
-
 // Q4_0, Q4_1 and Q8_0 take the same loop as the weights.cuh types: X(name, struct, parameters, initializers).
 #define Q4_0_PARAMS const uint8_t* qs, const __half* d
 #define Q4_1_PARAMS const uint8_t* qs, const __half* d, const __half* m
@@ -375,25 +344,6 @@ __device__ __forceinline__ void matvec_q_norm_f(const W& w, const float* __restr
     }
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 #undef MATVEC_KERNELS
-
-// matvec_<type>_b1nf for the types small models' FFN down projections come in (runtime/gpu/kernels.py
-// MATVEC_NORM_F_TYPES; the others quantize h in its own launch).
-#define FOR_EACH_MATVEC_F_TYPE(X)                        \
-    X(q4_0, Q4_0W, Q4_0_PARAMS, qs, d)                   \
-    X(q4_1, Q4_1W, Q4_1_PARAMS, qs, d, m)                \
-    X(q8_0, Q8_0W, Q8_0_PARAMS, qs, d)                   \
-    X(q4_k, Q4_KW, Q4_K_PARAMS, Q4_K_ARGS)               \
-    X(q6_k, Q6_KW, Q6_K_PARAMS, Q6_K_ARGS)
-#define MATVEC_NORM_F_KERNEL(NAME, WT, PARAMS, ...)                                                              \
-    extern "C" __global__ void MVN_BOUNDS(WT::B1_BLOCKS)                                                         \
-    matvec_##NAME##_b1nf(PARAMS, const float* a, const float* bias, float* x, int rows, int cols,               \
-                         const float* w_next, int8_t* yq, float4* yd, float* ss, int pdl) {                      \
-        INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows(WT{__VA_ARGS__, cols / QK}, rows, MODE_ADD));     \
-        if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
-        matvec_q_norm_f<WT>(WT{__VA_ARGS__, cols / QK}, a, bias, x, rows, cols, w_next, yq, yd, ss, pdl);        \
-    }
-FOR_EACH_MATVEC_F_TYPE(MATVEC_NORM_F_KERNEL)
-#undef MATVEC_NORM_F_KERNEL
 
 // --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1, Q4_K; compute capability 8.0+)
 //

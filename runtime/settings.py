@@ -149,14 +149,6 @@ FUSED_NORM = Setting(
     "Single-sequence decode fuses each pre-norm into the residual projection before it (matvec_<type>_b1n);"
     " 0 launches rmsnorm_f32 instead.",
 )
-FUSED_QUANT = Setting(
-    "INGOT_FUSED_QUANT",
-    True,
-    _flag,
-    "1 or 0",
-    "Single-sequence decode of small models quantizes the FFN's activation inside the fused-norm down projection"
-    " (matvec_<type>_b1nf); 0 launches quantize_q8x2 before it.",
-)
 KV_FRACTION = Setting(
     "INGOT_KV_FRACTION",
     0.5,
@@ -362,7 +354,6 @@ ALL: tuple[Setting, ...] = (
     MATVEC_B1,
     MATVEC_MMA,
     FUSED_NORM,
-    FUSED_QUANT,
     KV_FRACTION,
     PREFIX_CACHE,
     ATTN_PREFILL,

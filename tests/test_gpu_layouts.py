@@ -161,7 +161,6 @@ def _kernels(sm_count=132, mma=False, cluster=False):
     k.matmul_wgmma = False  # ... not matmul2w_* (an sm_90a image: the tests that want it set it)
     k.split_k_cluster = cluster
     k.norm_smem = dict.fromkeys(GPU_QTYPES, 0)  # matvec_<type>_b1n's dynamic shared memory (one block an SM)
-    k.norm_f_smem = dict.fromkeys(GPU_QTYPES, 0)  # ... and matvec_<type>_b1nf's
     names = (
         "matvec_{}",
         "matvec_{}_b1",

@@ -65,7 +65,6 @@ class _Recorder(Kernels):
         self.matmul_wgmma = True  # ... and in 128-row tiles on Hopper's wgmma (matmul2w_*: an sm_90a image)
         self.split_k_cluster = True  # ... on sm_90+: split-K slices summed in thread-block clusters
         self.norm_smem = dict.fromkeys(QUANT_TYPES, 0)  # matvec_<type>_b1n's dynamic shared memory
-        self.norm_f_smem = dict.fromkeys(QUANT_TYPES, 0)  # ... and matvec_<type>_b1nf's
         self.calls: list[tuple[str, tuple, dict]] = []
 
     def _record(name):  # noqa: N805 - a decorator factory used in the class body
@@ -237,13 +236,12 @@ def test_one_sequence_fuses_each_pre_norm_into_the_residual_projection_before_it
     """Single-stream decode (cuda/matvec.cu, the fused norm): every residual projection but none of the others is a
     matvec_<type>_b1n carrying the next norm's weights (the next layer's attn_norm, the layer's ffn_norm, the
     output norm), and the products after them (qkv, gate/up, head) read its NormedQ8: 6 launches a layer instead
-    of 8, one rmsnorm_f32 left (after the embedding). The down projection takes the FFN's h as fp32 and quantizes
-    it itself (matvec_<type>_b1nf): 5 launches. INGOT_FUSED_QUANT=0 gives back quantize_q8x2, INGOT_FUSED_NORM=0
-    the 8."""
+    of 8, one rmsnorm_f32 left (after the embedding). INGOT_FUSED_NORM=0 gives back the 8."""
     c = config_of(SHAPES["tiny-k"])
     e = plan_engine(c)
     names = kernel_names(e._decode_launches(1))
-    layer = ["matvec_q8_0_b1", "attn_decode_tile_f16", "matvec_q8_0_b1n", "matvec_q8_0_b1", "matvec_q8_0_b1nf"]
+    layer = ["matvec_q8_0_b1", "attn_decode_tile_f16", "matvec_q8_0_b1n", "matvec_q8_0_b1", "quantize_q8x2"]
+    layer += ["matvec_q8_0_b1n"]
     assert names == ["embed_q8_0", "rmsnorm_f32", *layer * c.n_layers, "matvec_q8_0_b1", "sample_f32"]
     L = e.w.layers
     fused = e.k.of("matvec_norm")
@@ -253,17 +251,8 @@ def test_one_sequence_fuses_each_pre_norm_into_the_residual_projection_before_it
     assert [args[3] for args, _ in fused] == following
     out = NormedQ8(e.nq.ptr, e.nd.ptr, e.nss.ptr, c.norm_eps)
     assert all(args[2] == e.x.ptr and args[4] == out for args, _ in fused)
-    assert [args[1] for args, _ in fused] == [a for _ in L for a in ((e.xq.ptr, e.xd.ptr), e.h.ptr)]  # q8x2, h fp32
     readers = [args[1] for args, _ in e.k.of("matvec") if isinstance(args[1], NormedQ8)]
     assert readers == [out] * (2 * c.n_layers)  # gate/up of every layer, qkv of every layer but the first, head
-    monkeypatch.setenv("INGOT_FUSED_QUANT", "0")
-    assert kernel_names(e._decode_launches(1)) == [
-        "embed_q8_0",
-        "rmsnorm_f32",
-        *(layer[:4] + ["quantize_q8x2", "matvec_q8_0_b1n"]) * c.n_layers,
-        "matvec_q8_0_b1",
-        "sample_f32",
-    ]
     monkeypatch.setenv("INGOT_FUSED_NORM", "0")
     assert kernel_names(e._decode_launches(1)).count("rmsnorm_f32") == 2 * c.n_layers + 1
 

@@ -75,7 +75,6 @@ from ingot.runtime.gpu.kernels import (
     kernel_images,
     narrow_mma_model,
     norm_fusable,
-    norm_takes_f32,
     sample_chunk_bytes,
 )
 from ingot.runtime.model.architectures import ARCHITECTURES
@@ -347,29 +346,23 @@ class _MatvecOps(_Ops):
         self._matvec(W, xin, self.x if mode == MODE_ADD else self.o, self.c.dim, mode=mode)
 
     def residual(self, W, xin: Act, post_norm: DeviceBuffer | None, then: Norm | None) -> Act | None:
-        """One sequence, pre-norm: x += W · xin with the next norm in the same launch (matvec_<type>_b1n, or _b1nf
-        quantizing an fp32 xin itself); the product reading it applies the norm's scale (NormedQ8). Otherwise as
-        _Ops, an fp32 xin for a quantized W quantized first."""
+        """One sequence, pre-norm: x += W · xin with the next norm in the same launch (matvec_<type>_b1n); the
+        product reading it applies the norm's scale (NormedQ8). Otherwise as _Ops."""
         if post_norm is None and then is not None and norm_fusable(W, then[1], self.n):
             e = self.e
             out = NormedQ8(e.nq.ptr, e.nd.ptr, e.nss.ptr, self.c.norm_eps)
             self.L.append(self.k.matvec_norm(W, xin, self.x, then[0], out))
             return out
-        if isinstance(xin, int) and W.quantized:  # ffn's h, left fp32 for a b1nf that did not come
-            self.L.append(self.k.quantize(xin, self.e.xq.ptr, self.e.xd.ptr, self.n * W.cols))
-            xin = self._q8()
         return super().residual(W, xin, post_norm, then)
 
     def ffn(self, wgu, xin: Act, activation: str, wdown) -> Act:
-        """act(gate h) * (up h) into h [n, F] fp32, returned as that pointer where wdown takes no q8x2 or can
-        quantize it itself (norm_takes_f32: residual then fuses it, or quantizes it first); else quantized here."""
         e, F = self.e, self.c.ffn_dim
         if wgu.uniform:
             self._matvec(wgu, xin, e.h.ptr, F, mode=ACTIVATION_MODES[activation])
         else:  # gate and up in different quant types: no fused epilogue pairs their rows
             self._matvec(wgu, xin, e.gu.ptr, 2 * F)
             self.L.append(self.k.gated_act(activation, e.gu.ptr, F, self.n, hf=e.h.ptr))
-        if not wdown.quantized or norm_takes_f32(wdown, self.n):
+        if not wdown.quantized:
             return e.h.ptr
         self.L.append(self.k.quantize(e.h.ptr, e.xq.ptr, e.xd.ptr, self.n * F))
         return self._q8()

@@ -41,7 +41,6 @@ from ingot.runtime.gpu.constants import (
     MATVEC_MMA_ROWS,
     MATVEC_MMA_STAGES,
     MATVEC_MMA_WARPS,
-    MATVEC_NORM_F_MAX,
     MATVEC_NORM_MAX,
     MATVEC_NORM_WARPS,
     MATVEC_ROWS_PER_BLOCK,
@@ -135,8 +134,6 @@ ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
 # launch_dependents): only these may be launched with programmatic dependent launch, which lets a kernel's blocks
 # start before its predecessor has finished. Opt-in by name, so a new kernel without the macro is never launched
 # early (tests/test_pdl.py checks this list against cuda/*.cu and the built PTX, both ways).
-# matvec_<type>_b1nf's types (cuda/matvec.cu FOR_EACH_MATVEC_F_TYPE): the FFN down projections of small models
-MATVEC_NORM_F_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 PDL_KERNELS = frozenset(
     {
         *(f"{op}_{q.lower()}" for op in ("embed", "matvec", "matmul") for q in GPU_QTYPES),
@@ -146,7 +143,6 @@ PDL_KERNELS = frozenset(
         *(f"matmul2t_{q.lower()}_bm{tm}" for q in MATMUL2W_TYPES for tm in MATMUL2T_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
-        *(f"matvec_{q.lower()}_b1nf" for q in MATVEC_NORM_F_TYPES),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
@@ -763,19 +759,6 @@ def norm_fusable(W: GpuMatrix | GpuStack, W_next: GpuMatrix | GpuStack, ncols: i
     )
 
 
-def norm_takes_f32(W: GpuMatrix | GpuStack, ncols: int) -> bool:
-    """Whether a fused-norm residual projection with W (matvec_norm, where norm_fusable says so) can take its input
-    as fp32 and quantize it itself (matvec_<type>_b1nf): one sequence, W one matrix of a MATVEC_NORM_F_TYPES type at
-    most MATVEC_NORM_F_MAX wide (every block quantizes the whole input: small models); INGOT_FUSED_QUANT=0: never."""
-    return (
-        settings.FUSED_QUANT.get()
-        and one_column_kernel(ncols)
-        and len(W.parts) == 1
-        and W.parts[0].qtype in MATVEC_NORM_F_TYPES
-        and W.cols <= MATVEC_NORM_F_MAX
-    )
-
-
 PDL_LATE_MIN_BYTES = 4 << 20  # INGOT_PDL_TRIGGER=auto: matvecs reading this much trigger after their main loop
 
 
@@ -923,7 +906,6 @@ class Kernels:
         # the registers let two of them share an SM some SMs took two and others none (the 8B's tg128 380 tok/s
         # against 420 at one an SM: cuda/PERF.md v21). Just over half an SM's shared memory keeps them one to an SM.
         self.norm_smem = {q: self._one_block_an_sm(f"matvec_{q.lower()}_b1n") for q in GPU_QTYPES if q != "F16"}
-        self.norm_f_smem = {q: self._one_block_an_sm(f"matvec_{q.lower()}_b1nf") for q in MATVEC_NORM_F_TYPES}
         if device.info.cc >= MATVEC_MMA_MIN_CC:
             for q in MATVEC_MMA_TYPES:
                 self.k[f"matvec_{q.lower()}_mma"].allow_dynamic_smem(matvec_mma_smem(q, MATVEC_MMA_COLS))
@@ -1072,27 +1054,19 @@ class Kernels:
     def matvec_norm(
         self, W: GpuMatrix, x, resid: int, w_next: DeviceBuffer, out: NormedQ8, bias: DeviceBuffer | None = None
     ) -> Launch:
-        """resid[:] += W · x (one column, x q8x2, or an fp32 pointer where norm_takes_f32 said so), then the next
-        norm's input as `out` reads it: q8x2(resid * w_next) into (out.xq, out.xd) and the sums of squares of
-        resid's 32-value blocks into out.ss (matvec_<type>_b1n, or _b1nf for fp32 x: one block of MATVEC_NORM_WARPS
-        warps per 32 rows). Only where norm_fusable said so."""
-        f32_in = isinstance(x, int) and norm_takes_f32(W, 1)
-        if (
-            not (W.quantized and W.rows % QK == 0 and W.rows <= MATVEC_NORM_MAX)
-            or isinstance(x, NormedQ8)
-            or (isinstance(x, int) and not f32_in)
-        ):
+        """resid[:] += W · x (one column, x q8x2), then the next norm's input as `out` reads it: q8x2(resid * w_next)
+        into (out.xq, out.xd) and the sums of squares of resid's 32-value blocks into out.ss (matvec_<type>_b1n,
+        one block of MATVEC_NORM_WARPS warps per 32 rows). Only where norm_fusable said so."""
+        if not (W.quantized and W.rows % QK == 0 and W.rows <= MATVEC_NORM_MAX) or isinstance(x, NormedQ8):
             raise IncompatibleError(
                 f"matvec_norm takes a quantized matrix of at most {MATVEC_NORM_MAX} rows in whole blocks of 32 and "
-                f"a plain q8x2 input (fp32 where norm_takes_f32 allows); got {W.qtype} [{W.rows}, {W.cols}] and "
-                f"{type(x).__name__}",
+                f"a plain q8x2 input; got {W.qtype} [{W.rows}, {W.cols}] and {type(x).__name__}",
                 hint="set INGOT_FUSED_NORM=0 (an engine bug: norm_fusable should have refused it)",
             )
-        kernel = self.k[f"matvec_{W.qtype.lower()}_b1nf" if f32_in else f"matvec_{W.qtype.lower()}_b1n"]
-        args = [*W.args(), *((x,) if f32_in else x), bias, resid, i32(W.rows), i32(W.cols), w_next, out.xq, out.xd]
-        args += [out.ss, i32(matvec_pdl_flags(kernel.pdl, W))]
-        smem = self.norm_f_smem[W.qtype] if f32_in else self.norm_smem[W.qtype]
-        return Launch(kernel, (W.rows // QK,), 32 * MATVEC_NORM_WARPS, args, smem=smem)
+        kernel = self.k[f"matvec_{W.qtype.lower()}_b1n"]
+        args = [*W.args(), *x, bias, resid, i32(W.rows), i32(W.cols), w_next, out.xq, out.xd, out.ss]
+        args.append(i32(matvec_pdl_flags(kernel.pdl, W)))
+        return Launch(kernel, (W.rows // QK,), 32 * MATVEC_NORM_WARPS, args, smem=self.norm_smem[W.qtype])
 
     def quantize(self, x: int, xq: int, xd: int, n_values: int) -> Launch:
         """x fp32 [n_values] -> q8x2: xq int8 [2 * n_values], xd float4 [n_values / 32] (cuda/common.cuh)."""

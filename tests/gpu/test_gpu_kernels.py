@@ -28,7 +28,6 @@ from ingot.runtime.gpu.kernels import (
     MATMUL2W_TILE_ROWS,
     MATMUL2W_TYPES,
     MATVEC_MMA_MIN_COLS,
-    MATVEC_NORM_F_TYPES,
     SAMPLE_CHUNK,
     SUPERBLOCK_TYPES,
     GpuMatrix,
@@ -377,60 +376,17 @@ def test_matvec_norm_adds_the_residual_and_writes_the_next_norm_input(gpu, rng, 
     assert np.allclose(ss, ss_ref, rtol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", MATVEC_NORM_F_TYPES)
-@pytest.mark.parametrize("rows,cols", [(32, 256), (96, 1536), (544, 2336), (576, 4096)])
-def test_matvec_norm_quantizing_its_fp32_input_is_bit_for_bit_the_quantize_launch_then_b1n(gpu, rng, qtype, rows, cols):
-    """matvec_<type>_b1nf (cuda/matvec.cu) takes a[cols] fp32 and quantizes it to q8x2 in each block's shared memory
-    with quantize_q8x2's operations: its new x, the next norm's q8x2 and the sums of squares are the very bits of
-    quantize_q8x2 then matvec_<type>_b1n. Widths from one q8x2 block a warp (256) to MVNF_MAX, 73 blocks (2336: the
-    wide path of b1n, a warp's last block past the row)."""
-    cols = width(qtype, cols)
-    W, _ = make_weight(gpu, rng, qtype, rows, cols)
-    a = (rng.standard_normal(cols) * rng.uniform(0.1, 10, cols)).astype(np.float32)
-    a[7] = 0.0
-    a[32:64] = 0.0  # an all-zero block: its scales 0
-    resid = (rng.standard_normal(rows) * 3).astype(np.float32)
-    bias = gpu.put(rng.standard_normal(rows).astype(np.float32))
-    w_next = gpu.put(rng.uniform(0.5, 1.5, rows).astype(np.float32))
-    a_dev = gpu.put(a)
-    results = []
-    for fused in (True, False):
-        x = gpu.put(resid)
-        out = NormedQ8(gpu.empty(2 * rows).ptr, gpu.empty(16 * rows // 32).ptr, gpu.empty(4 * rows // 32).ptr, 1e-5)
-        if fused:
-            launches = [gpu.k.matvec_norm(W, a_dev.ptr, x.ptr, w_next, out, bias=bias)]
-            assert launches[0].kernel.name == f"matvec_{qtype.lower()}_b1nf"
-        else:
-            xq, xd = gpu.empty(2 * cols), gpu.empty(16 * cols // 32)
-            launches = [gpu.k.quantize(a_dev.ptr, xq.ptr, xd.ptr, cols)]
-            launches.append(gpu.k.matvec_norm(W, (xq.ptr, xd.ptr), x.ptr, w_next, out, bias=bias))
-            assert launches[1].kernel.name == f"matvec_{qtype.lower()}_b1n"
-        _run_steps(gpu, launches)
-        results.append(
-            (
-                gpu.get(x, np.float32, (rows,)),
-                gpu.get(out.xq, np.int8, (rows // 32, 64)),
-                gpu.get(out.xd, np.float32, (rows // 32, 4)),
-                gpu.get(out.ss, np.float32, (rows // 32,)),
-            )
-        )
-    for got, want in zip(*results, strict=True):
-        assert np.isfinite(got).all() and np.array_equal(got.view(np.uint8), want.view(np.uint8))
-
-
 def test_matvec_norm_runs_one_block_an_sm_under_pdl(gpu):
     """Launched with PDL, matvec_<type>_b1n asks for just over half an SM's shared memory, so that the occupancy
     calculator (and so the block scheduler) puts at most one of its blocks on an SM (Kernels._one_block_an_sm:
     two on some SMs and none on others cost the 8B 10%); without PDL it asks for none."""
     threads = 32 * K.MATVEC_NORM_WARPS
-    pairs = [(f"matvec_{q.lower()}_b1n", gpu.k.norm_smem[q]) for q in QUANTIZED]
-    pairs += [(f"matvec_{q.lower()}_b1nf", gpu.k.norm_f_smem[q]) for q in MATVEC_NORM_F_TYPES]
-    for name, smem in pairs:
-        kernel = gpu.k.k[name]
+    for q in QUANTIZED:
+        kernel, smem = gpu.k.k[f"matvec_{q.lower()}_b1n"], gpu.k.norm_smem[q]
         if kernel.pdl:
-            assert smem > 0 and kernel.blocks_per_sm(threads, smem) == 1, name
+            assert smem > 0 and kernel.blocks_per_sm(threads, smem) == 1, q
         else:
-            assert smem == 0, name
+            assert smem == 0, q
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED)
