@@ -971,7 +971,7 @@ def test_sample_greedy_argmax_lowest_id_on_ties(gpu, rng, V):
     logits[1, [17, 900]] = 50.0  # a tie: the lower id wins
     if V >= 10 * 1024:  # ties one thread meets in one round of its 8 loads in flight, and across rounds (scan_row)
         logits[2, [5 + 1024 * 9, 5 + 1024 * 3, 5 + 1024 * 6]] = 50.0
-        logits[3, [V - 1, 1024 * 8 + 7]] = 50.0  # the last id (a remainder trip) ties an earlier round's
+        logits[3, [V - 1, 1024 * 8 + 7]] = 50.0  # the last id (a remainder trip at V = 49,157) ties an earlier one
     assert list(_sample(gpu, logits)) == [int(np.argmax(r)) for r in logits]
 
 
