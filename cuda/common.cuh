@@ -80,8 +80,10 @@
 //                                         kernel of a step writes: weights, the step's host-uploaded inputs
 //                                         (positions, block tables) and KV-cache rows of earlier steps. Their
 //                                         round trips then overlap the previous kernel's tail (norm.cu,
-//                                         attention_decode.cu). It expands to nothing; tests/test_pdl.py lets
-//                                         these kernels' PTX load, and only load, before the wait.
+//                                         attention_decode.cu; matvec.cu's b1s asks for its first weights by bulk
+//                                         copies into shared memory, then waits with INGOT_PDL_WAIT). It expands to
+//                                         nothing; tests/test_pdl.py lets these kernels' PTX load, and only load,
+//                                         before the wait.
 #define INGOT_PDL_READ_AHEAD() ((void)0)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define INGOT_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")

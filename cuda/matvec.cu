@@ -31,10 +31,13 @@
 //                      order (warp_sum's butterfly), so all rows get the same bits.
 #include "mma.cuh"       // mma_u8s8: the narrow kernel's integer tensor-core product
 #include "weights.cuh"   // XBlock, dot helpers and the generic weight structs of the soa-v2 types
+#include <type_traits>   // matvec_staged: the element type of each array pointer
 
 struct Q4_0W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
     static constexpr int BLOCKS = 7, B1_BLOCKS = 8;   // weights.cuh, next to MV_UNROLL_Q4
+    static constexpr int STAGE_ARRAYS = 2;   // matvec_<type>_b1s: bytes per 256 weights of qs, d
+    __device__ static constexpr int stage_b8(int a) { constexpr int b[STAGE_ARRAYS] = {128, 16}; return b[a]; }
     const uint8_t* qs; const __half* d; int nb;
     struct Block { uint4 q; float d; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -283,6 +286,128 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
     }
 }
 
+// matvec_<type>_b1s: matvec_<type>_b1's product, arguments and bits (the same lanes sum the same blocks in the
+// same order), for sm_90, with the weights staged through shared memory by bulk asynchronous copies (TMA) instead
+// of each lane's registers. Measured on an H100 (cuda/PERF.md v36): the one-column kernel is bound neither by its
+// weight bytes in flight nor by its integer arithmetic but by its activation loads: each lane reads its q8x2
+// block (64 + 16 bytes, 64 bytes apart from its neighbour's) from L1 every step, four times the wavefronts of a
+// contiguous load. Here a block copies x once into shared memory as separate arrays (xs[c][kb]: chunk c of block
+// kb, so a warp's 32 lanes read 512 contiguous bytes), and its warps are persistent: grid = one block an SM,
+// MVS_WARPS warps, warp w of the grid takes row pairs w, w + warps, ... (gated: (gate r, up r + rows)). Each
+// warp keeps MVS_STAGES row pairs in flight, whole rows (2 x nb blocks of every array of the type: one bulk copy
+// per row and array), in its own ring of stages; lane 0 refills a stage as soon as the warp has read it. The
+// first stages are asked for before the PDL wait (weights: no kernel of a step writes them), so a kernel's first
+// row pairs stream in while its predecessor finishes.
+// Shared memory: x (80 bytes a block of the row), then MVS_WARPS x MVS_STAGES stages of stage_bytes, then one
+// mbarrier a stage. Host conditions (kernels.py matvec_staged): cols % 256 == 0 and every array's row a multiple
+// of 16 bytes (bulk copies), the whole at most the opt-in limit; ss as matvec_<type>_b1's (cols <= MV_NORM_MAX).
+// W::stage_b8(a): bytes per 256 weights of the type's array a (of STAGE_ARRAYS), in argument order: LAYOUTS in
+// kernels.py (tests/test_kernel_host.py compares them).
+template <typename W>
+__device__ __forceinline__ int stage_bytes(int nb) {   // two rows of every array
+    int b = 0;
+#pragma unroll
+    for (int a = 0; a < W::STAGE_ARRAYS; a++) b += W::stage_b8(a);
+    return 2 * (nb / 8) * b;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The type's struct over one stage: each array's two rows back to back, arrays in argument order.
+template <typename W, typename... P>
+__device__ __forceinline__ W staged_rows(const unsigned char* stage, int nb, const P*... global) {
+    int a = 0, off = 0;
+    auto at = [&](const auto* g) {
+        using T = typename std::remove_cv<typename std::remove_pointer<decltype(g)>::type>::type;
+        const T* p = reinterpret_cast<const T*>(stage + off);
+        off += 2 * (nb / 8) * W::stage_b8(a++);
+        return p;
+    };
+    return W{at(global)..., nb};
+}
+
+// Lane 0: rows r[0], r[1] of every array into `stage`, completing on `bar`.
+template <typename W, typename... P>
+__device__ __forceinline__ void stage_rows(unsigned char* stage, int nb, const long long r[2], uint64_t* bar,
+                                           const P*... global) {
+    mbar_expect(bar, stage_bytes<W>(nb));
+    int a = 0, off = 0;
+    auto copy = [&](const void* g) {
+        const int row = (nb / 8) * W::stage_b8(a++);
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            bulk_copy(stage + off + h * row, static_cast<const unsigned char*>(g) + r[h] * row, row, bar);
+        off += 2 * row;
+    };
+    (copy(global), ...);
+}
+
+template <typename W, typename... P>
+__device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, const float4* __restrict__ xd,
+                                              const float* __restrict__ bias, float* __restrict__ y, int rows,
+                                              int cols, int ldy, int mode, int pdl, const float4* __restrict__ ss,
+                                              float eps, const P*... global) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int nb = cols / QK, sb = stage_bytes<W>(nb);
+    int4* xs = reinterpret_cast<int4*>(smem);                         // [4][nb]: c0, c1, f0, f1 of block kb
+    float4* xds = reinterpret_cast<float4*>(smem + 64 * nb);          // [nb]
+    unsigned char* ring = smem + 80 * nb + warp * MVS_STAGES * sb;    // this warp's stages
+    uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 80 * nb + MVS_WARPS * MVS_STAGES * sb) + warp * MVS_STAGES;
+    const bool gate = gated(mode);
+    const long long pairs = gate ? rows : (rows + 1) / 2;
+    const long long gw = (long long)blockIdx.x * MVS_WARPS + warp, GW = (long long)gridDim.x * MVS_WARPS;
+    const long long mine = gw < pairs ? (pairs - gw + GW - 1) / GW : 0;   // pairs gw, gw + GW, ...
+    auto rows_of = [&](long long j, long long r[2]) {   // a second row past the end re-reads the last one
+        const long long p = gw + j * GW;
+        if (gate) { r[0] = p; r[1] = p + rows; }
+        else { r[0] = 2 * p; r[1] = min(2 * p + 1, (long long)rows - 1); }
+    };
+    long long next = 0;   // lane 0: the next pair to stage
+    auto stage_next = [&]() {
+        long long r[2];
+        rows_of(next, r);
+        const int s = (int)(next % MVS_STAGES);
+        stage_rows<W>(ring + s * sb, nb, r, &bar[s], global...);
+        next++;
+    };
+    if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < MVS_STAGES; s++) mbar_init(&bar[s]);
+        mbar_init_fence();
+        while (next < MVS_STAGES && next < mine) stage_next();
+    }
+    INGOT_PDL_WAIT();
+    if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();
+    for (int i = threadIdx.x; i < 5 * nb; i += blockDim.x) {   // x, as separate arrays
+        const int c = i / nb, kb = i - c * nb;
+        if (c < 4) xs[i] = reinterpret_cast<const int4*>(xq + (size_t)kb * 2 * QK)[c];
+        else xds[kb] = xd[kb];
+    }
+    float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);   // the fused norm's partials, as matvec_q
+    if (ss && lane * 4 < nb) sv = ss[lane];
+    const float scale = ss ? rsqrtf(warp_sum((sv.x + sv.y) + (sv.z + sv.w)) / cols + eps) : 1.0f;
+    __syncthreads();
+    for (long long j = 0; j < mine; j++) {
+        const int s = (int)(j % MVS_STAGES);
+        const W w = staged_rows<W>(ring + s * sb, nb, global...);
+        float acc[2][1] = {};
+        mbar_wait(&bar[s], (unsigned)((j / MVS_STAGES) & 1));
+        for (int kb = lane; kb < nb; kb += WARP) {
+            const XBlock x = {xs[kb], xs[nb + kb], xs[2 * nb + kb], xs[3 * nb + kb], xds[kb]};
+#pragma unroll
+            for (int h = 0; h < 2; h++) acc[h][0] += W::dot(w.load(h, kb), x);
+        }
+        __syncwarp();   // every lane has read stage s: lane 0 may refill it
+        if (lane == 0 && next < mine) stage_next();
+        long long r[2];
+        rows_of(j, r);
+        const bool ok[2] = {true, gate || r[1] != r[0]};
+        write_out<1>(acc, mode, ok, r[0], bias, y, 0, ldy, scale);
+    }
+    if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
+}
+#endif
+
 // Q4_0, Q4_1 and Q8_0 take the same loop as the weights.cuh types: X(name, struct, parameters, initializers).
 #define Q4_0_PARAMS const uint8_t* qs, const __half* d
 #define Q4_1_PARAMS const uint8_t* qs, const __half* d, const __half* m
@@ -343,6 +468,24 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
         matvec_q_norm<WT>(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, x, rows, cols, w_next, yq, yd, ss, pdl);     \
     }
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
+
+// matvec_<type>_b1s (above), for the types in FOR_EACH_STAGED_TYPE; an empty body below sm_90 (the host never
+// launches it there: no bulk copies).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MVS_BODY(WT, ...) matvec_staged<WT>(xq, xd, bias, y, rows, cols, ldy, mode, pdl, ss, eps, __VA_ARGS__)
+#else
+#define MVS_BODY(WT, ...) ((void)0)
+#endif
+#define MATVEC_STAGED_KERNEL(NAME, WT, PARAMS, ...)                                                            \
+    extern "C" __global__ void __launch_bounds__(MVS_WARPS * WARP)                                              \
+    matvec_##NAME##_b1s(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,      \
+                        int cols, int ncols, int ldy, int mode, int pdl, const float4* ss, float eps) {          \
+        INGOT_PDL_READ_AHEAD();                                                                                  \
+        MVS_BODY(WT, __VA_ARGS__);                                                                               \
+    }
+#define FOR_EACH_STAGED_TYPE(X)                          \
+    X(q4_0, Q4_0W, Q4_0_PARAMS, qs, d)
+FOR_EACH_STAGED_TYPE(MATVEC_STAGED_KERNEL)
 #undef MATVEC_KERNELS
 
 // --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1, Q4_K; compute capability 8.0+)

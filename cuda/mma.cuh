@@ -20,6 +20,33 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// Bulk asynchronous copies into shared memory (sm_90+: cp.async.bulk, the TMA unit's one-dimensional form) and
+// the mbarriers that count their bytes. A copy moves `bytes` (a multiple of 16, both addresses 16-byte aligned)
+// and completes them on `bar`; the consumer waits for the barrier's phase to flip. One thread arms a barrier
+// (mbar_expect: its arrival plus the bytes to come), so barriers are initialized with a count of 1.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+// After initializing barriers, before any thread or copy uses them.
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned phase) {
+    asm volatile(
+        "{\n .reg .pred done;\n wait_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra wait_%=;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(phase)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+#endif
+
 // 16 (.cg: L2 only, streamed operands), 8 or 4 (.ca: the only sizes below 16 are .ca) bytes global -> shared,
 // asynchronously; read false writes zeros (src-size 0: src is not read).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool read) {

@@ -133,6 +133,15 @@ MATVEC_B1 = Setting(
     "1 or 0",
     "Single-sequence decode runs the one-column matrix-vector kernels (matvec_<type>_b1); 0 uses the any-batch ones.",
 )
+MATVEC_STAGED = Setting(
+    "INGOT_MATVEC_STAGED",
+    True,
+    _flag,
+    "1 or 0",
+    "On Hopper (compute capability 9.0), single-sequence decode runs its Q4_0 matrix-vector products of rows of"
+    " 256-weight multiples as matvec_<type>_b1s (weights and activations staged in shared memory by bulk copies);"
+    " 0 keeps matvec_<type>_b1.",
+)
 MATVEC_MMA = Setting(
     "INGOT_MATVEC_MMA",
     True,
@@ -352,6 +361,7 @@ ALL: tuple[Setting, ...] = (
     DECODE_SPLITS,
     DECODE_ATTN,
     MATVEC_B1,
+    MATVEC_STAGED,
     MATVEC_MMA,
     FUSED_NORM,
     KV_FRACTION,

@@ -8,6 +8,7 @@ device arrays to the same model byte for byte (tests/gpu/test_gpu_kernels.py).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +34,7 @@ from ingot.runtime.gpu.kernels import (
     MATMUL2T_TILE_ROWS,
     MATMUL2W_TILE_ROWS,
     MATVEC_MMA_MIN_COLS,
+    MATVEC_STAGED_TYPES,
     MAX_CLUSTER_SLICES,
     MAX_K_SLICES,
     SPLIT_K_TILES_PER_SM,
@@ -54,6 +56,7 @@ from ingot.runtime.gpu.kernels import (
     matmul_uses_mma,
     matmul_uses_wgmma,
     matvec_mma_smem,
+    matvec_staged_smem,
     norm_fusable,
     prefill_split_k_need,
     split_k_floats,
@@ -149,13 +152,14 @@ class _FakeKernel:
         self.name, self.fn, self.pdl = name, None, pdl
 
 
-def _kernels(sm_count=132, mma=False, cluster=False):
+def _kernels(sm_count=132, mma=False, cluster=False, smem_optin=0):
     """Kernels without a device: the launch geometry only (kernel lookups give named stand-ins). mma: the GEMMs are
     the pipelined matmul2_* (a GPU of compute capability >= 8.0 with INGOT_MATMUL=mma), else WMMA's; cluster: their
     split-K slices are summed in thread-block clusters (sm_90+, INGOT_SPLIT_K=cluster). The GPU is an sm_90 with mma,
-    else an sm_75 (no tensor-core kernels)."""
+    else an sm_75 (no tensor-core kernels). smem_optin: its shared-memory opt-in limit (0: too small for
+    matvec_<type>_b1s, so the one-column products stay matvec_<type>_b1 unless a test raises it)."""
     k = Kernels.__new__(Kernels)
-    k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count, cc=90 if mma else 75))
+    k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count, cc=90 if mma else 75, max_smem_optin=smem_optin))
     k.matmul_mma = mma
     k.matmul_frag = mma  # MATMUL2R_TYPES through matmul2r_* (INGOT_MATMUL=mma)
     k.matmul_wgmma = False  # ... not matmul2w_* (an sm_90a image: the tests that want it set it)
@@ -165,6 +169,7 @@ def _kernels(sm_count=132, mma=False, cluster=False):
         "matvec_{}",
         "matvec_{}_b1",
         "matvec_{}_b1n",
+        "matvec_{}_b1s",
         "matvec_{}_mma",
         "matmul_{}",
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
@@ -280,6 +285,55 @@ def test_two_to_eight_columns_run_the_tensor_core_matvec(monkeypatch, qtype, mod
     monkeypatch.setenv("INGOT_MATVEC_MMA", "0")
     (launch,) = _kernels(mma=True).matvec(W, (1, 2), 100, 4, ldy=1000, mode=mode, narrow=True)
     assert launch.kernel.name == f"matvec_{qtype.lower()}"
+
+
+H100_SMEM_OPTIN = 227 * 1024  # an H100's / H200's cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+
+def test_staged_one_column_kernel_where_it_applies_with_its_own_grid(monkeypatch):
+    """matvec_<type>_b1s (cuda/matvec.cu matvec_staged) takes a one-column product of a MATVEC_STAGED_TYPES matrix
+    on compute capability 9.0 whose rows are whole 256-weight groups and whose shared memory fits the GPU's opt-in:
+    one block an SM of MATVEC_STAGED_WARPS warps, the activation plus each warp's stages of two whole rows, and the
+    one-column kernel's arguments (ss, eps last). Anything else keeps matvec_<type>_b1 (or the any-column kernel),
+    and so does INGOT_MATVEC_STAGED=0."""
+    k = _kernels(sm_count=132, mma=True, smem_optin=H100_SMEM_OPTIN)
+    W = _matrix("Q4_0", 6144, 4096)  # the 8B's qkv
+    (launch,) = k.matvec(W, (1, 2), 100, 1, ldy=6144)
+    assert launch.kernel.name == "matvec_q4_0_b1s"
+    assert launch.grid == (132, 1, 1) and launch.block == 32 * constants.MATVEC_STAGED_WARPS
+    stage = 2 * 2 * (4096 // 32) * 18  # two rows of 128 blocks of 16 quant bytes and a 2-byte scale
+    assert launch.smem == 80 * 128 + constants.MATVEC_STAGED_WARPS * constants.MATVEC_STAGED_STAGES * (stage // 2 + 8)
+    assert launch.smem == matvec_staged_smem("Q4_0", 4096) <= H100_SMEM_OPTIN
+    assert _ptr_args(launch)[-8:] == [6144, 4096, 1, 6144, constants.MODE_STORE, 0, 0, 0]
+    # gated: the same grid (its warps take (gate r, up r + rows) pairs)
+    (gated,) = k.matvec(_matrix("Q4_0", 2 * 512, 1024), (1, 2), 100, 1, ldy=512, mode=constants.MODE_SWIGLU)
+    assert gated.kernel.name == "matvec_q4_0_b1s" and gated.grid == (132, 1, 1)
+    assert _ptr_args(gated)[-8:-5] == [512, 1024, 1]
+    cases = [
+        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 576), 1, "matvec_q4_0_b1"),  # 18 blocks
+        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_1", 64, 4096), 1, "matvec_q4_1_b1"),
+        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 4096), 2, "matvec_q4_0"),
+        (_kernels(mma=True, smem_optin=100 * 1024), _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1"),  # too little
+        (_kernels(mma=False, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1"),  # sm_75
+    ]
+    for kk, Wx, ncols, name in cases:
+        (launch,) = kk.matvec(Wx, (1, 2), 100, ncols, ldy=Wx.rows)
+        assert launch.kernel.name == name, (Wx.qtype, Wx.cols, ncols)
+    monkeypatch.setenv("INGOT_MATVEC_STAGED", "0")
+    (launch,) = k.matvec(W, (1, 2), 100, 1, ldy=6144)
+    assert launch.kernel.name == "matvec_q4_0_b1"
+
+
+def test_the_staged_kernels_array_sizes_are_the_layouts():
+    """matvec_staged copies each array of a row by its size from W::stage_b8 (cuda/matvec.cu): bytes per 256
+    weights, in argument order, which must be LAYOUTS' (a wrong one copies the wrong bytes or overruns a stage)."""
+    src = (Path(__file__).resolve().parents[1] / "cuda" / "matvec.cu").read_text()
+    structs = dict(re.findall(r"X\((\w+), (\w+W), \w+_PARAMS", src[src.index("#define FOR_EACH_STAGED_TYPE") :]))
+    assert sorted(structs) == sorted(q.lower() for q in MATVEC_STAGED_TYPES)
+    for q in MATVEC_STAGED_TYPES:
+        body = src[src.index(f"struct {structs[q.lower()]} {{") :].split("\n};")[0]
+        table = re.search(r"constexpr int b\[STAGE_ARRAYS\] = \{([\d, ]+)\}", body).group(1)
+        assert [int(v) for v in table.split(",")] == [b for _, b in LAYOUTS[q]], q
 
 
 def test_every_type_has_both_matvec_kernels_in_the_source():

@@ -23,7 +23,7 @@ import pytest
 from ingot.runtime.errors import IngotError
 from ingot.runtime.gpu import driver, fatbin
 from ingot.runtime.gpu.driver import Event, Graph, Kernel, Launch, Memset, Stream
-from ingot.runtime.gpu.kernels import MODULES, PDL_KERNELS, kernel_images, mark_pdl, pdl_enabled
+from ingot.runtime.gpu.kernels import MATVEC_STAGED_TYPES, MODULES, PDL_KERNELS, kernel_images, mark_pdl, pdl_enabled
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = ROOT / "cuda"
@@ -195,7 +195,13 @@ def test_the_built_ptx_waits_first_in_exactly_the_listed_kernels():
     waiting = {n for n, body in entries.items() if "griddepcontrol.wait" in body}
     assert waiting == PDL_KERNELS, (sorted(waiting - PDL_KERNELS), sorted(PDL_KERNELS - waiting))
     read_ahead = {n for n, first in kernel_definitions().items() if first == READ_AHEAD}
-    assert read_ahead == {"rmsnorm_f32", "add_rmsnorm_f32", "attn_decode_tile_f16", "attn_decode_tile_f16_hd256"}
+    assert read_ahead == {
+        "rmsnorm_f32",
+        "add_rmsnorm_f32",
+        "attn_decode_tile_f16",
+        "attn_decode_tile_f16_hd256",
+        *(f"matvec_{q.lower()}_b1s" for q in MATVEC_STAGED_TYPES),
+    }
     for name in sorted(PDL_KERNELS):
         forbidden = _BEFORE_WAIT_READ_AHEAD if name in read_ahead else _BEFORE_WAIT
         early = unwaited(entries[name], forbidden)

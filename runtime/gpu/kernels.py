@@ -44,6 +44,8 @@ from ingot.runtime.gpu.constants import (
     MATVEC_NORM_MAX,
     MATVEC_NORM_WARPS,
     MATVEC_ROWS_PER_BLOCK,
+    MATVEC_STAGED_STAGES,
+    MATVEC_STAGED_WARPS,
     MAX_SPLITS,
     MODE_STORE,
     PAGE,
@@ -126,6 +128,11 @@ MATMUL2T_TILE_ROWS = (32, 64)
 MATVEC_MMA_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # Q4_K: its super-block header where Q4_0 has a chunk's 8 scales
 MATVEC_MMA_MIN_CC = 80
 MATVEC_MMA_MIN_COLS = 3  # at 2 it measured no faster than the dp4a kernel (cuda/PERF.md v22)
+# The types matvec_<type>_b1s serves (cuda/matvec.cu FOR_EACH_STAGED_TYPE: one column, weights by bulk copies), on
+# this compute capability only: measured on an H100 (cuda/PERF.md v36); the copies are sm_90+, but later archs'
+# shared memory and SM counts were not measured.
+MATVEC_STAGED_TYPES = ("Q4_0",)
+MATVEC_STAGED_CC = 90
 
 # The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).
 ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
@@ -143,6 +150,7 @@ PDL_KERNELS = frozenset(
         *(f"matmul2t_{q.lower()}_bm{tm}" for q in MATMUL2W_TYPES for tm in MATMUL2T_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
+        *(f"matvec_{q.lower()}_b1s" for q in MATVEC_STAGED_TYPES),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
@@ -724,13 +732,42 @@ def narrow_mma_kernel(qtype: str, ncols: int, cc: int, rows: int, cols: int) -> 
     )
 
 
-def matvec_kernel(qtype: str, ncols: int, cc: int, rows: int, cols: int, narrow: bool = False) -> str:
+def matvec_staged_smem(qtype: str, cols: int) -> int:
+    """Dynamic shared memory of matvec_<type>_b1s for rows of `cols` weights (cuda/matvec.cu matvec_staged): the
+    activation (80 bytes a 32-weight block), each warp's MATVEC_STAGED_STAGES stages of two whole rows of every
+    array of the type (LAYOUTS' bytes per 256 weights), and an 8-byte mbarrier a stage. The 8B's 4,096-wide rows
+    at Q4_0: 154 KiB, so one block an SM."""
+    nb = cols // QK
+    stage = 2 * (cols // 256) * sum(b for _, b in LAYOUTS[qtype])
+    return 80 * nb + MATVEC_STAGED_WARPS * MATVEC_STAGED_STAGES * (stage + 8)
+
+
+def matvec_staged(qtype: str, cols: int, cc: int, smem_optin: int) -> bool:
+    """Whether a one-column matvec of `cols`-wide qtype rows runs matvec_<type>_b1s: a MATVEC_STAGED_TYPES type on
+    compute capability MATVEC_STAGED_CC, rows of whole 256-weight groups whose every array is a multiple of 16 bytes
+    (bulk copies), its shared memory within the GPU's opt-in limit; INGOT_MATVEC_STAGED=0: never."""
+    return (
+        qtype in MATVEC_STAGED_TYPES
+        and cc == MATVEC_STAGED_CC
+        and cols % 256 == 0
+        and all(cols // 256 * b % 16 == 0 for _, b in LAYOUTS[qtype])
+        and matvec_staged_smem(qtype, cols) <= smem_optin
+        and settings.MATVEC_STAGED.get()
+    )
+
+
+def matvec_kernel(
+    qtype: str, ncols: int, cc: int, rows: int, cols: int, narrow: bool = False, smem_optin: int = 0
+) -> str:
     """The matvec kernel for ncols columns of a [rows, cols] qtype matrix: the one-column kernel where
-    one_column_kernel says so, the tensor-core one where the caller allows it (narrow) and narrow_mma_kernel says
-    so, else the any-column one."""
+    one_column_kernel says so (its staged form where matvec_staged says so, given the GPU's shared-memory opt-in
+    limit), the tensor-core one where the caller allows it (narrow) and narrow_mma_kernel says so, else the
+    any-column one."""
     if narrow and narrow_mma_kernel(qtype, ncols, cc, rows, cols):
         return f"matvec_{qtype.lower()}_mma"
-    return f"matvec_{qtype.lower()}{'_b1' if one_column_kernel(ncols) else ''}"
+    if not one_column_kernel(ncols):
+        return f"matvec_{qtype.lower()}"
+    return f"matvec_{qtype.lower()}_b1{'s' if matvec_staged(qtype, cols, cc, smem_optin) else ''}"
 
 
 class NormedQ8(NamedTuple):
@@ -906,6 +943,9 @@ class Kernels:
         # the registers let two of them share an SM some SMs took two and others none (the 8B's tg128 380 tok/s
         # against 420 at one an SM: cuda/PERF.md v21). Just over half an SM's shared memory keeps them one to an SM.
         self.norm_smem = {q: self._one_block_an_sm(f"matvec_{q.lower()}_b1n") for q in GPU_QTYPES if q != "F16"}
+        if device.info.cc == MATVEC_STAGED_CC:  # matvec_staged keeps each launch within this
+            for q in MATVEC_STAGED_TYPES:
+                self.k[f"matvec_{q.lower()}_b1s"].allow_dynamic_smem(device.info.max_smem_optin)
         if device.info.cc >= MATVEC_MMA_MIN_CC:
             for q in MATVEC_MMA_TYPES:
                 self.k[f"matvec_{q.lower()}_mma"].allow_dynamic_smem(matvec_mma_smem(q, MATVEC_MMA_COLS))
@@ -1016,9 +1056,13 @@ class Kernels:
             rows = part.rows // 2 if mode in GATED_MODES else part.rows
             xs = list(x[:2]) if part.quantized else [x]
             part_bias = None if bias is None else bias.at(4 * offset)
-            name = matvec_kernel(part.qtype, ncols, self.device.info.cc, part.rows, part.cols, narrow)
+            info = self.device.info
+            name = matvec_kernel(part.qtype, ncols, info.cc, part.rows, part.cols, narrow, info.max_smem_optin)
             kernel, smem = self.k[name], 0
-            if name.endswith("_mma"):  # one block of MATVEC_MMA_WARPS warps per 16 rows (8 gated outputs)
+            if name.endswith("_b1s"):  # persistent: one block an SM, its warps take row pairs in turn
+                grid, threads = (info.sm_count, 1), 32 * MATVEC_STAGED_WARPS
+                smem = matvec_staged_smem(part.qtype, part.cols)
+            elif name.endswith("_mma"):  # one block of MATVEC_MMA_WARPS warps per 16 rows (8 gated outputs)
                 per_block = MATVEC_MMA_ROWS // 2 if mode in GATED_MODES else MATVEC_MMA_ROWS
                 grid, threads = ((rows + per_block - 1) // per_block, 1), 32 * MATVEC_MMA_WARPS
                 smem = matvec_mma_smem(part.qtype, ncols)
@@ -1043,7 +1087,7 @@ class Kernels:
                         i32(ldy),
                         i32(mode),
                         i32(matvec_pdl_flags(kernel.pdl, part)),
-                        *(b1 if name.endswith("_b1") and part.quantized else []),  # matvec_f16_b1 has none
+                        *(b1 if name.endswith(("_b1", "_b1s")) and part.quantized else []),  # matvec_f16_b1: none
                     ],
                     smem=smem,
                 )

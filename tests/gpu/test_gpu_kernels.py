@@ -28,6 +28,8 @@ from ingot.runtime.gpu.kernels import (
     MATMUL2W_TILE_ROWS,
     MATMUL2W_TYPES,
     MATVEC_MMA_MIN_COLS,
+    MATVEC_STAGED_CC,
+    MATVEC_STAGED_TYPES,
     SAMPLE_CHUNK,
     SUPERBLOCK_TYPES,
     GpuMatrix,
@@ -336,12 +338,54 @@ def test_matvec_one_column_kernel_matches_the_any_column_kernel(gpu, rng, monkey
             W, n = (Wg, rows) if gated else (Ws, 2 * rows + 1)
             y = gpu.put(resid[:n]) if mode == K.MODE_ADD else gpu.empty(4 * n)
             launches = gpu.k.matvec(W, xin, y.ptr, 1, ldy=n, mode=mode, bias=None if gated else bias)
-            assert [launch.kernel.name.endswith("_b1") for launch in launches] == [b1 == "1"]
+            assert [launch.kernel.name.endswith(("_b1", "_b1s")) for launch in launches] == [b1 == "1"]
             _run_steps(gpu, launches)
             outs[b1, mode] = gpu.get(y, np.float32, (n,))
     for mode in modes:
         assert np.isfinite(outs["1", mode]).all(), mode  # every output written (the buffers start as NaN)
         assert rel_err(outs["1", mode], outs["0", mode]) < 1e-6, mode
+
+
+@pytest.mark.parametrize("qtype", MATVEC_STAGED_TYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 256), (37, 1280), (203, 4096), (-1, 1024)])
+def test_staged_one_column_matvec_gives_the_b1_bits(gpu, rng, monkeypatch, qtype, rows, cols):
+    """matvec_<type>_b1s (cuda/matvec.cu matvec_staged: weights and the activation staged in shared memory by bulk
+    copies, persistent warps) against matvec_<type>_b1: the same lanes sum the same blocks in the same order, so
+    every mode, with a bias and with a pending norm, gives the same bits. 1280 (40 blocks) leaves a partial last
+    step; odd row counts a last pair whose second row is dropped; rows = -1 stands for 3 x the grid's warps pairs
+    and more, so warps take several pairs and their rings of MVS_STAGES stages wrap (a wrong phase or slot would
+    read a stale or half-copied stage)."""
+    if gpu.dev.info.cc != MATVEC_STAGED_CC:
+        pytest.skip(f"matvec_<type>_b1s runs on compute capability {MATVEC_STAGED_CC} only")
+    if rows < 0:
+        rows = 3 * gpu.dev.info.sm_count * K.MATVEC_STAGED_WARPS + 19
+    Ws, _ = make_weight(gpu, rng, qtype, 2 * rows + 1, cols)  # an odd row count for the plain modes
+    Wg, _ = make_weight(gpu, rng, qtype, 2 * rows, cols)  # [gate; up]
+    x = rng.standard_normal(cols).astype(np.float32)
+    plain, _ = _activation(gpu, Ws, x[None, :])
+    ss = np.zeros(K.SHARED["MV_NORM_MAX"][0] // 32, np.float32)
+    ss[: cols // 32] = (x.astype(np.float64).reshape(-1, 32) ** 2).sum(axis=1)
+    normed = NormedQ8(*plain, gpu.put(ss).ptr, 1e-5)
+    resid = rng.standard_normal(2 * rows + 1).astype(np.float32)
+    bias = gpu.put(rng.standard_normal(2 * rows + 1).astype(np.float32))
+    outs = {}
+    for staged in ("1", "0"):
+        monkeypatch.setenv("INGOT_MATVEC_STAGED", staged)
+        for xin in (plain, normed):
+            for mode in (K.MODE_STORE, K.MODE_ADD, K.MODE_SWIGLU, K.MODE_GEGLU):
+                gated = mode in (K.MODE_SWIGLU, K.MODE_GEGLU)
+                W, n = (Wg, rows) if gated else (Ws, 2 * rows + 1)
+                y = gpu.put(resid[:n]) if mode == K.MODE_ADD else gpu.empty(4 * n)
+                launches = gpu.k.matvec(W, xin, y.ptr, 1, ldy=n, mode=mode, bias=None if gated else bias)
+                assert [launch.kernel.name for launch in launches] == [
+                    f"matvec_{qtype.lower()}_b1" + "s" * (staged == "1")
+                ]
+                _run_steps(gpu, launches)
+                outs[staged, xin is normed, mode] = gpu.get(y, np.float32, (n,))
+    for key in [k for k in outs if k[0] == "1"]:
+        got, want = outs[key], outs[("0", *key[1:])]
+        assert np.isfinite(got).all(), key  # every output written (the buffers start as NaN)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), key
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED)
@@ -414,7 +458,7 @@ def test_one_column_matvec_applies_a_pending_norm(gpu, rng, qtype, rows, cols):
     for mode, act in ((K.MODE_SWIGLU, _silu), (K.MODE_GEGLU, _gelu_tanh)):
         out = gpu.empty(4 * rows)
         launches = gpu.k.matvec(Wg, xin, out.ptr, 1, ldy=rows, mode=mode)
-        assert [launch.kernel.name for launch in launches] == [f"matvec_{qtype.lower()}_b1"]
+        assert [launch.kernel.name.removesuffix("s") for launch in launches] == [f"matvec_{qtype.lower()}_b1"]
         _run_steps(gpu, launches)
         assert rel_err(gpu.get(out, np.float32, (rows,)), act(g) * u) < 1e-4, mode
 
