@@ -286,139 +286,59 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
     }
 }
 
-// matvec_<type>_b1s and _b1ns: matvec_<type>_b1's and _b1n's products, arguments and bits (the same lanes sum
-// the same blocks in the same order), for sm_90, with the weights staged through shared memory by bulk asynchronous
-// copies (TMA) instead of each lane's registers, and the activation staged once per block. Measured on an H100
-// (cuda/PERF.md v36): the one-column kernels are bound neither by their weight bytes in flight nor by their integer
-// arithmetic but by their activation loads: each lane reads its q8x2 block (64 + 16 bytes, 64 bytes apart from its
-// neighbour's) from L1 every step, four times the wavefronts of a contiguous load. Here a block copies x once into
-// shared memory as separate arrays (xs[c][kb]: chunk c of block kb, so a warp's 32 lanes read 512 contiguous bytes).
-// Each warp streams its own row pairs through its own ring of stages: a unit is one chunk (up to MVS_CHUNK blocks)
-// of both rows of every array of the type (one bulk copy per row and array, completing on the stage's mbarrier),
-// MVS_RING blocks of each row in flight (2 whole 4,096-wide rows); lane 0 refills a stage as soon as the warp has
-// read it. The first units are asked for before the PDL wait (weights: no kernel of a step writes them).
-//   b1s   persistent: one block an SM of MVS_WARPS warps; warp w of the grid takes row pairs w, w + warps, ...
-//         (gated: (gate r, up r + rows)).
-//   b1ns  as b1n: a block's 16 warps take its group of 32 rows (one pair each) and end with b1n's epilogue; a
-//         block takes groups blockIdx.x, + gridDim.x, ... (the host launches min(groups, SMs) blocks).
-// Shared memory (kernels.py matvec_staged_smem): x (80 bytes a block of the row), then each warp's ring, then
-// MVS_MAX_STAGES mbarriers a warp. Host conditions (matvec_staged): cols % 256 == 0 and every array's row a
-// multiple of 16 bytes (bulk copies), within the opt-in limit; ss as matvec_<type>_b1's (cols <= MV_NORM_MAX).
+// matvec_<type>_b1s: matvec_<type>_b1's product, arguments and bits (the same lanes sum the same blocks in the
+// same order), for sm_90, with the weights staged through shared memory by bulk asynchronous copies (TMA) instead
+// of each lane's registers. Measured on an H100 (cuda/PERF.md v36): the one-column kernel is bound neither by its
+// weight bytes in flight nor by its integer arithmetic but by its activation loads: each lane reads its q8x2
+// block (64 + 16 bytes, 64 bytes apart from its neighbour's) from L1 every step, four times the wavefronts of a
+// contiguous load. Here a block copies x once into shared memory as separate arrays (xs[c][kb]: chunk c of block
+// kb, so a warp's 32 lanes read 512 contiguous bytes), and its warps are persistent: grid = one block an SM,
+// MVS_WARPS warps, warp w of the grid takes row pairs w, w + warps, ... (gated: (gate r, up r + rows)). Each
+// warp keeps MVS_STAGES row pairs in flight, whole rows (2 x nb blocks of every array of the type: one bulk copy
+// per row and array), in its own ring of stages; lane 0 refills a stage as soon as the warp has read it. The
+// first stages are asked for before the PDL wait (weights: no kernel of a step writes them), so a kernel's first
+// row pairs stream in while its predecessor finishes.
+// Shared memory: x (80 bytes a block of the row), then MVS_WARPS x MVS_STAGES stages of stage_bytes, then one
+// mbarrier a stage. Host conditions (kernels.py matvec_staged): cols % 256 == 0 and every array's row a multiple
+// of 16 bytes (bulk copies), the whole at most the opt-in limit; ss as matvec_<type>_b1's (cols <= MV_NORM_MAX).
 // W::stage_b8(a): bytes per 256 weights of the type's array a (of STAGE_ARRAYS), in argument order: LAYOUTS in
-// kernels.py (tests/test_gpu_layouts.py compares them).
+// kernels.py (tests/test_kernel_host.py compares them).
 template <typename W>
-__device__ __forceinline__ int stage_bytes(int blocks) {   // `blocks` of two rows of every array (blocks % 8 == 0)
+__device__ __forceinline__ int stage_bytes(int nb) {   // two rows of every array
     int b = 0;
 #pragma unroll
     for (int a = 0; a < W::STAGE_ARRAYS; a++) b += W::stage_b8(a);
-    return 2 * (blocks / 8) * b;
-}
-__host__ __device__ constexpr int staged_chunk(int nb) { return nb < MVS_CHUNK ? nb : MVS_CHUNK; }
-__host__ __device__ constexpr int staged_stages(int nb) {
-    return MVS_RING / staged_chunk(nb) < MVS_MAX_STAGES ? MVS_RING / staged_chunk(nb) : MVS_MAX_STAGES;
+    return 2 * (nb / 8) * b;
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The type's struct over one stage of `blocks` blocks a row: each array's two rows back to back, arrays in argument
-// order, so w.load(h, kb) reads block kb of the chunk of row h.
+// The type's struct over one stage: each array's two rows back to back, arrays in argument order.
 template <typename W, typename... P>
-__device__ __forceinline__ W staged_rows(const unsigned char* stage, int blocks, const P*... global) {
+__device__ __forceinline__ W staged_rows(const unsigned char* stage, int nb, const P*... global) {
     int a = 0, off = 0;
     auto at = [&](const auto* g) {
         using T = typename std::remove_cv<typename std::remove_pointer<decltype(g)>::type>::type;
         const T* p = reinterpret_cast<const T*>(stage + off);
-        off += 2 * (blocks / 8) * W::stage_b8(a++);
+        off += 2 * (nb / 8) * W::stage_b8(a++);
         return p;
     };
-    return W{at(global)..., blocks};
+    return W{at(global)..., nb};
 }
 
-// One warp's stream of row-pair chunks through its ring (above). Lane 0 issues the copies; every lane waits.
-template <typename W>
-struct StagedRows {
-    unsigned char* ring;
-    uint64_t* bar;
-    int nb, chunk, chunks, stages, unit_bytes;
-    long long pairs, next;   // next: the unit lane 0 stages next (pair next / chunks, chunk next % chunks)
-
-    __device__ StagedRows(unsigned char* smem_after_x, int warp, int nb_, long long pairs_)
-        : nb(nb_), chunk(staged_chunk(nb_)), chunks((nb_ + staged_chunk(nb_) - 1) / staged_chunk(nb_)),
-          stages(staged_stages(nb_)), unit_bytes(stage_bytes<W>(staged_chunk(nb_))), pairs(pairs_), next(0) {
-        ring = smem_after_x + warp * stages * unit_bytes;
-        bar = reinterpret_cast<uint64_t*>(smem_after_x + MVS_WARPS * stages * unit_bytes) + warp * MVS_MAX_STAGES;
-    }
-    __device__ int blocks_of(int c) const { return min(chunk, nb - c * chunk); }
-
-    // Lane 0: unit `next` (rows r of pair next / chunks) into its stage.
-    template <typename... P>
-    __device__ void stage_next(const long long r[2], const P*... global) {
-        const int s = (int)(next % stages), c = (int)(next % chunks), blocks = blocks_of(c);
-        unsigned char* stage = ring + s * unit_bytes;
-        mbar_expect(&bar[s], stage_bytes<W>(blocks));
-        int a = 0, off = 0;
-        auto copy = [&](const void* g) {
-            const int b8 = W::stage_b8(a++), bytes = (blocks / 8) * b8;
+// Lane 0: rows r[0], r[1] of every array into `stage`, completing on `bar`.
+template <typename W, typename... P>
+__device__ __forceinline__ void stage_rows(unsigned char* stage, int nb, const long long r[2], uint64_t* bar,
+                                           const P*... global) {
+    mbar_expect(bar, stage_bytes<W>(nb));
+    int a = 0, off = 0;
+    auto copy = [&](const void* g) {
+        const int row = (nb / 8) * W::stage_b8(a++);
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const unsigned char* src = static_cast<const unsigned char*>(g) + (r[h] * nb + c * chunk) / 8 * b8;
-                bulk_copy(stage + off + h * bytes, src, bytes, &bar[s]);
-            }
-            off += 2 * bytes;
-        };
-        (copy(global), ...);
-        next++;
-    }
-    // Lane 0, before the PDL wait: the barriers, then the first units.
-    template <typename RowsOf, typename... P>
-    __device__ void start(RowsOf rows_of, const P*... global) {
-        for (int s = 0; s < stages; s++) mbar_init(&bar[s]);
-        mbar_init_fence();
-        while (next < stages && next < pairs * chunks) {
-            long long r[2];
-            rows_of(next / chunks, r);
-            stage_next(r, global...);
-        }
-    }
-    // Every lane: each pair's two dot products with x (xs, xds: staged), then done(j, acc) with the warp's sums
-    // still per lane (acc[h][0]: this lane's share of row h).
-    template <typename RowsOf, typename Done, typename... P>
-    __device__ void run(const int4* xs, const float4* xds, RowsOf rows_of, Done done, const P*... global) {
-        const int lane = threadIdx.x % WARP;
-        long long u = 0;
-        for (long long j = 0; j < pairs; j++) {
-            float acc[2][1] = {};
-            for (int c = 0; c < chunks; c++, u++) {
-                const int s = (int)(u % stages), blocks = blocks_of(c);
-                const W w = staged_rows<W>(ring + s * unit_bytes, blocks, global...);
-                mbar_wait(&bar[s], (unsigned)((u / stages) & 1));
-                for (int k = lane; k < blocks; k += WARP) {
-                    const int kb = c * chunk + k;
-                    const XBlock x = {xs[kb], xs[nb + kb], xs[2 * nb + kb], xs[3 * nb + kb], xds[kb]};
-#pragma unroll
-                    for (int h = 0; h < 2; h++) acc[h][0] += W::dot(w.load(h, k), x);
-                }
-                __syncwarp();   // every lane has read stage s: lane 0 may refill it
-                if (threadIdx.x % WARP == 0 && next < pairs * chunks) {
-                    long long r[2];
-                    rows_of(next / chunks, r);
-                    stage_next(r, global...);
-                }
-            }
-            done(j, acc);
-        }
-    }
-};
-
-// After the PDL wait: x[cols] (q8x2) into shared memory as xs[4][nb] (c0, c1, f0, f1 of each block) and xds[nb],
-// by the whole block; the caller synchronizes.
-__device__ __forceinline__ void stage_x(unsigned char* smem, const int8_t* xq, const float4* xd, int nb) {
-    int4* xs = reinterpret_cast<int4*>(smem);
-    float4* xds = reinterpret_cast<float4*>(smem + 64 * nb);
-    for (int i = threadIdx.x; i < 5 * nb; i += blockDim.x) {
-        const int c = i / nb, kb = i - c * nb;
-        if (c < 4) xs[i] = reinterpret_cast<const int4*>(xq + (size_t)kb * 2 * QK)[c];
-        else xds[kb] = xd[kb];
-    }
+        for (int h = 0; h < 2; h++)
+            bulk_copy(stage + off + h * row, static_cast<const unsigned char*>(g) + r[h] * row, row, bar);
+        off += 2 * row;
+    };
+    (copy(global), ...);
 }
 
 template <typename W, typename... P>
@@ -427,90 +347,63 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
                                               int cols, int ldy, int mode, int pdl, const float4* __restrict__ ss,
                                               float eps, const P*... global) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nb = cols / QK;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int nb = cols / QK, sb = stage_bytes<W>(nb);
+    int4* xs = reinterpret_cast<int4*>(smem);                         // [4][nb]: c0, c1, f0, f1 of block kb
+    float4* xds = reinterpret_cast<float4*>(smem + 64 * nb);          // [nb]
+    unsigned char* ring = smem + 80 * nb + warp * MVS_STAGES * sb;    // this warp's stages
+    uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 80 * nb + MVS_WARPS * MVS_STAGES * sb) + warp * MVS_STAGES;
     const bool gate = gated(mode);
     const long long pairs = gate ? rows : (rows + 1) / 2;
     const long long gw = (long long)blockIdx.x * MVS_WARPS + warp, GW = (long long)gridDim.x * MVS_WARPS;
+    const long long mine = gw < pairs ? (pairs - gw + GW - 1) / GW : 0;   // pairs gw, gw + GW, ...
     auto rows_of = [&](long long j, long long r[2]) {   // a second row past the end re-reads the last one
         const long long p = gw + j * GW;
         if (gate) { r[0] = p; r[1] = p + rows; }
         else { r[0] = 2 * p; r[1] = min(2 * p + 1, (long long)rows - 1); }
     };
-    StagedRows<W> st(smem + 80 * nb, warp, nb, gw < pairs ? (pairs - gw + GW - 1) / GW : 0);
-    if (lane == 0) st.start(rows_of, global...);
+    long long next = 0;   // lane 0: the next pair to stage
+    auto stage_next = [&]() {
+        long long r[2];
+        rows_of(next, r);
+        const int s = (int)(next % MVS_STAGES);
+        stage_rows<W>(ring + s * sb, nb, r, &bar[s], global...);
+        next++;
+    };
+    if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < MVS_STAGES; s++) mbar_init(&bar[s]);
+        mbar_init_fence();
+        while (next < MVS_STAGES && next < mine) stage_next();
+    }
     INGOT_PDL_WAIT();
     if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();
-    stage_x(smem, xq, xd, nb);
+    for (int i = threadIdx.x; i < 5 * nb; i += blockDim.x) {   // x, as separate arrays
+        const int c = i / nb, kb = i - c * nb;
+        if (c < 4) xs[i] = reinterpret_cast<const int4*>(xq + (size_t)kb * 2 * QK)[c];
+        else xds[kb] = xd[kb];
+    }
     float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);   // the fused norm's partials, as matvec_q
     if (ss && lane * 4 < nb) sv = ss[lane];
     const float scale = ss ? rsqrtf(warp_sum((sv.x + sv.y) + (sv.z + sv.w)) / cols + eps) : 1.0f;
     __syncthreads();
-    st.run(reinterpret_cast<const int4*>(smem), reinterpret_cast<const float4*>(smem + 64 * nb), rows_of,
-           [&](long long j, float (&acc)[2][1]) {
-               long long r[2];
-               rows_of(j, r);
-               const bool ok[2] = {true, gate || r[1] != r[0]};
-               write_out<1>(acc, mode, ok, r[0], bias, y, 0, ldy, scale);
-           },
-           global...);
-    if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
-}
-
-// b1n's product and epilogue (matvec_q_norm) over the staged stream: a block's warp w takes rows 2w, 2w + 1 of each
-// of its groups of 32.
-static_assert(MVS_WARPS == MVN_WARPS, "matvec_<type>_b1ns: a block's warps take one 32-row group, a pair each");
-template <typename W, typename... P>
-__device__ __forceinline__ void matvec_staged_norm(const int8_t* __restrict__ xq, const float4* __restrict__ xd,
-                                                   const float* __restrict__ bias, float* __restrict__ x, int rows,
-                                                   int cols, const float* __restrict__ w_next,
-                                                   int8_t* __restrict__ yq, float4* __restrict__ yd,
-                                                   float* __restrict__ ss, int pdl, const P*... global) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ float sx[2 * MVN_WARPS];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nb = cols / QK, groups = rows / QK;
-    auto group_of = [&](long long j) { return (int)(blockIdx.x + j * gridDim.x); };
-    auto rows_of = [&](long long j, long long r[2]) {
-        r[0] = (long long)group_of(j) * QK + 2 * warp;
-        r[1] = r[0] + 1;
-    };
-    StagedRows<W> st(smem + 80 * nb, warp, nb, (groups - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x);
-    if (lane == 0) st.start(rows_of, global...);
-    INGOT_PDL_WAIT();
-    if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();
-    stage_x(smem, xq, xd, nb);
-    // The first group's residual, bias and norm weights, loaded before the main loop as matvec_q_norm does (the
-    // epilogue then waits on nothing but the barrier); a later group's (more groups than blocks) in its epilogue.
-    float xr[2] = {}, br[2] = {}, wn = 0.0f;
-    auto epilogue_inputs = [&](long long j) {
+    for (long long j = 0; j < mine; j++) {
+        const int s = (int)(j % MVS_STAGES);
+        const W w = staged_rows<W>(ring + s * sb, nb, global...);
+        float acc[2][1] = {};
+        mbar_wait(&bar[s], (unsigned)((j / MVS_STAGES) & 1));
+        for (int kb = lane; kb < nb; kb += WARP) {
+            const XBlock x = {xs[kb], xs[nb + kb], xs[2 * nb + kb], xs[3 * nb + kb], xds[kb]};
+#pragma unroll
+            for (int h = 0; h < 2; h++) acc[h][0] += W::dot(w.load(h, kb), x);
+        }
+        __syncwarp();   // every lane has read stage s: lane 0 may refill it
+        if (lane == 0 && next < mine) stage_next();
         long long r[2];
         rows_of(j, r);
-        if (lane == 0)
-            for (int h = 0; h < 2; h++) { xr[h] = x[r[h]]; br[h] = bias ? bias[r[h]] : 0.0f; }
-        if (warp == 0) wn = w_next[group_of(j) * QK + lane];
-    };
-    if (st.pairs > 0) epilogue_inputs(0);
-    __syncthreads();
-    st.run(reinterpret_cast<const int4*>(smem), reinterpret_cast<const float4*>(smem + 64 * nb), rows_of,
-           [&](long long j, float (&acc)[2][1]) {
-               const int g = group_of(j);
-               if (j > 0) epilogue_inputs(j);
-               long long r[2];
-               rows_of(j, r);
-               const float v0 = warp_sum(acc[0][0]), v1 = warp_sum(acc[1][0]);
-               if (lane == 0) {
-                   const float n0 = xr[0] + (v0 + br[0]), n1 = xr[1] + (v1 + br[1]);   // as matvec_q_norm
-                   x[r[0]] = n0; x[r[1]] = n1;
-                   sx[2 * warp] = n0; sx[2 * warp + 1] = n1;
-               }
-               __syncthreads();
-               if (warp == 0) {
-                   const float v = sx[lane], s2 = warp_sum(v * v);
-                   if (lane == 0) ss[g] = s2;
-                   warp_quantize_q8x2(v * wn, yq + (size_t)g * 2 * QK, yd + g);
-               }
-               __syncthreads();   // sx is the next group's
-           },
-           global...);
+        const bool ok[2] = {true, gate || r[1] != r[0]};
+        write_out<1>(acc, mode, ok, r[0], bias, y, 0, ldy, scale);
+    }
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
 }
 #endif
@@ -576,31 +469,23 @@ __device__ __forceinline__ void matvec_staged_norm(const int8_t* __restrict__ xq
     }
 FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 
-// matvec_<type>_b1s and _b1ns (above), for the types in FOR_EACH_STAGED_TYPE; empty bodies below sm_90 (the host
-// never launches them there: no bulk copies).
+// matvec_<type>_b1s (above), for the types in FOR_EACH_STAGED_TYPE; an empty body below sm_90 (the host never
+// launches it there: no bulk copies).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define MVS_BODY(WT, ...) matvec_staged<WT>(xq, xd, bias, y, rows, cols, ldy, mode, pdl, ss, eps, __VA_ARGS__)
-#define MVNS_BODY(WT, ...) matvec_staged_norm<WT>(xq, xd, bias, x, rows, cols, w_next, yq, yd, ss, pdl, __VA_ARGS__)
 #else
 #define MVS_BODY(WT, ...) ((void)0)
-#define MVNS_BODY(WT, ...) ((void)0)
 #endif
-#define MATVEC_STAGED_KERNELS(NAME, WT, PARAMS, ...)                                                           \
+#define MATVEC_STAGED_KERNEL(NAME, WT, PARAMS, ...)                                                            \
     extern "C" __global__ void __launch_bounds__(MVS_WARPS * WARP)                                              \
     matvec_##NAME##_b1s(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,      \
                         int cols, int ncols, int ldy, int mode, int pdl, const float4* ss, float eps) {          \
         INGOT_PDL_READ_AHEAD();                                                                                  \
         MVS_BODY(WT, __VA_ARGS__);                                                                               \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MVS_WARPS * WARP)                                              \
-    matvec_##NAME##_b1ns(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* x, int rows,     \
-                         int cols, const float* w_next, int8_t* yq, float4* yd, float* ss, int pdl) {            \
-        INGOT_PDL_READ_AHEAD();                                                                                  \
-        MVNS_BODY(WT, __VA_ARGS__);                                                                              \
     }
 #define FOR_EACH_STAGED_TYPE(X)                          \
     X(q4_0, Q4_0W, Q4_0_PARAMS, qs, d)
-FOR_EACH_STAGED_TYPE(MATVEC_STAGED_KERNELS)
+FOR_EACH_STAGED_TYPE(MATVEC_STAGED_KERNEL)
 #undef MATVEC_KERNELS
 
 // --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1, Q4_K; compute capability 8.0+)

@@ -159,8 +159,7 @@ def _kernels(sm_count=132, mma=False, cluster=False, smem_optin=0):
     else an sm_75 (no tensor-core kernels). smem_optin: its shared-memory opt-in limit (0: too small for
     matvec_<type>_b1s, so the one-column products stay matvec_<type>_b1 unless a test raises it)."""
     k = Kernels.__new__(Kernels)
-    k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count, cc=90 if mma else 75))
-    k.staged_smem = smem_optin
+    k.device = SimpleNamespace(info=SimpleNamespace(sm_count=sm_count, cc=90 if mma else 75, max_smem_optin=smem_optin))
     k.matmul_mma = mma
     k.matmul_frag = mma  # MATMUL2R_TYPES through matmul2r_* (INGOT_MATMUL=mma)
     k.matmul_wgmma = False  # ... not matmul2w_* (an sm_90a image: the tests that want it set it)
@@ -171,7 +170,6 @@ def _kernels(sm_count=132, mma=False, cluster=False, smem_optin=0):
         "matvec_{}_b1",
         "matvec_{}_b1n",
         "matvec_{}_b1s",
-        "matvec_{}_b1ns",
         "matvec_{}_mma",
         "matmul_{}",
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
@@ -303,10 +301,8 @@ def test_staged_one_column_kernel_where_it_applies_with_its_own_grid(monkeypatch
     (launch,) = k.matvec(W, (1, 2), 100, 1, ldy=6144)
     assert launch.kernel.name == "matvec_q4_0_b1s"
     assert launch.grid == (132, 1, 1) and launch.block == 32 * constants.MATVEC_STAGED_WARPS
-    unit = 2 * (4096 // 32) * 18  # a stage: both rows whole, 128 blocks of 16 quant bytes and a 2-byte scale
-    ring = constants.MATVEC_STAGED_RING // 128 * unit  # 256 blocks a row in flight: two stages
-    bars = 8 * constants.MATVEC_STAGED_MAX_STAGES
-    assert launch.smem == 80 * 128 + constants.MATVEC_STAGED_WARPS * (ring + bars)
+    stage = 2 * 2 * (4096 // 32) * 18  # two rows of 128 blocks of 16 quant bytes and a 2-byte scale
+    assert launch.smem == 80 * 128 + constants.MATVEC_STAGED_WARPS * constants.MATVEC_STAGED_STAGES * (stage // 2 + 8)
     assert launch.smem == matvec_staged_smem("Q4_0", 4096) <= H100_SMEM_OPTIN
     assert _ptr_args(launch)[-8:] == [6144, 4096, 1, 6144, constants.MODE_STORE, 0, 0, 0]
     # gated: the same grid (its warps take (gate r, up r + rows) pairs)
@@ -326,28 +322,6 @@ def test_staged_one_column_kernel_where_it_applies_with_its_own_grid(monkeypatch
     monkeypatch.setenv("INGOT_MATVEC_STAGED", "0")
     (launch,) = k.matvec(W, (1, 2), 100, 1, ldy=6144)
     assert launch.kernel.name == "matvec_q4_0_b1"
-
-
-def test_staged_fused_norm_kernel_takes_the_groups_with_at_most_one_block_an_sm(monkeypatch):
-    """matvec_norm runs matvec_<type>_b1ns where matvec_staged allows the matrix (its input width): min(groups, SMs)
-    blocks of MATVEC_STAGED_WARPS warps (a pair of the 32-row group each), the staged shared memory (the 8B's down
-    projection: 14,336-wide rows in chunks of MATVEC_STAGED_CHUNK blocks), b1n's arguments; else b1n."""
-    k = _kernels(sm_count=132, mma=True, smem_optin=H100_SMEM_OPTIN)
-    out = NormedQ8(1, 2, 3, 1e-5)
-    w_next = DeviceBuffer(7, 4 * 4096, "w_next")
-    launch = k.matvec_norm(_matrix("Q4_0", 4096, 14336), (4, 5), 6, w_next, out)
-    assert launch.kernel.name == "matvec_q4_0_b1ns" and launch.grid == (128, 1, 1)
-    assert launch.block == 32 * constants.MATVEC_STAGED_WARPS == 32 * constants.MATVEC_NORM_WARPS
-    unit = 2 * constants.MATVEC_STAGED_CHUNK * 18
-    ring = constants.MATVEC_STAGED_RING // constants.MATVEC_STAGED_CHUNK * unit
-    assert launch.smem == 80 * 448 + constants.MATVEC_STAGED_WARPS * (ring + 8 * constants.MATVEC_STAGED_MAX_STAGES)
-    assert launch.smem == matvec_staged_smem("Q4_0", 14336) <= H100_SMEM_OPTIN
-    fewer = _kernels(sm_count=114, mma=True, smem_optin=H100_SMEM_OPTIN)  # an H100 PCIe: 114 SMs for 128 groups
-    assert fewer.matvec_norm(_matrix("Q4_0", 4096, 14336), (4, 5), 6, w_next, out).grid == (114, 1, 1)
-    monkeypatch.setenv("INGOT_MATVEC_STAGED", "0")
-    plain = k.matvec_norm(_matrix("Q4_0", 4096, 14336), (4, 5), 6, w_next, out)
-    assert plain.kernel.name == "matvec_q4_0_b1n" and plain.grid == (128, 1, 1)
-    assert _ptr_args(plain) == _ptr_args(launch)  # the same arguments
 
 
 def test_the_staged_kernels_array_sizes_are_the_layouts():

@@ -56,10 +56,9 @@ class _Recorder(Kernels):
     """The real launch geometry, with fake kernels, recording the arguments of the ops the block is made of."""
 
     def __init__(self):
-        self.device = SimpleNamespace(info=SimpleNamespace(sm_count=132, cc=90))
-        # no room for matvec_<type>_b1s / _b1ns, so one-column products stay b1 / b1n here (test_gpu_layouts.py
-        # covers where the staged kernels are chosen)
-        self.staged_smem = 0
+        # max_smem_optin 0: no room for matvec_<type>_b1s, so one-column products stay matvec_<type>_b1 here
+        # (test_gpu_layouts.py covers where the staged kernel is chosen)
+        self.device = SimpleNamespace(info=SimpleNamespace(sm_count=132, cc=90, max_smem_optin=0))
         self.k = _FakeKernels()
         self.sample_smem_limit = 0  # the sampler's global-memory path: no smem opt-in to fake
         self.prefill_mma = True  # a GPU of compute capability >= 8.0: the tensor-core prefill attention

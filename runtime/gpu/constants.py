@@ -25,9 +25,7 @@ SHARED: dict[str, tuple[int, str]] = {
     "MVN_WARPS": (16, "warps per matvec_<type>_b1n block: 32 rows, one q8x2 block of the fused norm's output"),
     "MV_NORM_MAX": (4096, "widest row a fused norm's consumer (matvec_<type>_b1) sums: a float4 of partials a lane"),
     "MVS_WARPS": (16, "warps per matvec_<type>_b1s block (one block an SM; each warp streams its own row pairs)"),
-    "MVS_CHUNK": (128, "matvec_<type>_b1s/_b1ns: 32-weight blocks of a row pair per bulk-copy stage, at most"),
-    "MVS_RING": (256, "matvec_<type>_b1s/_b1ns: blocks of each of a warp's two rows in flight (its ring of stages)"),
-    "MVS_MAX_STAGES": (8, "matvec_<type>_b1s/_b1ns: stages per warp at most (one mbarrier each)"),
+    "MVS_STAGES": (2, "row pairs in flight per matvec_<type>_b1s warp (its ring of bulk-copy stages)"),
     "MVM_WARPS": (4, "warps per matvec_<type>_mma block (16 rows, K split between the warps)"),
     "MVM_ROWS": (16, "rows per matvec_<type>_mma block: one m16 tile (8 outputs in the gated modes)"),
     "MVM_STAGES": (3, "cp.async stages of each matvec_<type>_mma warp's own pipeline"),
@@ -67,9 +65,7 @@ MATVEC_NORM_WARPS = SHARED["MVN_WARPS"][0]
 assert 2 * MATVEC_NORM_WARPS == QK, "a matvec_<type>_b1n block's rows are one q8x2 block of the norm's output"
 MATVEC_NORM_MAX = SHARED["MV_NORM_MAX"][0]
 MATVEC_STAGED_WARPS = SHARED["MVS_WARPS"][0]
-MATVEC_STAGED_CHUNK = SHARED["MVS_CHUNK"][0]
-MATVEC_STAGED_RING = SHARED["MVS_RING"][0]
-MATVEC_STAGED_MAX_STAGES = SHARED["MVS_MAX_STAGES"][0]
+MATVEC_STAGED_STAGES = SHARED["MVS_STAGES"][0]
 MATVEC_MMA_WARPS = SHARED["MVM_WARPS"][0]
 MATVEC_MMA_COLS = SHARED["MVM_COLS"][0]
 MATVEC_MMA_ROWS = SHARED["MVM_ROWS"][0]
@@ -127,7 +123,7 @@ KERNEL_ABI = 17  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-toke
 # 15: matmul2r/2w/2t_q4_k_*: Q4_K in the fragment and wgmma GEMMs, its super-block headers in d's argument;
 # matvec_q4_k_mma
 # 16: matmul2r_q6_k_bm{16,32,64,128}: Q6_K in the fragment GEMM, its four arrays as matmul2_q6_k's arguments
-# 17: matvec_<type>_b1s and _b1ns (Q4_0, sm_90): the one-column products with bulk-copied weights; MVS_*
+# 17: matvec_<type>_b1s (Q4_0, sm_90): the one-column product with bulk-copied weights; MVS_WARPS, MVS_STAGES
 
 
 def header() -> str:

@@ -44,9 +44,7 @@ from ingot.runtime.gpu.constants import (
     MATVEC_NORM_MAX,
     MATVEC_NORM_WARPS,
     MATVEC_ROWS_PER_BLOCK,
-    MATVEC_STAGED_CHUNK,
-    MATVEC_STAGED_MAX_STAGES,
-    MATVEC_STAGED_RING,
+    MATVEC_STAGED_STAGES,
     MATVEC_STAGED_WARPS,
     MAX_SPLITS,
     MODE_STORE,
@@ -152,7 +150,7 @@ PDL_KERNELS = frozenset(
         *(f"matmul2t_{q.lower()}_bm{tm}" for q in MATMUL2W_TYPES for tm in MATMUL2T_TILE_ROWS),
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
-        *(f"matvec_{q.lower()}_b1{n}s" for q in MATVEC_STAGED_TYPES for n in ("", "n")),
+        *(f"matvec_{q.lower()}_b1s" for q in MATVEC_STAGED_TYPES),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
@@ -735,16 +733,13 @@ def narrow_mma_kernel(qtype: str, ncols: int, cc: int, rows: int, cols: int) -> 
 
 
 def matvec_staged_smem(qtype: str, cols: int) -> int:
-    """Dynamic shared memory of matvec_<type>_b1s / _b1ns for rows of `cols` weights (cuda/matvec.cu StagedRows): the
-    activation (80 bytes a 32-weight block), each of MATVEC_STAGED_WARPS warps' ring (stages of a chunk of up to
-    MATVEC_STAGED_CHUNK blocks of both rows of every array of the type, LAYOUTS' bytes per 256 weights, so many
-    that MATVEC_STAGED_RING blocks a row are in flight, at most MATVEC_STAGED_MAX_STAGES) and its mbarriers. The 8B
-    at Q4_0: 155 KiB for its 4,096-wide rows, 180 KiB for the 14,336-wide down projection; one block an SM."""
+    """Dynamic shared memory of matvec_<type>_b1s for rows of `cols` weights (cuda/matvec.cu matvec_staged): the
+    activation (80 bytes a 32-weight block), each warp's MATVEC_STAGED_STAGES stages of two whole rows of every
+    array of the type (LAYOUTS' bytes per 256 weights), and an 8-byte mbarrier a stage. The 8B's 4,096-wide rows
+    at Q4_0: 154 KiB, so one block an SM."""
     nb = cols // QK
-    chunk = min(nb, MATVEC_STAGED_CHUNK)
-    stages = min(MATVEC_STAGED_RING // chunk, MATVEC_STAGED_MAX_STAGES)
-    unit = 2 * (chunk // 8) * sum(b for _, b in LAYOUTS[qtype])
-    return 80 * nb + MATVEC_STAGED_WARPS * (stages * unit + 8 * MATVEC_STAGED_MAX_STAGES)
+    stage = 2 * (cols // 256) * sum(b for _, b in LAYOUTS[qtype])
+    return 80 * nb + MATVEC_STAGED_WARPS * MATVEC_STAGED_STAGES * (stage + 8)
 
 
 def matvec_staged(qtype: str, cols: int, cc: int, smem_optin: int) -> bool:
@@ -948,14 +943,9 @@ class Kernels:
         # the registers let two of them share an SM some SMs took two and others none (the 8B's tg128 380 tok/s
         # against 420 at one an SM: cuda/PERF.md v21). Just over half an SM's shared memory keeps them one to an SM.
         self.norm_smem = {q: self._one_block_an_sm(f"matvec_{q.lower()}_b1n") for q in GPU_QTYPES if q != "F16"}
-        # matvec_<type>_b1s / _b1ns: the dynamic shared memory they may opt into beside their static arrays
-        # (matvec_staged keeps each launch within it; 0 where they do not run)
-        self.staged_smem = 0
-        if device.info.cc == MATVEC_STAGED_CC:
-            names = [f"matvec_{q.lower()}_b1{n}s" for q in MATVEC_STAGED_TYPES for n in ("", "n")]
-            self.staged_smem = min(device.info.max_smem_optin - self.k[n].static_smem for n in names)
-            for name in names:
-                self.k[name].allow_dynamic_smem(self.staged_smem)
+        if device.info.cc == MATVEC_STAGED_CC:  # matvec_staged keeps each launch within this
+            for q in MATVEC_STAGED_TYPES:
+                self.k[f"matvec_{q.lower()}_b1s"].allow_dynamic_smem(device.info.max_smem_optin)
         if device.info.cc >= MATVEC_MMA_MIN_CC:
             for q in MATVEC_MMA_TYPES:
                 self.k[f"matvec_{q.lower()}_mma"].allow_dynamic_smem(matvec_mma_smem(q, MATVEC_MMA_COLS))
@@ -1067,7 +1057,7 @@ class Kernels:
             xs = list(x[:2]) if part.quantized else [x]
             part_bias = None if bias is None else bias.at(4 * offset)
             info = self.device.info
-            name = matvec_kernel(part.qtype, ncols, info.cc, part.rows, part.cols, narrow, self.staged_smem)
+            name = matvec_kernel(part.qtype, ncols, info.cc, part.rows, part.cols, narrow, info.max_smem_optin)
             kernel, smem = self.k[name], 0
             if name.endswith("_b1s"):  # persistent: one block an SM, its warps take row pairs in turn
                 grid, threads = (info.sm_count, 1), 32 * MATVEC_STAGED_WARPS
@@ -1110,23 +1100,17 @@ class Kernels:
     ) -> Launch:
         """resid[:] += W · x (one column, x q8x2), then the next norm's input as `out` reads it: q8x2(resid * w_next)
         into (out.xq, out.xd) and the sums of squares of resid's 32-value blocks into out.ss (matvec_<type>_b1n,
-        one block of MATVEC_NORM_WARPS warps per 32 rows; where matvec_staged says so, matvec_<type>_b1ns, at most one
-        block an SM taking the 32-row groups in turn). Only where norm_fusable said so."""
+        one block of MATVEC_NORM_WARPS warps per 32 rows). Only where norm_fusable said so."""
         if not (W.quantized and W.rows % QK == 0 and W.rows <= MATVEC_NORM_MAX) or isinstance(x, NormedQ8):
             raise IncompatibleError(
                 f"matvec_norm takes a quantized matrix of at most {MATVEC_NORM_MAX} rows in whole blocks of 32 and "
                 f"a plain q8x2 input; got {W.qtype} [{W.rows}, {W.cols}] and {type(x).__name__}",
                 hint="set INGOT_FUSED_NORM=0 (an engine bug: norm_fusable should have refused it)",
             )
-        info, groups = self.device.info, W.rows // QK
-        staged = matvec_staged(W.qtype, W.cols, info.cc, self.staged_smem)
-        kernel = self.k[f"matvec_{W.qtype.lower()}_b1n{'s' if staged else ''}"]
+        kernel = self.k[f"matvec_{W.qtype.lower()}_b1n"]
         args = [*W.args(), *x, bias, resid, i32(W.rows), i32(W.cols), w_next, out.xq, out.xd, out.ss]
         args.append(i32(matvec_pdl_flags(kernel.pdl, W)))
-        if staged:  # its blocks take groups in turn: at most one an SM
-            grid, smem = (min(groups, info.sm_count),), matvec_staged_smem(W.qtype, W.cols)
-            return Launch(kernel, grid, 32 * MATVEC_STAGED_WARPS, args, smem=smem)
-        return Launch(kernel, (groups,), 32 * MATVEC_NORM_WARPS, args, smem=self.norm_smem[W.qtype])
+        return Launch(kernel, (W.rows // QK,), 32 * MATVEC_NORM_WARPS, args, smem=self.norm_smem[W.qtype])
 
     def quantize(self, x: int, xq: int, xd: int, n_values: int) -> Launch:
         """x fp32 [n_values] -> q8x2: xq int8 [2 * n_values], xd float4 [n_values / 32] (cuda/common.cuh)."""
