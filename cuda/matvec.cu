@@ -175,11 +175,31 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
 #define MVN_WIDE 0
 #endif
 
+// One column's q8x2 activation in shared memory as separate arrays (matvec_<type>_b1s, and b1n where its shared
+// memory holds it): xs[4][nb] (the four 16-byte chunks c0, c1, f0, f1 of block kb at xs[c * nb + kb], so a warp's
+// 32 lanes read 512 contiguous bytes where from global memory each reads 64 bytes apart), then xds[nb]. Copied by
+// the whole block after the PDL wait; the caller synchronizes. 80 bytes a block of the row.
+__device__ __forceinline__ void stage_x(unsigned char* smem, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
+                                        int nb) {
+    int4* xs = reinterpret_cast<int4*>(smem);
+    float4* xds = reinterpret_cast<float4*>(smem + 64 * nb);
+    for (int i = threadIdx.x; i < 5 * nb; i += blockDim.x) {
+        const int c = i / nb, kb = i - c * nb;
+        if (c < 4) xs[i] = reinterpret_cast<const int4*>(xq + (size_t)kb * 2 * QK)[c];
+        else xds[kb] = xd[kb];
+    }
+}
+__device__ __forceinline__ XBlock staged_x(const unsigned char* smem, int nb, int kb) {
+    const int4* xs = reinterpret_cast<const int4*>(smem);
+    return {xs[kb], xs[nb + kb], xs[2 * nb + kb], xs[3 * nb + kb], reinterpret_cast<const float4*>(smem + 64 * nb)[kb]};
+}
+
 // The main loop: acc[s][c] = row rr[s] of W times column c0 + c of x, this lane's share of the blocks.
-template <typename W, int NC, int UN = 0>
+// XS: x from shared memory as stage_x left it (xsm; one column), else from global memory.
+template <typename W, int NC, int UN = 0, bool XS = false>
 __device__ __forceinline__ void dot_rows(const W& w, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
                                          int cols, int c0, const long long r[2], const bool ok[2],
-                                         float (&acc)[2][NC]) {
+                                         float (&acc)[2][NC], const unsigned char* xsm = nullptr) {
     const int nb = cols / QK, lane = threadIdx.x % WARP;
     // One column (single-stream decode): every load is unconditional, so the compiler issues them all before
     // the first use. A second row past the end (an odd row count) re-reads row 0, and write_out drops its sum;
@@ -208,7 +228,7 @@ __device__ __forceinline__ void dot_rows(const W& w, const int8_t* __restrict__ 
             if constexpr (FREE && U > 1) {
                 // No branch: a block past the row's end (u > 0 only) re-reads the last one and adds 0. A `break`
                 // here let ptxas sink block u's loads below it, to their use: one round trip a block, U or not.
-                const XBlock x = load_x(xq, xd, cols, c0, min(kb, nb - 1));
+                const XBlock x = XS ? staged_x(xsm, nb, min(kb, nb - 1)) : load_x(xq, xd, cols, c0, min(kb, nb - 1));
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
                     const float d = W::dot(wb[u][s], x);
@@ -219,7 +239,7 @@ __device__ __forceinline__ void dot_rows(const W& w, const int8_t* __restrict__ 
             if (kb >= nb) break;
 #pragma unroll
             for (int c = 0; c < NC; c++) {
-                const XBlock x = load_x(xq, xd, cols, c0 + c, kb);
+                const XBlock x = XS ? staged_x(xsm, nb, kb) : load_x(xq, xd, cols, c0 + c, kb);
 #pragma unroll
                 for (int s = 0; s < 2; s++) if (FREE || ok[s]) acc[s][c] += W::dot(wb[u][s], x);
             }
@@ -269,8 +289,24 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
         if (bias) { b0 = bias[r[0]]; b1 = bias[r[1]]; }
     }
     float acc[2][1] = {};
-    if (MVN_WIDE && cols / QK >= MVN_WIDE_BLOCKS) dot_rows<W, 1, 2>(w, xq, xd, cols, 0, r, ok, acc);   // (block-uniform)
-    else dot_rows<W, 1>(w, xq, xd, cols, 0, r, ok, acc);
+    // sm_90, wide rows: the block's dynamic shared memory (Kernels.norm_smem: just over half an SM's, which keeps
+    // one block an SM under PDL) holds x as separate arrays where it fits (80 bytes a block of the row; the 8B's
+    // 14,336-wide down 35 KiB): the same products, without each lane's scattered activation loads (PERF.md v36:
+    // the 8B's b1n 9.1 -> 6.7 us a launch). Narrow rows (SmolLM2's 18 and 48 blocks) keep their loads: there the
+    // copy and its barrier before the first product cost what they save (graph +0.9%).
+    extern __shared__ __align__(16) unsigned char mvn_x[];
+    unsigned dyn = 0;
+    if (MVN_WIDE) asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    const int nb = cols / QK;
+    if (MVN_WIDE && nb >= MVN_WIDE_BLOCKS && dyn >= 80u * nb) {   // (block-uniform)
+        stage_x(mvn_x, xq, xd, nb);
+        __syncthreads();
+        dot_rows<W, 1, 2, true>(w, xq, xd, cols, 0, r, ok, acc, mvn_x);
+    } else if (MVN_WIDE && nb >= MVN_WIDE_BLOCKS) {
+        dot_rows<W, 1, 2>(w, xq, xd, cols, 0, r, ok, acc);
+    } else {
+        dot_rows<W, 1>(w, xq, xd, cols, 0, r, ok, acc);
+    }
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
     const float v0 = warp_sum(acc[0][0]), v1 = warp_sum(acc[1][0]);
     if (lane == 0) {
@@ -378,11 +414,7 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
     }
     INGOT_PDL_WAIT();
     if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();
-    for (int i = threadIdx.x; i < 5 * nb; i += blockDim.x) {   // x, as separate arrays
-        const int c = i / nb, kb = i - c * nb;
-        if (c < 4) xs[i] = reinterpret_cast<const int4*>(xq + (size_t)kb * 2 * QK)[c];
-        else xds[kb] = xd[kb];
-    }
+    stage_x(smem, xq, xd, nb);
     float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);   // the fused norm's partials, as matvec_q
     if (ss && lane * 4 < nb) sv = ss[lane];
     const float scale = ss ? rsqrtf(warp_sum((sv.x + sv.y) + (sv.z + sv.w)) / cols + eps) : 1.0f;

@@ -420,6 +420,36 @@ def test_matvec_norm_adds_the_residual_and_writes_the_next_norm_input(gpu, rng, 
     assert np.allclose(ss, ss_ref, rtol=1e-6)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows,cols", [(96, 768), (96, 2336), (544, 14336)])
+def test_matvec_norm_gives_the_same_bits_with_x_in_shared_memory(gpu, rng, qtype, rows, cols):
+    """On sm_90, matvec_<type>_b1n reads x of rows of at least MVN_WIDE_BLOCKS blocks (73 and 448 here) from its
+    dynamic shared memory (stage_x) where that holds it, and from global memory where it does not (launched with
+    none): the same products in the same order, so the new residual, the next norm's q8x2 and the sums of squares
+    agree bit for bit. Rows of 24 blocks read x from global memory either way (the control)."""
+    cols = width(qtype, cols)
+    W, _ = make_weight(gpu, rng, qtype, rows, cols)
+    ain, _ = _activation(gpu, W, rng.standard_normal((1, cols)).astype(np.float32))
+    resid = (rng.standard_normal(rows) * 3).astype(np.float32)
+    bias, w_next = (
+        gpu.put(rng.standard_normal(rows).astype(np.float32)),
+        gpu.put(rng.uniform(0.5, 1.5, rows).astype(np.float32)),
+    )
+    results = []
+    for smem in ("as the host gives it", 0):
+        x = gpu.put(resid)
+        out = NormedQ8(gpu.empty(2 * rows).ptr, gpu.empty(16 * rows // 32).ptr, gpu.empty(4 * rows // 32).ptr, 1e-5)
+        launch = gpu.k.matvec_norm(W, ain, x.ptr, w_next, out, bias=bias)
+        if smem == 0:
+            launch.smem = 0
+            launch._configs.clear()
+        gpu.run(launch)
+        sizes = ((x.ptr, 4 * rows), (out.xq, 2 * rows), (out.xd, 16 * rows // 32), (out.ss, 4 * rows // 32))
+        results.append([gpu.get(b, np.uint8, (n,)) for b, n in sizes])
+    for got, want, what in zip(*results, ("x", "xq", "xd", "ss"), strict=True):
+        assert np.array_equal(got, want), what
+
+
 def test_matvec_norm_runs_one_block_an_sm_under_pdl(gpu):
     """Launched with PDL, matvec_<type>_b1n asks for just over half an SM's shared memory, so that the occupancy
     calculator (and so the block scheduler) puts at most one of its blocks on an SM (Kernels._one_block_an_sm:
