@@ -338,7 +338,7 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
 // mbarrier a stage. Host conditions (kernels.py matvec_staged): cols % 256 == 0 and every array's row a multiple
 // of 16 bytes (bulk copies), the whole at most the opt-in limit; ss as matvec_<type>_b1's (cols <= MV_NORM_MAX).
 // W::stage_b8(a): bytes per 256 weights of the type's array a (of STAGE_ARRAYS), in argument order: LAYOUTS in
-// kernels.py (tests/test_kernel_host.py compares them).
+// kernels.py (tests/test_gpu_layouts.py compares them).
 template <typename W>
 __device__ __forceinline__ int stage_bytes(int nb) {   // two rows of every array
     int b = 0;
@@ -459,6 +459,8 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
 //                     uncapped) would set the one-column case's occupancy too. Alone, one column runs at 6-8
 //                     blocks of 4 warps per SM (64-80 registers) with every weight load of a step issued before
 //                     the first wait: one DRAM round trip per step (v7's K-quants took two, see matvec_q).
+// and for the types of FOR_EACH_STAGED_TYPE (below) a fourth, matvec_<type>_b1s: b1's product on sm_90 with its
+// weights and activation staged in shared memory (matvec_staged), chosen by the host where it applies.
 // The blocks per SM the others ask for are the type's BLOCKS and B1_BLOCKS (weights.cuh), chosen on sm_90. Other
 // archs allocate registers differently (the same caps spill 50-450 bytes per thread on sm_75..sm_120), so there
 // ptxas keeps its own choice; the one-column kernel still leaves out the wide loop's registers.
