@@ -179,8 +179,8 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
 // memory holds it): xs[4][nb] (the four 16-byte chunks c0, c1, f0, f1 of block kb at xs[c * nb + kb], so a warp's
 // 32 lanes read 512 contiguous bytes where from global memory each reads 64 bytes apart), then xds[nb]. Copied by
 // the whole block after the PDL wait; the caller synchronizes. 80 bytes a block of the row.
-__device__ __forceinline__ void stage_x(unsigned char* smem, const int8_t* __restrict__ xq, const float4* __restrict__ xd,
-                                        int nb) {
+__device__ __forceinline__ void stage_x(unsigned char* smem, const int8_t* __restrict__ xq,
+                                        const float4* __restrict__ xd, int nb) {
     int4* xs = reinterpret_cast<int4*>(smem);
     float4* xds = reinterpret_cast<float4*>(smem + 64 * nb);
     for (int i = threadIdx.x; i < 5 * nb; i += blockDim.x) {
