@@ -57,6 +57,8 @@ struct Q4_0W {
 struct Q4_1W {
     static constexpr int UNROLL = MV_UNROLL_Q4;
     static constexpr int BLOCKS = 7, B1_BLOCKS = 7;   // weights.cuh, next to MV_UNROLL_Q4
+    static constexpr int STAGE_ARRAYS = 3;   // matvec_<type>_b1s: bytes per 256 weights of qs, d, m
+    __device__ static constexpr int stage_b8(int a) { constexpr int b[STAGE_ARRAYS] = {128, 16, 16}; return b[a]; }
     const uint8_t* qs; const __half* d; const __half* m; int nb;
     struct Block { uint4 q; float d, m; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -518,7 +520,10 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
         MVS_BODY(WT, __VA_ARGS__);                                                                               \
     }
 #define FOR_EACH_STAGED_TYPE(X)                          \
-    X(q4_0, Q4_0W, Q4_0_PARAMS, qs, d)
+    X(q4_0, Q4_0W, Q4_0_PARAMS, qs, d)                   \
+    X(q4_1, Q4_1W, Q4_1_PARAMS, qs, d, m)                \
+    X(q4_k, Q4_KW, Q4_K_PARAMS, Q4_K_ARGS)               \
+    X(q6_k, Q6_KW, Q6_K_PARAMS, Q6_K_ARGS)
 FOR_EACH_STAGED_TYPE(MATVEC_STAGED_KERNEL)
 #undef MATVEC_KERNELS
 

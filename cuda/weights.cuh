@@ -185,6 +185,8 @@ enum class Fq { Q4_0, Q4_1, Q4_K, Q6_K };
 struct Q4_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
     static constexpr int BLOCKS = 7, B1_BLOCKS = 8;
+    static constexpr int STAGE_ARRAYS = 2;   // matvec_<type>_b1s: bytes per 256 weights of qs, sc
+    __device__ static constexpr int stage_b8(int a) { constexpr int b[STAGE_ARRAYS] = {128, 16}; return b[a]; }
     const uint4* qs; const uint4* sc; int nb;
     struct Block { uint4 q; float dl, ml; };
     __device__ __forceinline__ Block load(long long r, int kb) const {
@@ -241,6 +243,8 @@ struct Q5_KW {
 struct Q6_KW {
     static constexpr int UNROLL = MV_UNROLL_Q4;
     static constexpr int BLOCKS = 7, B1_BLOCKS = 6;
+    static constexpr int STAGE_ARRAYS = 4;   // matvec_<type>_b1s: bytes per 256 weights of qs, qh, sc, d
+    __device__ static constexpr int stage_b8(int a) { constexpr int b[STAGE_ARRAYS] = {128, 64, 16, 2}; return b[a]; }
     const uint4* qs; const uint2* qh; const char2* sc; const __half* d; int nb;
     // The scales stay raw in the block (char2 and f16: two registers, not two floats) and become d*sc in dot():
     // load() then does no arithmetic on its bytes, which lets the matvec issue all of a step's loads at once

@@ -311,7 +311,11 @@ def test_staged_one_column_kernel_where_it_applies_with_its_own_grid(monkeypatch
     assert _ptr_args(gated)[-8:-5] == [512, 1024, 1]
     cases = [
         (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 576), 1, "matvec_q4_0_b1"),  # 18 blocks
-        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_1", 64, 4096), 1, "matvec_q4_1_b1"),
+        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q5_0", 64, 4096), 1, "matvec_q5_0_b1"),
+        # Q6_K's d row is 2 bytes a 256-weight group: a bulk copy needs 16-byte rows, so widths of 2,048 and more
+        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q6_K", 64, 1024), 1, "matvec_q6_k_b1"),
+        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q6_K", 64, 2048), 1, "matvec_q6_k_b1s"),
+        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_K", 64, 4096), 1, "matvec_q4_k_b1s"),
         (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 4096), 2, "matvec_q4_0"),
         (_kernels(mma=True, smem_optin=100 * 1024), _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1"),  # too little
         (_kernels(mma=False, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1"),  # sm_75
@@ -327,11 +331,13 @@ def test_staged_one_column_kernel_where_it_applies_with_its_own_grid(monkeypatch
 def test_the_staged_kernels_array_sizes_are_the_layouts():
     """matvec_staged copies each array of a row by its size from W::stage_b8 (cuda/matvec.cu): bytes per 256
     weights, in argument order, which must be LAYOUTS' (a wrong one copies the wrong bytes or overruns a stage)."""
-    src = (Path(__file__).resolve().parents[1] / "cuda" / "matvec.cu").read_text()
+    cuda = Path(__file__).resolve().parents[1] / "cuda"
+    src = (cuda / "matvec.cu").read_text()
+    structs_src = (cuda / "weights.cuh").read_text() + src
     structs = dict(re.findall(r"X\((\w+), (\w+W), \w+_PARAMS", src[src.index("#define FOR_EACH_STAGED_TYPE") :]))
     assert sorted(structs) == sorted(q.lower() for q in MATVEC_STAGED_TYPES)
     for q in MATVEC_STAGED_TYPES:
-        body = src[src.index(f"struct {structs[q.lower()]} {{") :].split("\n};")[0]
+        body = structs_src[structs_src.index(f"struct {structs[q.lower()]} {{") :].split("\n};")[0]
         table = re.search(r"constexpr int b\[STAGE_ARRAYS\] = \{([\d, ]+)\}", body).group(1)
         assert [int(v) for v in table.split(",")] == [b for _, b in LAYOUTS[q]], q
 

@@ -129,9 +129,9 @@ MATVEC_MMA_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # Q4_K: its super-block header wher
 MATVEC_MMA_MIN_CC = 80
 MATVEC_MMA_MIN_COLS = 3  # at 2 it measured no faster than the dp4a kernel (cuda/PERF.md v22)
 # The types matvec_<type>_b1s serves (cuda/matvec.cu FOR_EACH_STAGED_TYPE: one column, weights by bulk copies), on
-# this compute capability only: measured on an H100 (cuda/PERF.md v36); the copies are sm_90+, but later archs'
+# this compute capability only: measured on an H100 (cuda/PERF.md v36, v37); the copies are sm_90+, but later archs'
 # shared memory and SM counts were not measured.
-MATVEC_STAGED_TYPES = ("Q4_0",)
+MATVEC_STAGED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
 MATVEC_STAGED_CC = 90
 
 # The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).

@@ -21,6 +21,7 @@ from ingot.runtime.engines.cuda_weights import _alloc_matrix
 from ingot.runtime.gpu import constants as K
 from ingot.runtime.gpu.driver import Launch
 from ingot.runtime.gpu.kernels import (
+    LAYOUTS,
     MATMUL2_TILE_ROWS,
     MATMUL2R_TILE_ROWS,
     MATMUL2R_TYPES,
@@ -52,6 +53,13 @@ def width(qtype: str, cols: int) -> int:
     """cols rounded up to the type's block: 256 for the K-quants (GGUF's super-block), else 32."""
     block = 256 if qtype in SUPERBLOCK_TYPES else 32
     return -(-cols // block) * block
+
+
+def staged_width(qtype: str, cols: int) -> int:
+    """The least width >= cols that matvec_<type>_b1s stages (kernels.matvec_staged): whole 256-weight groups whose
+    every array row is a multiple of 16 bytes (bulk copies). Q6_K's 2-byte d a group makes that 2,048 weights."""
+    step = max(256 * 16 // math.gcd(16, b) for _, b in LAYOUTS[qtype])
+    return -(-cols // step) * step
 
 
 @pytest.fixture(params=["mma", "mma-tile", "wmma"])
@@ -354,11 +362,12 @@ def test_staged_one_column_matvec_gives_the_b1_bits(gpu, rng, monkeypatch, qtype
     every mode, with a bias and with a pending norm, gives the same bits. 1280 (40 blocks) leaves a partial last
     step; odd row counts a last pair whose second row is dropped; rows = -1 stands for 3 x the grid's warps pairs
     and more, so warps take several pairs and their rings of MVS_STAGES stages wrap (a wrong phase or slot would
-    read a stale or half-copied stage)."""
+    read a stale or half-copied stage). Q6_K stages at multiples of 2,048 weights only (staged_width)."""
     if gpu.dev.info.cc != MATVEC_STAGED_CC:
         pytest.skip(f"matvec_<type>_b1s runs on compute capability {MATVEC_STAGED_CC} only")
     if rows < 0:
         rows = 3 * gpu.dev.info.sm_count * K.MATVEC_STAGED_WARPS + 19
+    cols = staged_width(qtype, cols)
     Ws, _ = make_weight(gpu, rng, qtype, 2 * rows + 1, cols)  # an odd row count for the plain modes
     Wg, _ = make_weight(gpu, rng, qtype, 2 * rows, cols)  # [gate; up]
     x = rng.standard_normal(cols).astype(np.float32)
