@@ -341,6 +341,9 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
 // of 16 bytes (bulk copies), the whole at most the opt-in limit; ss as matvec_<type>_b1's (cols <= MV_NORM_MAX).
 // W::stage_b8(a): bytes per 256 weights of the type's array a (of STAGE_ARRAYS), in argument order: LAYOUTS in
 // kernels.py (tests/test_gpu_layouts.py compares them).
+// One row of the type's array a (of STAGE_ARRAYS) at nb blocks of 32 weights, in bytes.
+template <typename W>
+__device__ __forceinline__ int stage_row_bytes(int nb, int a) { return (nb / 8) * W::stage_b8(a); }
 template <typename W>
 __device__ __forceinline__ int stage_bytes(int nb) {   // two rows of every array
     int b = 0;
@@ -357,7 +360,7 @@ __device__ __forceinline__ W staged_rows(const unsigned char* stage, int nb, con
     auto at = [&](const auto* g) {
         using T = typename std::remove_cv<typename std::remove_pointer<decltype(g)>::type>::type;
         const T* p = reinterpret_cast<const T*>(stage + off);
-        off += 2 * (nb / 8) * W::stage_b8(a++);
+        off += 2 * stage_row_bytes<W>(nb, a++);
         return p;
     };
     return W{at(global)..., nb};
@@ -370,7 +373,7 @@ __device__ __forceinline__ void stage_rows(unsigned char* stage, int nb, const l
     mbar_expect(bar, stage_bytes<W>(nb));
     int a = 0, off = 0;
     auto copy = [&](const void* g) {
-        const int row = (nb / 8) * W::stage_b8(a++);
+        const int row = stage_row_bytes<W>(nb, a++);
 #pragma unroll
         for (int h = 0; h < 2; h++)
             bulk_copy(stage + off + h * row, static_cast<const unsigned char*>(g) + r[h] * row, row, bar);

@@ -1051,12 +1051,11 @@ class Kernels:
                 f"{MATVEC_NORM_MAX} wide, not at {ncols} columns of {W.cols}",
                 hint="set INGOT_FUSED_NORM=0 (an engine bug: norm_fusable should have refused it)",
             )
-        launches, offset = [], 0
+        launches, offset, info = [], 0, self.device.info
         for part in W.parts:
             rows = part.rows // 2 if mode in GATED_MODES else part.rows
             xs = list(x[:2]) if part.quantized else [x]
             part_bias = None if bias is None else bias.at(4 * offset)
-            info = self.device.info
             name = matvec_kernel(part.qtype, ncols, info.cc, part.rows, part.cols, narrow, info.max_smem_optin)
             kernel, smem = self.k[name], 0
             if name.endswith("_b1s"):  # persistent: one block an SM, its warps take row pairs in turn
