@@ -310,13 +310,13 @@ def test_staged_one_column_kernel_where_it_applies_with_its_own_grid(monkeypatch
     assert gated.kernel.name == "matvec_q4_0_b1s" and gated.grid == (132, 1, 1)
     assert _ptr_args(gated)[-8:-5] == [512, 1024, 1]
     cases = [
-        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 576), 1, "matvec_q4_0_b1"),  # 18 blocks
-        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q5_0", 64, 4096), 1, "matvec_q5_0_b1"),
+        (k, _matrix("Q4_0", 64, 576), 1, "matvec_q4_0_b1"),  # 18 blocks
+        (k, _matrix("Q5_0", 64, 4096), 1, "matvec_q5_0_b1"),
         # Q6_K's d row is 2 bytes a 256-weight group: a bulk copy needs 16-byte rows, so widths of 2,048 and more
-        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q6_K", 64, 1024), 1, "matvec_q6_k_b1"),
-        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q6_K", 64, 2048), 1, "matvec_q6_k_b1s"),
-        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_K", 64, 4096), 1, "matvec_q4_k_b1s"),
-        (_kernels(mma=True, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 4096), 2, "matvec_q4_0"),
+        (k, _matrix("Q6_K", 64, 1024), 1, "matvec_q6_k_b1"),
+        (k, _matrix("Q6_K", 64, 2048), 1, "matvec_q6_k_b1s"),
+        (k, _matrix("Q4_K", 64, 4096), 1, "matvec_q4_k_b1s"),
+        (k, _matrix("Q4_0", 64, 4096), 2, "matvec_q4_0"),
         (_kernels(mma=True, smem_optin=100 * 1024), _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1"),  # too little
         (_kernels(mma=False, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1"),  # sm_75
     ]
