@@ -19,16 +19,20 @@ __device__ __forceinline__ void load8(const __half* p, float (&out)[8]) {
     for (int i = 0; i < 4; i++) { const float2 f = __half22float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
 }
 
-// Rotate the first rope_dim dims of one head in place (normal: pairs (2i, 2i+1); neox: (i, i + rope_dim/2)).
-// Called by all threads of the block; pairs are split among them.
+// Rotate pair i of a head's first rope_dim dims in place (normal: dims (2i, 2i+1); neox: (i, i + rope_dim/2)) by
+// the angle whose (cos, sin) is cs[i]: the one place both rope loops below take their arithmetic from.
+__device__ __forceinline__ void rope_pair(float* x, const float2* cs, int i, int half_dim, int neox) {
+    const int i0 = neox ? i : 2 * i, i1 = neox ? i + half_dim : 2 * i + 1;
+    const float x0 = x[i0], x1 = x[i1];
+    x[i0] = x0 * cs[i].x - x1 * cs[i].y;
+    x[i1] = x0 * cs[i].y + x1 * cs[i].x;
+}
+
+// Rotate the first rope_dim dims of one head in place. Called by all threads of the block; pairs are split among
+// them.
 __device__ __forceinline__ void rope_head(float* x, const float2* cs, int rope_dim, int neox, int t, int nt) {
     const int half_dim = rope_dim / 2;
-    for (int i = t; i < half_dim; i += nt) {
-        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half_dim : 2 * i + 1;
-        const float x0 = x[i0], x1 = x[i1];
-        x[i0] = x0 * cs[i].x - x1 * cs[i].y;
-        x[i1] = x0 * cs[i].y + x1 * cs[i].x;
-    }
+    for (int i = t; i < half_dim; i += nt) rope_pair(x, cs, i, half_dim, neox);
 }
 
 // The same over G heads of hd floats at q [G][hd] and, when k is not null, the head at k, in one pass: the
@@ -39,11 +43,7 @@ __device__ __forceinline__ void rope_heads(float* q, int G, float* k, int hd, co
     const int half_dim = rope_dim / 2, pairs = (G + (k ? 1 : 0)) * half_dim;
     for (int n = t; n < pairs; n += nt) {
         const int h = n / half_dim, i = n - h * half_dim;
-        float* x = h < G ? q + h * hd : k;
-        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half_dim : 2 * i + 1;
-        const float x0 = x[i0], x1 = x[i1];
-        x[i0] = x0 * cs[i].x - x1 * cs[i].y;   // (rope_head's arithmetic, pair for pair)
-        x[i1] = x0 * cs[i].y + x1 * cs[i].x;
+        rope_pair(h < G ? q + h * hd : k, cs, i, half_dim, neox);
     }
 }
 
