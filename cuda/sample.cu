@@ -58,32 +58,34 @@ __device__ ArgMax block_argmax(ArgMax x, ArgMax* scratch) {
     return x;
 }
 
-// The argmax (ties to the lowest id) of z[i] for i = first, first + stride, ... < end, and with ZMIN the smallest
-// finite z[i] (+inf if none) into *zmin: SCAN_U loads in flight a thread. A plain loop waits for each load before its
-// compare and issues the next load after it, one L2 round trip an element (cuda/PERF.md v35: SmolLM2's greedy pass,
-// 48 logits a thread over 49,152, took 10.7 us). The order of the compares does not change the result: argmax with
-// ties to the lowest id and min are order-independent.
+// f(z[i], i) for i = first, first + stride, ... < end, SCAN_U loads in flight a thread: a plain loop waits for each
+// load before using it and issues the next load after, one L2 round trip an element (cuda/PERF.md v35: SmolLM2's
+// greedy pass, 48 logits a thread over 49,152, took 10.7 us). f sees the elements in their order within each trip.
 #define SCAN_U 8
-template <bool ZMIN>
-__device__ __forceinline__ ArgMax scan_row(const float* z, int first, int end, int stride, float* zmin) {
-    ArgMax best{-INFINITY, 0x7fffffff};
-    float lo = INFINITY;
+template <class F>
+__device__ __forceinline__ void scan_strided(const float* z, int first, int end, int stride, F f) {
     int i = first;
     for (; i + (SCAN_U - 1) * stride < end; i += SCAN_U * stride) {
         float v[SCAN_U];
 #pragma unroll
         for (int u = 0; u < SCAN_U; u++) v[u] = z[i + u * stride];
 #pragma unroll
-        for (int u = 0; u < SCAN_U; u++) {
-            best = better(best, ArgMax{v[u], i + u * stride});
-            if (ZMIN && v[u] > -INFINITY) lo = fminf(lo, v[u]);
-        }
+        for (int u = 0; u < SCAN_U; u++) f(v[u], i + u * stride);
     }
-    for (; i < end; i += stride) {
-        const float v = z[i];
+    for (; i < end; i += stride) f(z[i], i);
+}
+
+// The argmax (ties to the lowest id) of z[i] for i = first, first + stride, ... < end, and with ZMIN the smallest
+// finite z[i] (+inf if none) into *zmin. The order of the compares does not change the result: argmax with ties to
+// the lowest id and min are order-independent.
+template <bool ZMIN>
+__device__ __forceinline__ ArgMax scan_row(const float* z, int first, int end, int stride, float* zmin) {
+    ArgMax best{-INFINITY, 0x7fffffff};
+    float lo = INFINITY;
+    scan_strided(z, first, end, stride, [&](float v, int i) {
         best = better(best, ArgMax{v, i});
         if (ZMIN && v > -INFINITY) lo = fminf(lo, v);
-    }
+    });
     if (ZMIN) *zmin = lo;
     return best;
 }
@@ -160,15 +162,7 @@ sample_f32(float* __restrict__ logits, int V, int ld, const float* __restrict__ 
     const float temp = temperature[b];
     const float* z = row;
     if (use_smem && temp > 0.0f) {
-        int i = tid;
-        for (; i + (SCAN_U - 1) * (int)blockDim.x < V; i += SCAN_U * blockDim.x) {   // loads in flight: scan_row
-            float v[SCAN_U];
-#pragma unroll
-            for (int u = 0; u < SCAN_U; u++) v[u] = row[i + u * blockDim.x];
-#pragma unroll
-            for (int u = 0; u < SCAN_U; u++) staged[i + u * blockDim.x] = v[u];
-        }
-        for (; i < V; i += blockDim.x) staged[i] = row[i];
+        scan_strided(row, tid, V, blockDim.x, [&](float v, int i) { staged[i] = v; });
         __syncthreads();
         z = staged;
     }
