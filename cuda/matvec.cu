@@ -177,18 +177,34 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
 #define MVN_WIDE 0
 #endif
 
-// One column's q8x2 activation in shared memory as separate arrays (matvec_<type>_b1s, and b1n where its shared
-// memory holds it): xs[4][nb] (the four 16-byte chunks c0, c1, f0, f1 of block kb at xs[c * nb + kb], so a warp's
-// 32 lanes read 512 contiguous bytes where from global memory each reads 64 bytes apart), then xds[nb]. Copied by
-// the whole block after the PDL wait; the caller synchronizes. 80 bytes a block of the row.
+// NC columns' q8x2 activation in shared memory as separate arrays (matvec_<type>_b1s, and b1n where its shared
+// memory holds it), column c at c * 80 * nb bytes: xs[4][nb] (the four 16-byte chunks c0, c1, f0, f1 of
+// block kb at xs[i * nb + kb], so a warp's 32 lanes read 512 contiguous bytes where from global memory each reads
+// 64 bytes apart), then xds[nb]. Column c of the input at xq + c * 64 * nb bytes and xd + c * nb (load_x's). Each
+// thread loads every piece of its block kb (5 x NC) before it stores one: one L2 round trip per blockDim.x blocks
+// of the row (a loop of one load and one store per piece waited a round trip per trip: 4-5 at the 8B's
+// 14,336-wide rows; cuda/PERF.md v38). Copied by the whole block after the PDL wait; the caller synchronizes.
+// NC > 1: the several-column kernel of v38's record (matvec_<type>_bxs), kept in this form for it.
+template <int NC = 1>
 __device__ __forceinline__ void stage_x(unsigned char* smem, const int8_t* __restrict__ xq,
                                         const float4* __restrict__ xd, int nb) {
-    int4* xs = reinterpret_cast<int4*>(smem);
-    float4* xds = reinterpret_cast<float4*>(smem + 64 * nb);
-    for (int i = threadIdx.x; i < 5 * nb; i += blockDim.x) {
-        const int c = i / nb, kb = i - c * nb;
-        if (c < 4) xs[i] = reinterpret_cast<const int4*>(xq + (size_t)kb * 2 * QK)[c];
-        else xds[kb] = xd[kb];
+    for (int kb = threadIdx.x; kb < nb; kb += blockDim.x) {
+        int4 q[NC][4];
+        float4 d[NC];
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            const int4* p = reinterpret_cast<const int4*>(xq + ((size_t)c * nb + kb) * 2 * QK);
+#pragma unroll
+            for (int k = 0; k < 4; k++) q[c][k] = p[k];
+            d[c] = xd[(size_t)c * nb + kb];
+        }
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            int4* xs = reinterpret_cast<int4*>(smem + (size_t)c * 80 * nb);
+#pragma unroll
+            for (int k = 0; k < 4; k++) xs[k * nb + kb] = q[c][k];
+            reinterpret_cast<float4*>(smem + (size_t)c * 80 * nb + 64 * nb)[kb] = d[c];
+        }
     }
 }
 __device__ __forceinline__ XBlock staged_x(const unsigned char* smem, int nb, int kb) {
