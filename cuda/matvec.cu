@@ -177,13 +177,14 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
 #define MVN_WIDE 0
 #endif
 
-// NC columns' q8x2 activation in shared memory as separate arrays (matvec_<type>_b1s and _bxs, and b1n where its
-// shared memory holds it), column c at c * 80 * nb bytes: xs[4][nb] (the four 16-byte chunks c0, c1, f0, f1 of
+// NC columns' q8x2 activation in shared memory as separate arrays (matvec_<type>_b1s, and b1n where its shared
+// memory holds it), column c at c * 80 * nb bytes: xs[4][nb] (the four 16-byte chunks c0, c1, f0, f1 of
 // block kb at xs[i * nb + kb], so a warp's 32 lanes read 512 contiguous bytes where from global memory each reads
 // 64 bytes apart), then xds[nb]. Column c of the input at xq + c * 64 * nb bytes and xd + c * nb (load_x's). Each
 // thread loads every piece of its block kb (5 x NC) before it stores one: one L2 round trip per blockDim.x blocks
 // of the row (a loop of one load and one store per piece waited a round trip per trip: 4-5 at the 8B's
-// 14,336-wide rows, 18 at four columns). Copied by the whole block after the PDL wait; the caller synchronizes.
+// 14,336-wide rows; cuda/PERF.md v38). Copied by the whole block after the PDL wait; the caller synchronizes.
+// NC > 1: the several-column kernel of v38's record (matvec_<type>_bxs), kept in this form for it.
 template <int NC = 1>
 __device__ __forceinline__ void stage_x(unsigned char* smem, const int8_t* __restrict__ xq,
                                         const float4* __restrict__ xd, int nb) {
@@ -367,10 +368,6 @@ __device__ __forceinline__ int stage_bytes(int nb) {   // two rows of every arra
     return 2 * (nb / 8) * b;
 }
 
-// matvec_<type>_bxs (below): row pairs a warp takes at a time, and blocks of each row in flight per lane.
-#define MVX_PAIRS 2    // row pairs a warp takes at a time (the rows each staged x block serves: 2 x MVX_PAIRS)
-#define MVX_UNROLL 2   // blocks of each row in flight per lane
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The type's struct over one stage: each array's two rows back to back, arrays in argument order.
 template <typename W, typename... P>
@@ -462,95 +459,7 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
     }
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
 }
-
-// matvec_<type>_bxs: 2..MV_COLS columns (narrow decode batches) with the activation staged. The any-column
-// kernel (matvec_q, NC > 1) reads every column's q8x2 block from L1 for every block of every row pair: NC times
-// the one-column kernel's scattered activation loads, which bound that kernel (v36). Here a persistent block an
-// SM (MVS_WARPS warps) copies the NC columns into shared memory once (stage_x, column c at c * 80 * nb bytes),
-// and each warp takes MVX_PAIRS row pairs at a time (pairs MVX_PAIRS * gw + i, then the grid's next), with
-// MVX_UNROLL blocks of each row in flight per lane and every load unconditional (a block past the row's end
-// re-reads the last one and adds nothing, a pair past the last re-reads the last pair and writes nothing), so
-// each x block read from shared memory serves 2 x MVX_PAIRS rows. Each output is summed by the same lane, over
-// the same blocks in the same order as matvec_q's: the same bits. Weights through registers, not bulk copies, so
-// any row width whose x fits (the 8B's 14,336-wide down at 4 columns: 140 KiB). MVX_PAIRS, MVX_UNROLL: above.
-template <typename W, int NC>
-__device__ __forceinline__ void matvec_cols_staged(const W& w, const int8_t* __restrict__ xq,
-                                                   const float4* __restrict__ xd, const float* __restrict__ bias,
-                                                   float* __restrict__ y, int rows, int cols, int ldy, int mode) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nb = cols / QK;
-    stage_x<NC>(smem, xq, xd, nb);
-    __syncthreads();
-    const bool gate = gated(mode);
-    const long long pairs = gate ? rows : (rows + 1) / 2;
-    const long long step = (long long)gridDim.x * MVS_WARPS * MVX_PAIRS;
-    for (long long p0 = ((long long)blockIdx.x * MVS_WARPS + warp) * MVX_PAIRS; p0 < pairs; p0 += step) {
-        long long r[MVX_PAIRS][2];
-#pragma unroll
-        for (int i = 0; i < MVX_PAIRS; i++) {
-            const long long p = min(p0 + i, pairs - 1);
-            if (gate) { r[i][0] = p; r[i][1] = p + rows; }
-            else { r[i][0] = 2 * p; r[i][1] = min(2 * p + 1, (long long)rows - 1); }
-        }
-        float acc[MVX_PAIRS][2][NC] = {};
-        for (int kb0 = lane; kb0 < nb; kb0 += MVX_UNROLL * WARP) {
-            typename W::Block wb[MVX_UNROLL][MVX_PAIRS][2];
-#pragma unroll
-            for (int u = 0; u < MVX_UNROLL; u++)
-#pragma unroll
-                for (int i = 0; i < MVX_PAIRS; i++)
-#pragma unroll
-                    for (int s = 0; s < 2; s++) wb[u][i][s] = w.load(r[i][s], min(kb0 + u * WARP, nb - 1));
-#pragma unroll
-            for (int u = 0; u < MVX_UNROLL; u++) {
-                const int kb = kb0 + u * WARP;
-#pragma unroll
-                for (int c = 0; c < NC; c++) {
-                    const XBlock x = staged_x(smem + (size_t)c * 80 * nb, nb, min(kb, nb - 1));
-#pragma unroll
-                    for (int i = 0; i < MVX_PAIRS; i++)
-#pragma unroll
-                        for (int s = 0; s < 2; s++) {
-                            // The select around the sum, not around the dot: matvec_q's `acc += dot` lets the
-                            // compiler fuse the add into the dot's last multiply (Q4_0's `w.d * (...)`: one FFMA,
-                            // one rounding); `acc += kb < nb ? dot : 0` rounds the product first (other bits).
-                            float& a = acc[i][s][c];
-                            a = kb < nb ? a + W::dot(wb[u][i][s], x) : a;
-                        }
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < MVX_PAIRS; i++) {
-            if (p0 + i >= pairs) break;
-            const bool ok[2] = {true, gate || r[i][1] != r[i][0]};
-            write_out<NC>(acc[i], mode, ok, r[i][0], bias, y, 0, ldy, 1.0f);
-        }
-    }
-}
-
 #endif
-
-// The first MV_PREFETCH_STEPS steps of this warp's first rows of matvec_cols_staged into L2 (before the PDL wait).
-template <typename W>
-__device__ __forceinline__ void prefetch_rows_cs(const W& w, int rows, int mode) {
-    const long long pairs = gated(mode) ? rows : (rows + 1) / 2;
-    const long long p0 = ((long long)blockIdx.x * MVS_WARPS + threadIdx.x / WARP) * MVX_PAIRS;
-    const int lane = threadIdx.x % WARP;
-#pragma unroll
-    for (int i = 0; i < MVX_PAIRS; i++) {
-        const long long p = min(p0 + i, pairs - 1);
-        const long long r0 = gated(mode) ? p : 2 * p;
-        const long long r1 = gated(mode) ? p + rows : min(2 * p + 1, (long long)rows - 1);
-#pragma unroll
-        for (int u = 0; u < MV_PREFETCH_STEPS; u++) {
-            const int kb = lane + u * WARP;
-            if (kb >= w.nb || p0 >= pairs) break;
-            w.prefetch(r0, kb);
-            w.prefetch(r1, kb);
-        }
-    }
-}
 
 // Q4_0, Q4_1 and Q8_0 take the same loop as the weights.cuh types: X(name, struct, parameters, initializers).
 #define Q4_0_PARAMS const uint8_t* qs, const __half* d
@@ -635,32 +544,6 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
     X(q4_k, Q4_KW, Q4_K_PARAMS, Q4_K_ARGS)               \
     X(q6_k, Q6_KW, Q6_K_PARAMS, Q6_K_ARGS)
 FOR_EACH_STAGED_TYPE(MATVEC_STAGED_KERNEL)
-
-// matvec_<type>_bxs (above) for the same types: 2..MV_COLS columns; an empty body but on sm_90 (the host launches
-// it on compute capability 9.0 only; at sm_100 / sm_120 its 128-register instances spill 8-36 bytes).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-#define MVX_BODY(WT, ...)                                                                                        \
-    do {                                                                                                         \
-        const WT w{__VA_ARGS__, cols / QK};                                                                      \
-        switch (ncols) {                                                                                         \
-            case 2: matvec_cols_staged<WT, 2>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                 \
-            case 3: matvec_cols_staged<WT, 3>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                 \
-            default: matvec_cols_staged<WT, MV_COLS>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;          \
-        }                                                                                                        \
-    } while (0)
-#else
-#define MVX_BODY(WT, ...) ((void)0)
-#endif
-#define MATVEC_COLS_STAGED_KERNEL(NAME, WT, PARAMS, ...)                                                       \
-    extern "C" __global__ void __launch_bounds__(MVS_WARPS * WARP, 1)                                           \
-    matvec_##NAME##_bxs(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,      \
-                        int cols, int ncols, int ldy, int mode, int pdl) {                                       \
-        INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows_cs(WT{__VA_ARGS__, cols / QK}, rows, mode));     \
-        if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
-        MVX_BODY(WT, __VA_ARGS__);                                                                               \
-        if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();                                                                 \
-    }
-FOR_EACH_STAGED_TYPE(MATVEC_COLS_STAGED_KERNEL)
 #undef MATVEC_KERNELS
 
 // --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1, Q4_K; compute capability 8.0+)
