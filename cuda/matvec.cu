@@ -406,9 +406,7 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int nb = cols / QK, sb = stage_bytes<W>(nb);
-    int4* xs = reinterpret_cast<int4*>(smem);                         // [4][nb]: c0, c1, f0, f1 of block kb
-    float4* xds = reinterpret_cast<float4*>(smem + 64 * nb);          // [nb]
-    unsigned char* ring = smem + 80 * nb + warp * MVS_STAGES * sb;    // this warp's stages
+    unsigned char* ring = smem + 80 * nb + warp * MVS_STAGES * sb;    // this warp's stages, after x (stage_x)
     uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 80 * nb + MVS_WARPS * MVS_STAGES * sb) + warp * MVS_STAGES;
     const bool gate = gated(mode);
     const long long pairs = gate ? rows : (rows + 1) / 2;
@@ -446,7 +444,7 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
         float acc[2][1] = {};
         mbar_wait(&bar[s], (unsigned)((j / MVS_STAGES) & 1));
         for (int kb = lane; kb < nb; kb += WARP) {
-            const XBlock x = {xs[kb], xs[nb + kb], xs[2 * nb + kb], xs[3 * nb + kb], xds[kb]};
+            const XBlock x = staged_x(smem, nb, kb);
 #pragma unroll
             for (int h = 0; h < 2; h++) acc[h][0] += W::dot(w.load(h, kb), x);
         }
