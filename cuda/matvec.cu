@@ -48,9 +48,15 @@ struct Q4_0W {
         const long long b = r * nb + kb;
         prefetch_l2(qs + b * 16, d + b);
     }
-    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
-        const float2 s = q4_dot(w.q, x);
+    __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
+    __device__ __forceinline__ static float dot_words(const Block& w, const int4& lo, const int4& hi,
+                                                      const XBlock& x) {
+        const float2 s = level_sums(lo, hi, x);
         return w.d * (x.d.x * s.x + x.d.y * s.y - 8.0f * x.d.z);   // w = d*(q-8); x.d.z = sum of x
+    }
+    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
+        int4 lo, hi; words(w, lo, hi);
+        return dot_words(w, lo, hi, x);
     }
 };
 
@@ -69,9 +75,15 @@ struct Q4_1W {
         const long long b = r * nb + kb;
         prefetch_l2(qs + b * 16, d + b, m + b);
     }
-    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
-        const float2 s = q4_dot(w.q, x);
+    __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
+    __device__ __forceinline__ static float dot_words(const Block& w, const int4& lo, const int4& hi,
+                                                      const XBlock& x) {
+        const float2 s = level_sums(lo, hi, x);
         return w.d * (x.d.x * s.x + x.d.y * s.y) + w.m * x.d.z;    // w = d*q + m
+    }
+    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
+        int4 lo, hi; words(w, lo, hi);
+        return dot_words(w, lo, hi, x);
     }
 };
 
@@ -177,14 +189,13 @@ __device__ __forceinline__ void write_out(float (&acc)[2][NC], int mode, const b
 #define MVN_WIDE 0
 #endif
 
-// NC columns' q8x2 activation in shared memory as separate arrays (matvec_<type>_b1s, and b1n where its shared
-// memory holds it), column c at c * 80 * nb bytes: xs[4][nb] (the four 16-byte chunks c0, c1, f0, f1 of
+// NC columns' q8x2 activation in shared memory as separate arrays (matvec_<type>_b1s and _bxs, and b1n where its
+// shared memory holds it), column c at c * 80 * nb bytes: xs[4][nb] (the four 16-byte chunks c0, c1, f0, f1 of
 // block kb at xs[i * nb + kb], so a warp's 32 lanes read 512 contiguous bytes where from global memory each reads
 // 64 bytes apart), then xds[nb]. Column c of the input at xq + c * 64 * nb bytes and xd + c * nb (load_x's). Each
 // thread loads every piece of its block kb (5 x NC) before it stores one: one L2 round trip per blockDim.x blocks
 // of the row (a loop of one load and one store per piece waited a round trip per trip: 4-5 at the 8B's
-// 14,336-wide rows; cuda/PERF.md v38). Copied by the whole block after the PDL wait; the caller synchronizes.
-// NC > 1: the several-column kernel of v38's record (matvec_<type>_bxs), kept in this form for it.
+// 14,336-wide rows, 18 at four columns). Copied by the whole block after the PDL wait; the caller synchronizes.
 template <int NC = 1>
 __device__ __forceinline__ void stage_x(unsigned char* smem, const int8_t* __restrict__ xq,
                                         const float4* __restrict__ xd, int nb) {
@@ -347,11 +358,11 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
 // block (64 + 16 bytes, 64 bytes apart from its neighbour's) from L1 every step, four times the wavefronts of a
 // contiguous load. Here a block copies x once into shared memory as separate arrays (xs[c][kb]: chunk c of block
 // kb, so a warp's 32 lanes read 512 contiguous bytes), and its warps are persistent: grid = one block an SM,
-// MVS_WARPS warps, warp w of the grid takes row pairs w, w + warps, ... (gated: (gate r, up r + rows)). Each
-// warp keeps MVS_STAGES row pairs in flight, whole rows (2 x nb blocks of every array of the type: one bulk copy
-// per row and array), in its own ring of stages; lane 0 refills a stage as soon as the warp has read it. The
-// first stages are asked for before the PDL wait (weights: no kernel of a step writes them), so a kernel's first
-// row pairs stream in while its predecessor finishes.
+// MVS_WARPS warps, warp w of the grid (grid_warp) takes row pairs w, w + warps, ... (gated: (gate r, up r +
+// rows)). Each warp keeps MVS_STAGES row pairs in flight, whole rows (2 x nb blocks of every array of the type:
+// one bulk copy per row and array), in its own ring of stages; lane 0 refills a stage as soon as the warp has
+// read it. The first stages are asked for before the PDL wait (weights: no kernel of a step writes them), so a
+// kernel's first row pairs stream in while its predecessor finishes.
 // Shared memory: x (80 bytes a block of the row), then MVS_WARPS x MVS_STAGES stages of stage_bytes, then one
 // mbarrier a stage. Host conditions (kernels.py matvec_staged): cols % 256 == 0 and every array's row a multiple
 // of 16 bytes (bulk copies), the whole at most the opt-in limit; ss as matvec_<type>_b1's (cols <= MV_NORM_MAX).
@@ -367,6 +378,20 @@ __device__ __forceinline__ int stage_bytes(int nb) {   // two rows of every arra
     for (int a = 0; a < W::STAGE_ARRAYS; a++) b += W::stage_b8(a);
     return 2 * (nb / 8) * b;
 }
+
+// A persistent kernel's warp (b1s, bxs) as its grid numbers them: warp w of every block before warp w + 1 of any,
+// so that tasks gw, gw + GW, ... handed out in this order spread over every SM when there are fewer than one a
+// warp (the 8B's o and down projections at 4 columns: 1,024 tasks for 2,112 warps; numbered block by block, the
+// warps of blocks 64-131 found none, half the SMs idle) and a last partial round spreads over all SMs too (the
+// 8B's qkv in b1s: 3,072 row pairs, 32 on each of 60 SMs and 16 on the rest, block by block). H100, cuda/PERF.md
+// v39: the 8B's bxs at 4 columns 28.7 -> 23.9 µs a launch, b1s 17.1 -> 16.1.
+__device__ __forceinline__ long long grid_warp() {
+    return (long long)(threadIdx.x / WARP) * gridDim.x + blockIdx.x;
+}
+
+// matvec_<type>_bxs (below): row pairs a warp takes at a time, and blocks of each row in flight per lane.
+#define MVX_PAIRS 1    // row pairs a warp takes at a time (the rows each staged x block serves: 2 x MVX_PAIRS)
+#define MVX_UNROLL 2   // blocks of each row in flight per lane
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The type's struct over one stage: each array's two rows back to back, arrays in argument order.
@@ -410,7 +435,7 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
     uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 80 * nb + MVS_WARPS * MVS_STAGES * sb) + warp * MVS_STAGES;
     const bool gate = gated(mode);
     const long long pairs = gate ? rows : (rows + 1) / 2;
-    const long long gw = (long long)blockIdx.x * MVS_WARPS + warp, GW = (long long)gridDim.x * MVS_WARPS;
+    const long long gw = grid_warp(), GW = (long long)gridDim.x * MVS_WARPS;
     const long long mine = gw < pairs ? (pairs - gw + GW - 1) / GW : 0;   // pairs gw, gw + GW, ...
     auto rows_of = [&](long long j, long long r[2]) {   // a second row past the end re-reads the last one
         const long long p = gw + j * GW;
@@ -457,7 +482,115 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
     }
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
 }
+
+// One step of matvec_cols_staged: blocks kb0 + u * WARP (u < MVX_UNROLL) of its MVX_PAIRS x 2 rows against the
+// NC staged columns. Each block is unpacked once (words) for its NC columns. FULL: every block is inside the row;
+// else a block past the end re-reads the last one and adds nothing, the select around the sum (matvec_q's
+// `acc += dot` lets the compiler fuse the add into the dot's last multiply, Q4_0's `w.d * (...)`: one FFMA, one
+// rounding; `acc += kb < nb ? dot : 0` would round the product first, other bits).
+template <typename W, int NC, bool FULL>
+__device__ __forceinline__ void cols_staged_step(const W& w, const unsigned char* smem,
+                                                 const long long (&r)[MVX_PAIRS][2], int kb0, int nb,
+                                                 float (&acc)[MVX_PAIRS][2][NC]) {
+    typename W::Block wb[MVX_UNROLL][MVX_PAIRS][2];
+#pragma unroll
+    for (int u = 0; u < MVX_UNROLL; u++)
+#pragma unroll
+        for (int i = 0; i < MVX_PAIRS; i++)
+#pragma unroll
+            for (int s = 0; s < 2; s++)
+                wb[u][i][s] = w.load(r[i][s], FULL ? kb0 + u * WARP : min(kb0 + u * WARP, nb - 1));
+#pragma unroll
+    for (int u = 0; u < MVX_UNROLL; u++) {
+        const int kb = kb0 + u * WARP;
+        int4 lo[MVX_PAIRS][2], hi[MVX_PAIRS][2];
+#pragma unroll
+        for (int i = 0; i < MVX_PAIRS; i++)
+#pragma unroll
+            for (int s = 0; s < 2; s++) W::words(wb[u][i][s], lo[i][s], hi[i][s]);
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            const XBlock x = staged_x(smem + (size_t)c * 80 * nb, nb, FULL ? kb : min(kb, nb - 1));
+#pragma unroll
+            for (int i = 0; i < MVX_PAIRS; i++)
+#pragma unroll
+                for (int s = 0; s < 2; s++) {
+                    float& a = acc[i][s][c];
+                    if (FULL) a += W::dot_words(wb[u][i][s], lo[i][s], hi[i][s], x);
+                    else a = kb < nb ? a + W::dot_words(wb[u][i][s], lo[i][s], hi[i][s], x) : a;
+                }
+        }
+    }
+}
+
+// matvec_<type>_bxs: 2..MV_COLS columns (narrow decode batches) with the activation staged. The any-column
+// kernel (matvec_q, NC > 1) reads every column's q8x2 block from L1 for every block of every row pair: NC times
+// the one-column kernel's scattered activation loads, which bound that kernel (v36). Here a persistent block an
+// SM (MVS_WARPS warps) copies the NC columns into shared memory once (stage_x, column c at c * 80 * nb bytes),
+// and each warp takes MVX_PAIRS row pairs at a time (pairs MVX_PAIRS * grid_warp() + i, then the grid's next), with
+// MVX_UNROLL blocks of each row in flight per lane and every load unconditional (a block past the row's end
+// re-reads the last one and adds nothing, a pair past the last re-reads the last pair and writes nothing), so
+// each x block read from shared memory serves 2 x MVX_PAIRS rows. Each output is summed by the same lane, over
+// the same blocks in the same order as matvec_q's: the same bits. Weights through registers, not bulk copies, so
+// any row width whose x fits (the 8B's 14,336-wide down at 4 columns: 140 KiB). MVX_PAIRS, MVX_UNROLL: above.
+template <typename W, int NC>
+__device__ __forceinline__ void matvec_cols_staged(const W& w, const int8_t* __restrict__ xq,
+                                                   const float4* __restrict__ xd, const float* __restrict__ bias,
+                                                   float* __restrict__ y, int rows, int cols, int ldy, int mode) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nb = cols / QK;
+    stage_x<NC>(smem, xq, xd, nb);
+    __syncthreads();
+    const bool gate = gated(mode);
+    const long long pairs = gate ? rows : (rows + 1) / 2;
+    const long long step = (long long)gridDim.x * MVS_WARPS * MVX_PAIRS;
+    for (long long p0 = grid_warp() * MVX_PAIRS; p0 < pairs; p0 += step) {
+        long long r[MVX_PAIRS][2];
+#pragma unroll
+        for (int i = 0; i < MVX_PAIRS; i++) {
+            const long long p = min(p0 + i, pairs - 1);
+            if (gate) { r[i][0] = p; r[i][1] = p + rows; }
+            else { r[i][0] = 2 * p; r[i][1] = min(2 * p + 1, (long long)rows - 1); }
+        }
+        float acc[MVX_PAIRS][2][NC] = {};
+        // Whole steps (every lane's MVX_UNROLL blocks inside the row; warp-uniform, and every step of the 8B's
+        // rows) take no clamps and no selects, so the loads' addresses advance by a constant; then at most one
+        // part-filled step.
+        int kb0 = lane;
+        for (; kb0 - lane + MVX_UNROLL * WARP <= nb; kb0 += MVX_UNROLL * WARP)
+            cols_staged_step<W, NC, true>(w, smem, r, kb0, nb, acc);
+        if (kb0 < nb) cols_staged_step<W, NC, false>(w, smem, r, kb0, nb, acc);
+#pragma unroll
+        for (int i = 0; i < MVX_PAIRS; i++) {
+            if (p0 + i >= pairs) break;
+            const bool ok[2] = {true, gate || r[i][1] != r[i][0]};
+            write_out<NC>(acc[i], mode, ok, r[i][0], bias, y, 0, ldy, 1.0f);
+        }
+    }
+}
+
 #endif
+
+// The first MV_PREFETCH_STEPS steps of this warp's first rows of matvec_cols_staged into L2 (before the PDL wait).
+template <typename W>
+__device__ __forceinline__ void prefetch_rows_cs(const W& w, int rows, int mode) {
+    const long long pairs = gated(mode) ? rows : (rows + 1) / 2;
+    const long long p0 = grid_warp() * MVX_PAIRS;
+    const int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int i = 0; i < MVX_PAIRS; i++) {
+        const long long p = min(p0 + i, pairs - 1);
+        const long long r0 = gated(mode) ? p : 2 * p;
+        const long long r1 = gated(mode) ? p + rows : min(2 * p + 1, (long long)rows - 1);
+#pragma unroll
+        for (int u = 0; u < MV_PREFETCH_STEPS; u++) {
+            const int kb = lane + u * WARP;
+            if (kb >= w.nb || p0 >= pairs) break;
+            w.prefetch(r0, kb);
+            w.prefetch(r1, kb);
+        }
+    }
+}
 
 // Q4_0, Q4_1 and Q8_0 take the same loop as the weights.cuh types: X(name, struct, parameters, initializers).
 #define Q4_0_PARAMS const uint8_t* qs, const __half* d
@@ -542,6 +675,32 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
     X(q4_k, Q4_KW, Q4_K_PARAMS, Q4_K_ARGS)               \
     X(q6_k, Q6_KW, Q6_K_PARAMS, Q6_K_ARGS)
 FOR_EACH_STAGED_TYPE(MATVEC_STAGED_KERNEL)
+
+// matvec_<type>_bxs (above) for the same types: 2..MV_COLS columns; an empty body but on sm_90 (the host launches
+// it on compute capability 9.0 only; at sm_100 / sm_120 its 128-register instances spill 8-36 bytes).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define MVX_BODY(WT, ...)                                                                                        \
+    do {                                                                                                         \
+        const WT w{__VA_ARGS__, cols / QK};                                                                      \
+        switch (ncols) {                                                                                         \
+            case 2: matvec_cols_staged<WT, 2>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                 \
+            case 3: matvec_cols_staged<WT, 3>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;                 \
+            default: matvec_cols_staged<WT, MV_COLS>(w, xq, xd, bias, y, rows, cols, ldy, mode); break;          \
+        }                                                                                                        \
+    } while (0)
+#else
+#define MVX_BODY(WT, ...) ((void)0)
+#endif
+#define MATVEC_COLS_STAGED_KERNEL(NAME, WT, PARAMS, ...)                                                       \
+    extern "C" __global__ void __launch_bounds__(MVS_WARPS * WARP, 1)                                           \
+    matvec_##NAME##_bxs(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,      \
+                        int cols, int ncols, int ldy, int mode, int pdl) {                                       \
+        INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows_cs(WT{__VA_ARGS__, cols / QK}, rows, mode));     \
+        if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();                                                              \
+        MVX_BODY(WT, __VA_ARGS__);                                                                               \
+        if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();                                                                 \
+    }
+FOR_EACH_STAGED_TYPE(MATVEC_COLS_STAGED_KERNEL)
 #undef MATVEC_KERNELS
 
 // --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1, Q4_K; compute capability 8.0+)

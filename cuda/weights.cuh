@@ -6,6 +6,9 @@
 //   void prefetch(r, kb)                   the bytes load(r, kb) reads, into L2 (matvec.cu: before the PDL wait)
 //   static float dot(Block, XBlock)        sum_j w[j] * x[j] against a q8x2 activation block (integer dp4a)
 //   static void words(Block, lo, hi)       the unsigned quant codes as int8 bytes: lo = weights 0..15, hi 16..31
+//   static float dot_words(Block, lo, hi, XBlock)   dot() from words() taken once (Q4_0, Q4_1, Q4_K, Q6_K: the
+//                                          several-column matvec unpacks a block once, not once per column);
+//                                          dot() is words() then dot_words(), so the two give the same bits
 //   static float deq(Block, lo, hi, i)     weight i in fp32, bit-identical to gguf's dequantization (the same
 //                                          fp32 products in the same order; __fmul_rn/__fadd_rn keep nvcc from
 //                                          contracting them into an fma, which would round once instead of twice)
@@ -37,11 +40,8 @@ __device__ __forceinline__ int dot8(const int4& a0, const int4& a1, const int4& 
 // 6-bit scales and mins go through here, bit-identical to the conversion.
 __device__ __forceinline__ float i2f_exact(int i) { return __int_as_float(0x4B400000 + i) - 12582912.0f; }
 
-// sum(q * coarse) and sum(q * fine) for a Q4 block: byte j holds w[j] (low nibble) and w[j+16] (high).
-__device__ __forceinline__ float2 q4_dot(const uint4& q, const XBlock& x) {
-    const int4 lo = make_int4(q.x & 0x0F0F0F0F, q.y & 0x0F0F0F0F, q.z & 0x0F0F0F0F, q.w & 0x0F0F0F0F);
-    const int4 hi = make_int4((q.x >> 4) & 0x0F0F0F0F, (q.y >> 4) & 0x0F0F0F0F, (q.z >> 4) & 0x0F0F0F0F,
-                              (q.w >> 4) & 0x0F0F0F0F);
+// sum(q * coarse) and sum(q * fine) for a block's codes as words (lo = weights 0..15, hi = 16..31).
+__device__ __forceinline__ float2 level_sums(const int4& lo, const int4& hi, const XBlock& x) {
     return make_float2(i2f_exact(dot8(lo, hi, x.c0, x.c1)), i2f_exact(dot8(lo, hi, x.f0, x.f1)));
 }
 
@@ -199,9 +199,13 @@ struct Q4_KW {
         prefetch_l2(qs + b, sc + (b >> 3));
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
+    __device__ __forceinline__ static float dot_words(const Block& w, const int4& lo, const int4& hi,
+                                                      const XBlock& x) {
+        return w.dl * full_dot(lo, hi, x) - w.ml * x.d.z;
+    }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         int4 lo, hi; words(w, lo, hi);
-        return w.dl * full_dot(lo, hi, x) - w.ml * x.d.z;
+        return dot_words(w, lo, hi, x);
     }
     __device__ __forceinline__ static float deq(const Block& w, const int4& lo, const int4& hi, int i) {
         return __fsub_rn(__fmul_rn(w.dl, (float)code_at(lo, hi, i)), w.ml);
@@ -268,11 +272,15 @@ struct Q6_KW {
         lo.x |= a.x; lo.y |= a.y; lo.z |= a.z; lo.w |= a.w;
         hi.x |= b.x; hi.y |= b.y; hi.z |= b.z; hi.w |= b.w;
     }
-    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
-        int4 lo, hi; words(w, lo, hi);
+    __device__ __forceinline__ static float dot_words(const Block& w, const int4& lo, const int4& hi,
+                                                      const XBlock& x) {
         const float2 s = half_dots(lo, hi, x);   // x.d.w: sum of x over weights 0..15
         const float2 dl = scales(w);
         return dl.x * (s.x - 32.0f * x.d.w) + dl.y * (s.y - 32.0f * (x.d.z - x.d.w));
+    }
+    __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
+        int4 lo, hi; words(w, lo, hi);
+        return dot_words(w, lo, hi, x);
     }
     __device__ __forceinline__ static float deq(const Block& w, const int4& lo, const int4& hi, int i) {
         const float2 dl = scales(w);

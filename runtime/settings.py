@@ -138,9 +138,10 @@ MATVEC_STAGED = Setting(
     True,
     _flag,
     "1 or 0",
-    "On Hopper (compute capability 9.0), single-sequence decode runs its Q4_0/Q4_1/Q4_K/Q6_K matrix-vector products"
-    " as matvec_<type>_b1s (weights and activations staged in shared memory by bulk copies) where each array's row"
-    " is a multiple of 16 bytes; 0 keeps matvec_<type>_b1.",
+    "On Hopper (compute capability 9.0), decode's Q4_0/Q4_1/Q4_K/Q6_K matrix-vector products stage their"
+    " activations in shared memory: one sequence as matvec_<type>_b1s (weights by bulk copies too, where each"
+    " array's row is a multiple of 16 bytes), 2-4 sequences of models whose layers are not launch-bound as"
+    " matvec_<type>_bxs; 0 keeps matvec_<type>_b1 and the any-batch kernel.",
 )
 MATVEC_MMA = Setting(
     "INGOT_MATVEC_MMA",

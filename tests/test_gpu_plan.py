@@ -867,6 +867,24 @@ def test_decode_gemm_min_batch_per_model(shape, quant, mma, frag, want):
 @pytest.mark.parametrize(
     "shape, quant, want",
     [
+        # matvec_<type>_bxs (H100, PERF.md v39): Q4_0 b3 1,109 tok/s against the fragment GEMM's 773, b4 1,265 /
+        # 1,020; Q4_K_M b4 905 / 666
+        ("llama3-8b", "Q4_0", 5),
+        ("llama3-8b", "Q4_K_M", 5),
+        ("llama3-8b", "Q5_K_M", 8),  # most bytes in Q5_K, which bxs does not serve
+        ("smollm2-135m", "Q4_1", 16),  # launch-bound layers keep theirs
+    ],
+)
+def test_decode_gemm_min_batch_with_staged_columns(shape, quant, want):
+    """On a GPU that runs matvec_<type>_bxs, a layer mostly in its types takes the matvecs up to MATVEC_COLS."""
+    layer = layer_matrix_bytes(_model_of(shape, quant))
+    assert decode_gemm_min_batch(layer, True, True, cols_staged=True) == want
+    assert decode_gemm_min_batch(layer, True, True, cols_staged=False) <= want
+
+
+@pytest.mark.parametrize(
+    "shape, quant, want",
+    [
         ("smollm2-135m", "Q4_1", True),  # 2.2 MB layers: the real model b4 +14%, b8 +8% on an H100 (PERF.md v22)
         ("qwen3-0.6b", "Q4_0", True),
         ("llama3-8b", "Q4_0", False),  # 123 MB layers: 0.8-1.1 TB/s, slower than the GEMM from 3 and dp4a at 2

@@ -31,7 +31,7 @@ MACRO = "INGOT_PDL_ENTRY();"
 # cuda/common.cuh's other first statements: the wait alone (the kernel triggers later: the PTX check below
 # finds the trigger after the wait), or after L2 prefetches of weights by the matvec kernels' helpers
 _WAIT = "INGOT_PDL_WAIT();"
-_AFTER_PREFETCH = re.compile(r"INGOT_PDL_WAIT_AFTER\([^,]+, prefetch_rows(?:_h|_mma)?\(.*\)\);$")
+_AFTER_PREFETCH = re.compile(r"INGOT_PDL_WAIT_AFTER\([^,]+, prefetch_rows(?:_h|_mma|_cs)?\(.*\)\);$")
 READ_AHEAD = "INGOT_PDL_READ_AHEAD();"  # loads ahead of the wait (common.cuh): the PTX check allows those
 
 

@@ -151,6 +151,7 @@ PDL_KERNELS = frozenset(
         *(f"matvec_{q.lower()}_b1" for q in GPU_QTYPES),
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
         *(f"matvec_{q.lower()}_b1s" for q in MATVEC_STAGED_TYPES),
+        *(f"matvec_{q.lower()}_bxs" for q in MATVEC_STAGED_TYPES),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
@@ -667,6 +668,11 @@ DECODE_GEMM_EARLY_TYPES = ("Q4_0", "Q4_1")
 DECODE_GEMM_MIN_BATCH_FRAG_K = 4
 DECODE_GEMM_MIN_BATCH_TILE = 8  # ... the other types' matmul2 (dequantized through a shared-memory tile) from 8
 DECODE_GEMM_MIN_BATCH_SMALL = 16  # launch-bound layers (and any GPU without the mma GEMMs)
+# Where the GPU runs matvec_<type>_bxs (cols_staged_gpu: the activations staged once a block) and most of a layer's
+# bytes are in its types, the matvecs win every width they serve. H100, 2026-12-07 (PERF.md v39), tok/s bxs / GEMM:
+#   8B Q4_0     b3 1,109 / 773, b4 1,265 / 1,020 (and b2 834 against the any-column kernel's 587)
+#   8B Q4_K_M   b4 905 (the two-pair form measured in v39's call 2) / 666
+DECODE_GEMM_MIN_BATCH_STAGED = MATVEC_COLS + 1
 
 
 def launch_bound_layers(layer_bytes: dict[str, int]) -> bool:
@@ -675,12 +681,15 @@ def launch_bound_layers(layer_bytes: dict[str, int]) -> bool:
     return sum(layer_bytes.values()) < DECODE_GEMM_LAYER_BYTES
 
 
-def decode_gemm_min_batch(layer_bytes: dict[str, int], mma: bool, frag: bool) -> int:
+def decode_gemm_min_batch(layer_bytes: dict[str, int], mma: bool, frag: bool, cols_staged: bool = False) -> int:
     """The narrowest decode batch that runs the GEMMs. layer_bytes: one decoder layer's matrix bytes by quant type;
-    mma, frag: the GEMM kernels in use (Kernels.matmul_mma, .matmul_frag). INGOT_DECODE_GEMM_MIN_BATCH overrides."""
+    mma, frag: the GEMM kernels in use (Kernels.matmul_mma, .matmul_frag); cols_staged: the GPU runs
+    matvec_<type>_bxs (cols_staged_gpu). INGOT_DECODE_GEMM_MIN_BATCH overrides."""
     if not mma or launch_bound_layers(layer_bytes):
         return DECODE_GEMM_MIN_BATCH_SMALL
     total = sum(layer_bytes.values())
+    if cols_staged and 2 * sum(n for q, n in layer_bytes.items() if q in MATVEC_STAGED_TYPES) >= total:
+        return DECODE_GEMM_MIN_BATCH_STAGED
     early = sum(n for q, n in layer_bytes.items() if q in DECODE_GEMM_EARLY_TYPES) if frag else 0
     fragment = sum(n for q, n in layer_bytes.items() if q in MATMUL2R_TYPES) if frag else 0
     if 2 * early >= total:
@@ -756,15 +765,44 @@ def matvec_staged(qtype: str, cols: int, cc: int, smem_optin: int) -> bool:
     )
 
 
+def matvec_cols_staged_smem(cols: int, ncols: int) -> int:
+    """Dynamic shared memory of matvec_<type>_bxs (cuda/matvec.cu matvec_cols_staged): each column's q8x2
+    activation, 80 bytes a 32-weight block. The 8B's 14,336-wide down at 4 columns: 140 KiB."""
+    return 80 * (cols // QK) * ncols
+
+
+def cols_staged_gpu(cc: int) -> bool:
+    """Whether a GPU of compute capability cc runs matvec_<type>_bxs at all: MATVEC_STAGED_CC, unless
+    INGOT_MATVEC_STAGED=0."""
+    return cc == MATVEC_STAGED_CC and settings.MATVEC_STAGED.get()
+
+
+def matvec_cols_staged(qtype: str, cols: int, ncols: int, cc: int, smem_optin: int) -> bool:
+    """Whether a matvec of 2..MATVEC_COLS columns of `cols`-wide qtype rows runs matvec_<type>_bxs (the columns
+    staged in shared memory once per block, persistent warps): a MATVEC_STAGED_TYPES type on a cols_staged_gpu,
+    the columns within the GPU's opt-in limit."""
+    return (
+        2 <= ncols <= MATVEC_COLS
+        and qtype in MATVEC_STAGED_TYPES
+        and matvec_cols_staged_smem(cols, ncols) <= smem_optin
+        and cols_staged_gpu(cc)
+    )
+
+
 def matvec_kernel(
     qtype: str, ncols: int, cc: int, rows: int, cols: int, narrow: bool = False, smem_optin: int = 0
 ) -> str:
     """The matvec kernel for ncols columns of a [rows, cols] qtype matrix: the one-column kernel where
     one_column_kernel says so (its staged form where matvec_staged says so, given the GPU's shared-memory opt-in
-    limit), the tensor-core one where the caller allows it (narrow) and narrow_mma_kernel says so, else the
-    any-column one."""
+    limit); for a model whose layers are launch-bound (narrow: narrow_mma_model) the tensor-core one where
+    narrow_mma_kernel says so, for other models the staged columns where matvec_cols_staged says so; else the
+    any-column one. (The staged columns on a SmolLM2-shaped model at 2 sequences: 2,101-2,181 tok/s against the
+    any-column kernel's 2,908-2,914, H100, cuda/PERF.md v39: its persistent grid's copy and barrier outweigh
+    matrices of a few hundred KiB.)"""
     if narrow and narrow_mma_kernel(qtype, ncols, cc, rows, cols):
         return f"matvec_{qtype.lower()}_mma"
+    if not narrow and matvec_cols_staged(qtype, cols, ncols, cc, smem_optin):
+        return f"matvec_{qtype.lower()}_bxs"
     if not one_column_kernel(ncols):
         return f"matvec_{qtype.lower()}"
     return f"matvec_{qtype.lower()}_b1{'s' if matvec_staged(qtype, cols, cc, smem_optin) else ''}"
@@ -946,6 +984,7 @@ class Kernels:
         if device.info.cc == MATVEC_STAGED_CC:  # matvec_staged keeps each launch within this
             for q in MATVEC_STAGED_TYPES:
                 self.k[f"matvec_{q.lower()}_b1s"].allow_dynamic_smem(device.info.max_smem_optin)
+                self.k[f"matvec_{q.lower()}_bxs"].allow_dynamic_smem(device.info.max_smem_optin)
         if device.info.cc >= MATVEC_MMA_MIN_CC:
             for q in MATVEC_MMA_TYPES:
                 self.k[f"matvec_{q.lower()}_mma"].allow_dynamic_smem(matvec_mma_smem(q, MATVEC_MMA_COLS))
@@ -1061,6 +1100,9 @@ class Kernels:
             if name.endswith("_b1s"):  # persistent: one block an SM, its warps take row pairs in turn
                 grid, threads = (info.sm_count, 1), 32 * MATVEC_STAGED_WARPS
                 smem = matvec_staged_smem(part.qtype, part.cols)
+            elif name.endswith("_bxs"):  # persistent, as b1s
+                grid, threads = (info.sm_count, 1), 32 * MATVEC_STAGED_WARPS
+                smem = matvec_cols_staged_smem(part.cols, ncols)
             elif name.endswith("_mma"):  # one block of MATVEC_MMA_WARPS warps per 16 rows (8 gated outputs)
                 per_block = MATVEC_MMA_ROWS // 2 if mode in GATED_MODES else MATVEC_MMA_ROWS
                 grid, threads = ((rows + per_block - 1) // per_block, 1), 32 * MATVEC_MMA_WARPS
