@@ -868,7 +868,7 @@ def test_decode_gemm_min_batch_per_model(shape, quant, mma, frag, want):
     "shape, quant, want",
     [
         # matvec_<type>_bxs (H100, PERF.md v39): Q4_0 b3 1,109 tok/s against the fragment GEMM's 773, b4 1,265 /
-        # 1,020; Q4_K_M b4 905 / 666
+        # 1,020; Q4_K_M b4 1,134 / 666
         ("llama3-8b", "Q4_0", 5),
         ("llama3-8b", "Q4_K_M", 5),
         ("llama3-8b", "Q5_K_M", 8),  # most bytes in Q5_K, which bxs does not serve

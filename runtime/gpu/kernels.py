@@ -671,7 +671,7 @@ DECODE_GEMM_MIN_BATCH_SMALL = 16  # launch-bound layers (and any GPU without the
 # Where the GPU runs matvec_<type>_bxs (cols_staged_gpu: the activations staged once a block) and most of a layer's
 # bytes are in its types, the matvecs win every width they serve. H100, 2026-12-07 (PERF.md v39), tok/s bxs / GEMM:
 #   8B Q4_0     b3 1,109 / 773, b4 1,265 / 1,020 (and b2 834 against the any-column kernel's 587)
-#   8B Q4_K_M   b4 905 (the two-pair form measured in v39's call 2) / 666
+#   8B Q4_K_M   b3 959, b4 1,134 / 666 (the GEMM from 4)
 DECODE_GEMM_MIN_BATCH_STAGED = MATVEC_COLS + 1
 
 
