@@ -389,9 +389,11 @@ __device__ __forceinline__ long long grid_warp() {
     return (long long)(threadIdx.x / WARP) * gridDim.x + blockIdx.x;
 }
 
-// matvec_<type>_bxs (below): row pairs a warp takes at a time, and blocks of each row in flight per lane.
-#define MVX_PAIRS 1    // row pairs a warp takes at a time (the rows each staged x block serves: 2 x MVX_PAIRS)
-#define MVX_UNROLL 2   // blocks of each row in flight per lane
+// matvec_<type>_bxs (below): row pairs a warp takes at a time (the rows each staged x block serves: 2 x MVX_PAIRS),
+// and blocks of each row in flight per lane. H100, the 8B at 2 / 3 / 4 columns (cuda/PERF.md v39): 1 x 2 834 /
+// 1,109 / 1,265 tok/s, 1 x 4 789 / 1,095 / 1,285, 2 x 2 766 / 995 / 1,173, 2 x 1 746 / 975 / 1,160.
+#define MVX_PAIRS 1
+#define MVX_UNROLL 2
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The type's struct over one stage: each array's two rows back to back, arrays in argument order.
@@ -538,7 +540,7 @@ __device__ __forceinline__ void matvec_cols_staged(const W& w, const int8_t* __r
                                                    const float4* __restrict__ xd, const float* __restrict__ bias,
                                                    float* __restrict__ y, int rows, int cols, int ldy, int mode) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nb = cols / QK;
+    const int lane = threadIdx.x % WARP, nb = cols / QK;
     stage_x<NC>(smem, xq, xd, nb);
     __syncthreads();
     const bool gate = gated(mode);
