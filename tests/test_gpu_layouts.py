@@ -334,7 +334,8 @@ def test_staged_columns_kernel_where_it_applies_with_its_own_grid(monkeypatch):
     """matvec_<type>_bxs (cuda/matvec.cu matvec_cols_staged) takes 2..MATVEC_COLS columns of a MATVEC_STAGED_TYPES
     matrix on compute capability 9.0 where the columns' q8x2 fits the GPU's opt-in: one block an SM of
     MATVEC_STAGED_WARPS warps, 80 bytes a block of each column in shared memory, the any-column kernel's arguments.
-    One column, five, another type, too little shared memory, sm_75 and INGOT_MATVEC_STAGED=0 keep the others."""
+    One column, five, another type, too little shared memory, sm_75, a model whose layers are launch-bound (narrow)
+    and INGOT_MATVEC_STAGED=0 keep the others."""
     k = _kernels(sm_count=132, mma=True, smem_optin=H100_SMEM_OPTIN)
     W = _matrix("Q4_0", 4096, 14336)  # the 8B's down: 448 blocks a row, x at 4 columns 140 KiB
     (launch,) = k.matvec(W, (1, 2), 100, 4, ldy=4096, mode=constants.MODE_ADD)
