@@ -51,8 +51,7 @@ struct Q4_0W {
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
     __device__ __forceinline__ static float dot_words(const Block& w, const int4& lo, const int4& hi,
                                                       const XBlock& x) {
-        const float2 s = level_sums(lo, hi, x);
-        return w.d * (x.d.x * s.x + x.d.y * s.y - 8.0f * x.d.z);   // w = d*(q-8); x.d.z = sum of x
+        return w.d * (full_dot(lo, hi, x) - 8.0f * x.d.z);   // w = d*(q-8); x.d.z = sum of x
     }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         int4 lo, hi; words(w, lo, hi);
@@ -78,8 +77,7 @@ struct Q4_1W {
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
     __device__ __forceinline__ static float dot_words(const Block& w, const int4& lo, const int4& hi,
                                                       const XBlock& x) {
-        const float2 s = level_sums(lo, hi, x);
-        return w.d * (x.d.x * s.x + x.d.y * s.y) + w.m * x.d.z;    // w = d*q + m
+        return w.d * full_dot(lo, hi, x) + w.m * x.d.z;    // w = d*q + m
     }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         int4 lo, hi; words(w, lo, hi);
@@ -136,18 +134,22 @@ __device__ __forceinline__ void warp_rows(int mode, int rows, long long r[2], bo
 //   PDL_LATE      trigger the next kernel's launch after the main loop instead of at entry (common.cuh)
 #define MV_PREFETCH_STEPS 4
 template <typename W>
-__device__ __forceinline__ void prefetch_rows(const W& w, int rows, int mode) {
-    long long r[2], out_row; bool ok[2];
-    warp_rows(mode, rows, r, ok, &out_row);
-    if (!ok[0]) return;
+__device__ __forceinline__ void prefetch_pair(const W& w, const long long r[2], bool second) {   // this lane's part
     const int lane = threadIdx.x % WARP;
 #pragma unroll
     for (int u = 0; u < MV_PREFETCH_STEPS; u++) {
         const int kb = lane + u * WARP;
         if (kb >= w.nb) break;
         w.prefetch(r[0], kb);
-        if (ok[1]) w.prefetch(r[1], kb);
+        if (second) w.prefetch(r[1], kb);
     }
+}
+template <typename W>
+__device__ __forceinline__ void prefetch_rows(const W& w, int rows, int mode) {
+    long long r[2], out_row; bool ok[2];
+    warp_rows(mode, rows, r, ok, &out_row);
+    if (!ok[0]) return;
+    prefetch_pair(w, r, ok[1]);
 }
 
 // scale: the fused norm's (1 without one), on the product before the bias and the activation.
@@ -389,6 +391,13 @@ __device__ __forceinline__ long long grid_warp() {
     return (long long)(threadIdx.x / WARP) * gridDim.x + blockIdx.x;
 }
 
+// Row pair p of a persistent kernel (b1s, bxs): rows 2p and 2p + 1, the second clamped to the last row (an odd
+// count re-reads it and drops its sum), or in the gated modes (gate p, up p + rows).
+__device__ __forceinline__ void pair_rows(bool gate, int rows, long long p, long long r[2]) {
+    if (gate) { r[0] = p; r[1] = p + rows; }
+    else { r[0] = 2 * p; r[1] = min(2 * p + 1, (long long)rows - 1); }
+}
+
 // matvec_<type>_bxs (below): row pairs a warp takes at a time (the rows each staged x block serves: 2 x MVX_PAIRS),
 // and blocks of each row in flight per lane. H100, the 8B at 2 / 3 / 4 columns (cuda/PERF.md v39): 1 x 2 834 /
 // 1,109 / 1,265 tok/s, 1 x 4 789 / 1,095 / 1,285, 2 x 2 766 / 995 / 1,173, 2 x 1 746 / 975 / 1,160.
@@ -439,11 +448,7 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
     const long long pairs = gate ? rows : (rows + 1) / 2;
     const long long gw = grid_warp(), GW = (long long)gridDim.x * MVS_WARPS;
     const long long mine = gw < pairs ? (pairs - gw + GW - 1) / GW : 0;   // pairs gw, gw + GW, ...
-    auto rows_of = [&](long long j, long long r[2]) {   // a second row past the end re-reads the last one
-        const long long p = gw + j * GW;
-        if (gate) { r[0] = p; r[1] = p + rows; }
-        else { r[0] = 2 * p; r[1] = min(2 * p + 1, (long long)rows - 1); }
-    };
+    auto rows_of = [&](long long j, long long r[2]) { pair_rows(gate, rows, gw + j * GW, r); };
     long long next = 0;   // lane 0: the next pair to stage
     auto stage_next = [&]() {
         long long r[2];
@@ -549,11 +554,7 @@ __device__ __forceinline__ void matvec_cols_staged(const W& w, const int8_t* __r
     for (long long p0 = grid_warp() * MVX_PAIRS; p0 < pairs; p0 += step) {
         long long r[MVX_PAIRS][2];
 #pragma unroll
-        for (int i = 0; i < MVX_PAIRS; i++) {
-            const long long p = min(p0 + i, pairs - 1);
-            if (gate) { r[i][0] = p; r[i][1] = p + rows; }
-            else { r[i][0] = 2 * p; r[i][1] = min(2 * p + 1, (long long)rows - 1); }
-        }
+        for (int i = 0; i < MVX_PAIRS; i++) pair_rows(gate, rows, min(p0 + i, pairs - 1), r[i]);
         float acc[MVX_PAIRS][2][NC] = {};
         // Whole steps (every lane's MVX_UNROLL blocks inside the row; warp-uniform, and every step of the 8B's
         // rows) take no clamps and no selects, so the loads' addresses advance by a constant; then at most one
@@ -574,6 +575,8 @@ __device__ __forceinline__ void matvec_cols_staged(const W& w, const int8_t* __r
 #endif
 
 // The first MV_PREFETCH_STEPS steps of this warp's first rows of matvec_cols_staged into L2 (before the PDL wait).
+// The rows are pair_rows' written out with selects: through pair_rows ptxas lays out every bxs kernel's prologue
+// differently from the build measured in cuda/PERF.md v39 (checked with cuobjdump), so that form waits for a GPU run.
 template <typename W>
 __device__ __forceinline__ void prefetch_rows_cs(const W& w, int rows, int mode) {
     const long long pairs = gated(mode) ? rows : (rows + 1) / 2;

@@ -40,11 +40,6 @@ __device__ __forceinline__ int dot8(const int4& a0, const int4& a1, const int4& 
 // 6-bit scales and mins go through here, bit-identical to the conversion.
 __device__ __forceinline__ float i2f_exact(int i) { return __int_as_float(0x4B400000 + i) - 12582912.0f; }
 
-// sum(q * coarse) and sum(q * fine) for a block's codes as words (lo = weights 0..15, hi = 16..31).
-__device__ __forceinline__ float2 level_sums(const int4& lo, const int4& hi, const XBlock& x) {
-    return make_float2(i2f_exact(dot8(lo, hi, x.c0, x.c1)), i2f_exact(dot8(lo, hi, x.f0, x.f1)));
-}
-
 // --- unpacking packed codes to int8 bytes (words lo = weights 0..15, hi = 16..31, byte b of word k = weight 4k+b)
 
 // 4-bit codes, byte j = w[j] | w[j+16] << 4.

@@ -71,12 +71,12 @@ from ingot.runtime.gpu.kernels import (
     Kernels,
     NormedQ8,
     SplitK,
-    cols_staged_gpu,
     decode_gemm_min_batch,
     kernel_images,
     narrow_mma_model,
     norm_fusable,
     sample_chunk_bytes,
+    staged_gpu,
 )
 from ingot.runtime.model.architectures import ARCHITECTURES
 from ingot.runtime.model.gguf import Model
@@ -606,7 +606,7 @@ class CudaEngine:
             # split-K for parallelism) instead of the dp4a matrix-vector kernels (up to 4 sequences per pass).
             layer_bytes = layer_matrix_bytes(model)
             self.gemm_min_batch = gemm_min_batch or decode_gemm_min_batch(
-                layer_bytes, self.k.matmul_mma, self.k.matmul_frag, cols_staged_gpu(self.dev.info.cc)
+                layer_bytes, self.k.matmul_mma, self.k.matmul_frag, staged_gpu(self.dev.info.cc)
             )
             # ... and narrower ones of small models, MATVEC_MMA_TYPES on the integer tensor cores (matvec_<type>_mma)
             self.narrow_mma = narrow_mma_model(layer_bytes)

@@ -668,7 +668,7 @@ DECODE_GEMM_EARLY_TYPES = ("Q4_0", "Q4_1")
 DECODE_GEMM_MIN_BATCH_FRAG_K = 4
 DECODE_GEMM_MIN_BATCH_TILE = 8  # ... the other types' matmul2 (dequantized through a shared-memory tile) from 8
 DECODE_GEMM_MIN_BATCH_SMALL = 16  # launch-bound layers (and any GPU without the mma GEMMs)
-# Where the GPU runs matvec_<type>_bxs (cols_staged_gpu: the activations staged once a block) and most of a layer's
+# Where the GPU runs matvec_<type>_bxs (staged_gpu: the activations staged once a block) and most of a layer's
 # bytes are in its types, the matvecs win every width they serve. H100, 2026-12-07 (PERF.md v39), tok/s bxs / GEMM:
 #   8B Q4_0     b3 1,109 / 773, b4 1,265 / 1,020 (and b2 834 against the any-column kernel's 587)
 #   8B Q4_K_M   b3 959, b4 1,134 / 666 (the GEMM from 4)
@@ -684,7 +684,7 @@ def launch_bound_layers(layer_bytes: dict[str, int]) -> bool:
 def decode_gemm_min_batch(layer_bytes: dict[str, int], mma: bool, frag: bool, cols_staged: bool = False) -> int:
     """The narrowest decode batch that runs the GEMMs. layer_bytes: one decoder layer's matrix bytes by quant type;
     mma, frag: the GEMM kernels in use (Kernels.matmul_mma, .matmul_frag); cols_staged: the GPU runs
-    matvec_<type>_bxs (cols_staged_gpu). INGOT_DECODE_GEMM_MIN_BATCH overrides."""
+    matvec_<type>_bxs (staged_gpu). INGOT_DECODE_GEMM_MIN_BATCH overrides."""
     if not mma or launch_bound_layers(layer_bytes):
         return DECODE_GEMM_MIN_BATCH_SMALL
     total = sum(layer_bytes.values())
@@ -751,17 +751,22 @@ def matvec_staged_smem(qtype: str, cols: int) -> int:
     return 80 * nb + MATVEC_STAGED_WARPS * MATVEC_STAGED_STAGES * (stage + 8)
 
 
+def staged_gpu(cc: int) -> bool:
+    """Whether a GPU of compute capability cc runs the staged matvecs (matvec_<type>_b1s and _bxs) at all:
+    MATVEC_STAGED_CC, unless INGOT_MATVEC_STAGED=0."""
+    return cc == MATVEC_STAGED_CC and settings.MATVEC_STAGED.get()
+
+
 def matvec_staged(qtype: str, cols: int, cc: int, smem_optin: int) -> bool:
-    """Whether a one-column matvec of `cols`-wide qtype rows runs matvec_<type>_b1s: a MATVEC_STAGED_TYPES type on
-    compute capability MATVEC_STAGED_CC, rows of whole 256-weight groups whose every array is a multiple of 16 bytes
-    (bulk copies), its shared memory within the GPU's opt-in limit; INGOT_MATVEC_STAGED=0: never."""
+    """Whether a one-column matvec of `cols`-wide qtype rows runs matvec_<type>_b1s: a MATVEC_STAGED_TYPES type on a
+    staged_gpu, rows of whole 256-weight groups whose every array is a multiple of 16 bytes (bulk copies), its shared
+    memory within the GPU's opt-in limit."""
     return (
         qtype in MATVEC_STAGED_TYPES
-        and cc == MATVEC_STAGED_CC
         and cols % 256 == 0
         and all(cols // 256 * b % 16 == 0 for _, b in LAYOUTS[qtype])
         and matvec_staged_smem(qtype, cols) <= smem_optin
-        and settings.MATVEC_STAGED.get()
+        and staged_gpu(cc)
     )
 
 
@@ -771,21 +776,15 @@ def matvec_cols_staged_smem(cols: int, ncols: int) -> int:
     return 80 * (cols // QK) * ncols
 
 
-def cols_staged_gpu(cc: int) -> bool:
-    """Whether a GPU of compute capability cc runs matvec_<type>_bxs at all: MATVEC_STAGED_CC, unless
-    INGOT_MATVEC_STAGED=0."""
-    return cc == MATVEC_STAGED_CC and settings.MATVEC_STAGED.get()
-
-
 def matvec_cols_staged(qtype: str, cols: int, ncols: int, cc: int, smem_optin: int) -> bool:
     """Whether a matvec of 2..MATVEC_COLS columns of `cols`-wide qtype rows runs matvec_<type>_bxs (the columns
-    staged in shared memory once per block, persistent warps): a MATVEC_STAGED_TYPES type on a cols_staged_gpu,
+    staged in shared memory once per block, persistent warps): a MATVEC_STAGED_TYPES type on a staged_gpu,
     the columns within the GPU's opt-in limit."""
     return (
         2 <= ncols <= MATVEC_COLS
         and qtype in MATVEC_STAGED_TYPES
         and matvec_cols_staged_smem(cols, ncols) <= smem_optin
-        and cols_staged_gpu(cc)
+        and staged_gpu(cc)
     )
 
 

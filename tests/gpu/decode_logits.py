@@ -38,8 +38,9 @@ def save(model_path: str, out: str, batch: int, steps: int) -> None:
             nxt = [int(t) for t in logits.argmax(axis=1)]
     finally:
         eng.close()
-    np.save(out, np.stack(rows))
-    print(f"saved {out}: {np.stack(rows).shape}")
+    logits = np.stack(rows)
+    np.save(out, logits)
+    print(f"saved {out}: {logits.shape}")
 
 
 def compare(a_path: str, b_path: str) -> int:
