@@ -14,8 +14,8 @@
 #define MV_COLS             4     // batch columns (sequences) per matvec block
 #define MVN_WARPS           16    // warps per matvec_<type>_b1n block: 32 rows, one q8x2 block of the fused norm's output
 #define MV_NORM_MAX         4096  // widest row a fused norm's consumer (matvec_<type>_b1) sums: a float4 of partials a lane
-#define MVS_WARPS           16    // warps per matvec_<type>_b1s / _bxs / _bxr block (one an SM; each warp its own row pairs)
-#define MVS_STAGES          2     // row pairs in flight per matvec_<type>_b1s / _bxr warp (its ring of bulk-copy stages)
+#define MVS_WARPS           16    // warps per matvec_<type>_b1s block (one block an SM; each warp streams its own row pairs)
+#define MVS_STAGES          2     // row pairs in flight per matvec_<type>_b1s warp (its ring of bulk-copy stages)
 #define MVM_WARPS           4     // warps per matvec_<type>_mma block (16 rows, K split between the warps)
 #define MVM_ROWS            16    // rows per matvec_<type>_mma block: one m16 tile (8 outputs in the gated modes)
 #define MVM_STAGES          3     // cp.async stages of each matvec_<type>_mma warp's own pipeline

@@ -434,16 +434,16 @@ __device__ __forceinline__ void stage_rows(unsigned char* stage, int nb, const l
     (copy(global), ...);
 }
 
-template <typename W, int NC, typename... P>
+template <typename W, typename... P>
 __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, const float4* __restrict__ xd,
                                               const float* __restrict__ bias, float* __restrict__ y, int rows,
                                               int cols, int ldy, int mode, int pdl, const float4* __restrict__ ss,
                                               float eps, const P*... global) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int nb = cols / QK, sb = stage_bytes<W>(nb), xb = 80 * nb * NC;   // x: NC columns (stage_x)
-    unsigned char* ring = smem + xb + warp * MVS_STAGES * sb;    // this warp's stages, after x
-    uint64_t* bar = reinterpret_cast<uint64_t*>(smem + xb + MVS_WARPS * MVS_STAGES * sb) + warp * MVS_STAGES;
+    const int nb = cols / QK, sb = stage_bytes<W>(nb);
+    unsigned char* ring = smem + 80 * nb + warp * MVS_STAGES * sb;    // this warp's stages, after x (stage_x)
+    uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 80 * nb + MVS_WARPS * MVS_STAGES * sb) + warp * MVS_STAGES;
     const bool gate = gated(mode);
     const long long pairs = gate ? rows : (rows + 1) / 2;
     const long long gw = grid_warp(), GW = (long long)gridDim.x * MVS_WARPS;
@@ -465,7 +465,7 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
     }
     INGOT_PDL_WAIT();
     if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();
-    stage_x<NC>(smem, xq, xd, nb);
+    stage_x(smem, xq, xd, nb);
     float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);   // the fused norm's partials, as matvec_q
     if (ss && lane * 4 < nb) sv = ss[lane];
     const float scale = ss ? rsqrtf(warp_sum((sv.x + sv.y) + (sv.z + sv.w)) / cols + eps) : 1.0f;
@@ -473,35 +473,19 @@ __device__ __forceinline__ void matvec_staged(const int8_t* __restrict__ xq, con
     for (long long j = 0; j < mine; j++) {
         const int s = (int)(j % MVS_STAGES);
         const W w = staged_rows<W>(ring + s * sb, nb, global...);
-        float acc[2][NC] = {};
+        float acc[2][1] = {};
         mbar_wait(&bar[s], (unsigned)((j / MVS_STAGES) & 1));
         for (int kb = lane; kb < nb; kb += WARP) {
-            if constexpr (NC == 1) {
-                const XBlock x = staged_x(smem, nb, kb);
+            const XBlock x = staged_x(smem, nb, kb);
 #pragma unroll
-                for (int h = 0; h < 2; h++) acc[h][0] += W::dot(w.load(h, kb), x);
-            } else {   // each block unpacked once for its NC columns (matvec_cols_staged's form: the same bits)
-                typename W::Block b[2];
-                int4 lo[2], hi[2];
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    b[h] = w.load(h, kb);
-                    W::words(b[h], lo[h], hi[h]);
-                }
-#pragma unroll
-                for (int c = 0; c < NC; c++) {
-                    const XBlock x = staged_x(smem + (size_t)c * 80 * nb, nb, kb);
-#pragma unroll
-                    for (int h = 0; h < 2; h++) acc[h][c] += W::dot_words(b[h], lo[h], hi[h], x);
-                }
-            }
+            for (int h = 0; h < 2; h++) acc[h][0] += W::dot(w.load(h, kb), x);
         }
         __syncwarp();   // every lane has read stage s: lane 0 may refill it
         if (lane == 0 && next < mine) stage_next();
         long long r[2];
         rows_of(j, r);
         const bool ok[2] = {true, gate || r[1] != r[0]};
-        write_out<NC>(acc, mode, ok, r[0], bias, y, 0, ldy, scale);
+        write_out<1>(acc, mode, ok, r[0], bias, y, 0, ldy, scale);
     }
     if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
 }
@@ -679,7 +663,7 @@ FOR_EACH_MATVEC_TYPE(MATVEC_KERNELS)
 // matvec_<type>_b1s (above), for the types in FOR_EACH_STAGED_TYPE; an empty body below sm_90 (the host never
 // launches it there: no bulk copies).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define MVS_BODY(WT, ...) matvec_staged<WT, 1>(xq, xd, bias, y, rows, cols, ldy, mode, pdl, ss, eps, __VA_ARGS__)
+#define MVS_BODY(WT, ...) matvec_staged<WT>(xq, xd, bias, y, rows, cols, ldy, mode, pdl, ss, eps, __VA_ARGS__)
 #else
 #define MVS_BODY(WT, ...) ((void)0)
 #endif
@@ -722,34 +706,6 @@ FOR_EACH_STAGED_TYPE(MATVEC_STAGED_KERNEL)
         if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();                                                                 \
     }
 FOR_EACH_STAGED_TYPE(MATVEC_COLS_STAGED_KERNEL)
-
-// matvec_<type>_bxr: matvec_<type>_bxs's product, arguments and bits with b1s's ring: the weights of each warp's
-// row pairs stream into shared memory by bulk copies (matvec_staged at NC columns: one pair a stage, MVS_STAGES
-// stages a warp, the first asked for before the PDL wait) after the NC columns' x. bxs holds its weights in
-// registers, a step of loads then a step of arithmetic: on an H100 (cuda/PERF.md v39) its 4-column gate/up ran at
-// 60% of DRAM bandwidth with 45% of issue slots used and 35% of its stalls on those loads; here no warp waits on
-// DRAM but for a whole stage. The host takes it where the ring fits (kernels.matvec_cols_ring: the 8B's 4,096-wide
-// rows, not its 14,336-wide down) and bxs elsewhere. sm_90 only, as bxs.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-#define MVR_AT(NC, WT, ...)                                                                                      \
-    matvec_staged<WT, NC>(xq, xd, bias, y, rows, cols, ldy, mode, pdl, nullptr, 0.0f, __VA_ARGS__)
-#define MVR_BODY(WT, ...)                                                                                        \
-    switch (ncols) {                                                                                             \
-        case 2: MVR_AT(2, WT, __VA_ARGS__); break;                                                               \
-        case 3: MVR_AT(3, WT, __VA_ARGS__); break;                                                               \
-        default: MVR_AT(MV_COLS, WT, __VA_ARGS__); break;                                                        \
-    }
-#else   // never launched here: a body that only waits, so that its PTX is a PDL kernel's (tests/test_pdl.py)
-#define MVR_BODY(WT, ...) INGOT_PDL_WAIT()
-#endif
-#define MATVEC_COLS_RING_KERNEL(NAME, WT, PARAMS, ...)                                                         \
-    extern "C" __global__ void __launch_bounds__(MVS_WARPS * WARP, 1)                                           \
-    matvec_##NAME##_bxr(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,      \
-                        int cols, int ncols, int ldy, int mode, int pdl) {                                       \
-        INGOT_PDL_READ_AHEAD();                                                                                  \
-        MVR_BODY(WT, __VA_ARGS__);                                                                               \
-    }
-FOR_EACH_STAGED_TYPE(MATVEC_COLS_RING_KERNEL)
 #undef MATVEC_KERNELS
 
 // --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1, Q4_K; compute capability 8.0+)

@@ -143,14 +143,6 @@ MATVEC_STAGED = Setting(
     " array's row is a multiple of 16 bytes), 2-4 sequences of models whose layers are not launch-bound as"
     " matvec_<type>_bxs; 0 keeps matvec_<type>_b1 and the any-batch kernel.",
 )
-MATVEC_RING = Setting(
-    "INGOT_MATVEC_RING",
-    True,
-    _flag,
-    "1 or 0",
-    "Where INGOT_MATVEC_STAGED runs 2-4 sequences as matvec_<type>_bxs, rows whose weights fit its ring of"
-    " shared memory beside the activations stream them by bulk copies (matvec_<type>_bxr); 0 keeps bxs.",
-)
 MATVEC_MMA = Setting(
     "INGOT_MATVEC_MMA",
     True,
@@ -371,7 +363,6 @@ ALL: tuple[Setting, ...] = (
     DECODE_ATTN,
     MATVEC_B1,
     MATVEC_STAGED,
-    MATVEC_RING,
     MATVEC_MMA,
     FUSED_NORM,
     KV_FRACTION,

@@ -172,7 +172,6 @@ def _kernels(sm_count=132, mma=False, cluster=False, smem_optin=0):
         "matvec_{}_b1n",
         "matvec_{}_b1s",
         "matvec_{}_bxs",
-        "matvec_{}_bxr",
         "matvec_{}_mma",
         "matmul_{}",
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
@@ -319,7 +318,7 @@ def test_staged_one_column_kernel_where_it_applies_with_its_own_grid(monkeypatch
         (k, _matrix("Q6_K", 64, 1024), 1, "matvec_q6_k_b1"),
         (k, _matrix("Q6_K", 64, 2048), 1, "matvec_q6_k_b1s"),
         (k, _matrix("Q4_K", 64, 4096), 1, "matvec_q4_k_b1s"),
-        (k, _matrix("Q4_0", 64, 4096), 2, "matvec_q4_0_bxr"),
+        (k, _matrix("Q4_0", 64, 4096), 2, "matvec_q4_0_bxs"),
         (_kernels(mma=True, smem_optin=100 * 1024), _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1"),  # too little
         (_kernels(mma=False, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1"),  # sm_75
     ]
@@ -344,8 +343,8 @@ def test_staged_columns_kernel_where_it_applies_with_its_own_grid(monkeypatch):
     assert launch.grid == (132, 1, 1) and launch.block == 32 * constants.MATVEC_STAGED_WARPS
     assert launch.smem == 4 * 448 * 80 == matvec_cols_staged_smem(14336, 4) <= H100_SMEM_OPTIN
     assert _ptr_args(launch)[-6:] == [4096, 14336, 4, 4096, constants.MODE_ADD, 0]
-    (gated,) = k.matvec(_matrix("Q6_K", 2 * 512, 1024), (1, 2), 100, 3, ldy=512, mode=constants.MODE_SWIGLU)
-    assert gated.kernel.name == "matvec_q6_k_bxs" and gated.smem == 3 * 32 * 80  # Q6_K's 1,024-wide rows: no copies
+    (gated,) = k.matvec(_matrix("Q4_K", 2 * 512, 1024), (1, 2), 100, 3, ldy=512, mode=constants.MODE_SWIGLU)
+    assert gated.kernel.name == "matvec_q4_k_bxs" and gated.smem == 3 * 32 * 80
     assert _ptr_args(gated)[-6:-3] == [512, 1024, 3]
     cases = [
         (k, _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1s"),
@@ -365,39 +364,6 @@ def test_staged_columns_kernel_where_it_applies_with_its_own_grid(monkeypatch):
     monkeypatch.setenv("INGOT_MATVEC_STAGED", "0")
     (launch,) = k.matvec(W, (1, 2), 100, 4, ldy=4096)
     assert launch.kernel.name == "matvec_q4_0"
-
-
-def test_staged_columns_take_the_ring_where_their_weights_fit_beside_the_columns(monkeypatch):
-    """matvec_<type>_bxr (cuda/matvec.cu matvec_staged at 2..MATVEC_COLS columns) takes bxs's products where the
-    weights can stream by bulk copies (b1s's row conditions) and each warp's ring fits beside the columns: the 8B's
-    4,096-wide Q4_0 rows at 4 columns (40 KiB of x, 16 warps x 2 stages of two 2,304-byte rows). Its 14,336-wide
-    down (a stage of 16 KiB), Q6_K's 4,096-wide rows at 4 columns (250 KiB) and INGOT_MATVEC_RING=0 keep bxs."""
-    k = _kernels(sm_count=132, mma=True, smem_optin=H100_SMEM_OPTIN)
-    (launch,) = k.matvec(_matrix("Q4_0", 2 * 14336, 4096), (1, 2), 100, 4, ldy=14336, mode=constants.MODE_SWIGLU)
-    assert launch.kernel.name == "matvec_q4_0_bxr"
-    assert launch.grid == (132, 1, 1) and launch.block == 32 * constants.MATVEC_STAGED_WARPS
-    ring = constants.MATVEC_STAGED_WARPS * constants.MATVEC_STAGED_STAGES * (2 * 128 * 18 + 8)
-    assert launch.smem == 4 * 128 * 80 + ring == matvec_staged_smem("Q4_0", 4096, 4) <= H100_SMEM_OPTIN
-    assert _ptr_args(launch)[-6:] == [14336, 4096, 4, 14336, constants.MODE_SWIGLU, 0]  # bxs's arguments
-    cases = [
-        (_matrix("Q4_0", 4096, 14336), 4, "matvec_q4_0_bxs"),
-        (_matrix("Q4_0", 4096, 14336), 2, "matvec_q4_0_bxs"),
-        (_matrix("Q4_K", 6144, 4096), 4, "matvec_q4_k_bxr"),
-        (_matrix("Q4_1", 6144, 4096), 4, "matvec_q4_1_bxr"),
-        (_matrix("Q6_K", 1024, 2048), 4, "matvec_q6_k_bxr"),
-        (_matrix("Q6_K", 1024, 4096), 2, "matvec_q6_k_bxs"),
-        (_matrix("Q6_K", 1024, 1024), 2, "matvec_q6_k_bxs"),
-    ]
-    for Wx, ncols, name in cases:
-        (launch,) = k.matvec(Wx, (1, 2), 100, ncols, ldy=Wx.rows)
-        assert launch.kernel.name == name, (Wx.qtype, Wx.cols, ncols)
-        if name.endswith("_bxr"):
-            assert launch.smem == matvec_staged_smem(Wx.qtype, Wx.cols, ncols) <= H100_SMEM_OPTIN
-        else:
-            assert matvec_staged_smem(Wx.qtype, Wx.cols, ncols) > H100_SMEM_OPTIN or Wx.cols < 2048
-    monkeypatch.setenv("INGOT_MATVEC_RING", "0")
-    (launch,) = k.matvec(_matrix("Q4_0", 6144, 4096), (1, 2), 100, 4, ldy=6144)
-    assert launch.kernel.name == "matvec_q4_0_bxs"
 
 
 def test_the_staged_kernels_array_sizes_are_the_layouts():

@@ -201,7 +201,6 @@ def test_the_built_ptx_waits_first_in_exactly_the_listed_kernels():
         "attn_decode_tile_f16",
         "attn_decode_tile_f16_hd256",
         *(f"matvec_{q.lower()}_b1s" for q in MATVEC_STAGED_TYPES),
-        *(f"matvec_{q.lower()}_bxr" for q in MATVEC_STAGED_TYPES),
     }
     for name in sorted(PDL_KERNELS):
         forbidden = _BEFORE_WAIT_READ_AHEAD if name in read_ahead else _BEFORE_WAIT

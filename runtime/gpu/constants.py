@@ -24,8 +24,8 @@ SHARED: dict[str, tuple[int, str]] = {
     "MV_COLS": (4, "batch columns (sequences) per matvec block"),
     "MVN_WARPS": (16, "warps per matvec_<type>_b1n block: 32 rows, one q8x2 block of the fused norm's output"),
     "MV_NORM_MAX": (4096, "widest row a fused norm's consumer (matvec_<type>_b1) sums: a float4 of partials a lane"),
-    "MVS_WARPS": (16, "warps per matvec_<type>_b1s / _bxs / _bxr block (one an SM; each warp its own row pairs)"),
-    "MVS_STAGES": (2, "row pairs in flight per matvec_<type>_b1s / _bxr warp (its ring of bulk-copy stages)"),
+    "MVS_WARPS": (16, "warps per matvec_<type>_b1s block (one block an SM; each warp streams its own row pairs)"),
+    "MVS_STAGES": (2, "row pairs in flight per matvec_<type>_b1s warp (its ring of bulk-copy stages)"),
     "MVM_WARPS": (4, "warps per matvec_<type>_mma block (16 rows, K split between the warps)"),
     "MVM_ROWS": (16, "rows per matvec_<type>_mma block: one m16 tile (8 outputs in the gated modes)"),
     "MVM_STAGES": (3, "cp.async stages of each matvec_<type>_mma warp's own pipeline"),
@@ -102,7 +102,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 20  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 19  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -126,7 +126,6 @@ KERNEL_ABI = 20  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-toke
 # 17: matvec_<type>_b1s (Q4_0, sm_90): the one-column product with bulk-copied weights; MVS_WARPS, MVS_STAGES
 # 18: matvec_<type>_b1s for Q4_1, Q4_K, Q6_K
 # 19: matvec_<type>_bxs (the b1s types, sm_90): 2..MV_COLS columns with their activations staged
-# 20: matvec_<type>_bxr: bxs with its weights by bulk copies through b1s's ring
 
 
 def header() -> str:

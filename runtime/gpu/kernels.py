@@ -152,7 +152,6 @@ PDL_KERNELS = frozenset(
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
         *(f"matvec_{q.lower()}_b1s" for q in MATVEC_STAGED_TYPES),
         *(f"matvec_{q.lower()}_bxs" for q in MATVEC_STAGED_TYPES),
-        *(f"matvec_{q.lower()}_bxr" for q in MATVEC_STAGED_TYPES),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
@@ -742,15 +741,14 @@ def narrow_mma_kernel(qtype: str, ncols: int, cc: int, rows: int, cols: int) -> 
     )
 
 
-def matvec_staged_smem(qtype: str, cols: int, ncols: int = 1) -> int:
-    """Dynamic shared memory of matvec_<type>_b1s (ncols 1) and _bxr (2..MATVEC_COLS) for rows of `cols` weights
-    (cuda/matvec.cu matvec_staged): the activation (80 bytes a 32-weight block and column), each warp's
-    MATVEC_STAGED_STAGES stages of two whole rows of every array of the type (LAYOUTS' bytes per 256 weights), and
-    an 8-byte mbarrier a stage. The 8B's 4,096-wide rows at Q4_0: 154 KiB at one column, 184 KiB at four, so one
-    block an SM."""
+def matvec_staged_smem(qtype: str, cols: int) -> int:
+    """Dynamic shared memory of matvec_<type>_b1s for rows of `cols` weights (cuda/matvec.cu matvec_staged): the
+    activation (80 bytes a 32-weight block), each warp's MATVEC_STAGED_STAGES stages of two whole rows of every
+    array of the type (LAYOUTS' bytes per 256 weights), and an 8-byte mbarrier a stage. The 8B's 4,096-wide rows
+    at Q4_0: 154 KiB, so one block an SM."""
     nb = cols // QK
     stage = 2 * (cols // 256) * sum(b for _, b in LAYOUTS[qtype])
-    return 80 * nb * ncols + MATVEC_STAGED_WARPS * MATVEC_STAGED_STAGES * (stage + 8)
+    return 80 * nb + MATVEC_STAGED_WARPS * MATVEC_STAGED_STAGES * (stage + 8)
 
 
 def staged_gpu(cc: int) -> bool:
@@ -759,16 +757,15 @@ def staged_gpu(cc: int) -> bool:
     return cc == MATVEC_STAGED_CC and settings.MATVEC_STAGED.get()
 
 
-def matvec_staged(qtype: str, cols: int, cc: int, smem_optin: int, ncols: int = 1) -> bool:
-    """Whether a matvec of ncols columns of `cols`-wide qtype rows can stage its weights by bulk copies
-    (matvec_staged: matvec_<type>_b1s at one column, _bxr at more): a MATVEC_STAGED_TYPES type on a staged_gpu, rows
-    of whole 256-weight groups whose every array is a multiple of 16 bytes (bulk copies), its shared memory within
-    the GPU's opt-in limit."""
+def matvec_staged(qtype: str, cols: int, cc: int, smem_optin: int) -> bool:
+    """Whether a one-column matvec of `cols`-wide qtype rows runs matvec_<type>_b1s: a MATVEC_STAGED_TYPES type on a
+    staged_gpu, rows of whole 256-weight groups whose every array is a multiple of 16 bytes (bulk copies), its shared
+    memory within the GPU's opt-in limit."""
     return (
         qtype in MATVEC_STAGED_TYPES
         and cols % 256 == 0
         and all(cols // 256 * b % 16 == 0 for _, b in LAYOUTS[qtype])
-        and matvec_staged_smem(qtype, cols, ncols) <= smem_optin
+        and matvec_staged_smem(qtype, cols) <= smem_optin
         and staged_gpu(cc)
     )
 
@@ -797,16 +794,14 @@ def matvec_kernel(
     """The matvec kernel for ncols columns of a [rows, cols] qtype matrix: the one-column kernel where
     one_column_kernel says so (its staged form where matvec_staged says so, given the GPU's shared-memory opt-in
     limit); for a model whose layers are launch-bound (narrow: narrow_mma_model) the tensor-core one where
-    narrow_mma_kernel says so, for other models the staged columns where matvec_cols_staged says so (their weights
-    through a ring of bulk copies, matvec_<type>_bxr, where matvec_staged says so at ncols and INGOT_MATVEC_RING
-    allows); else the any-column one. (The staged columns on a SmolLM2-shaped model at 2 sequences: 2,101-2,181
-    tok/s against the any-column kernel's 2,908-2,914, H100, cuda/PERF.md v39: its persistent grid's copy and
-    barrier outweigh matrices of a few hundred KiB.)"""
+    narrow_mma_kernel says so, for other models the staged columns where matvec_cols_staged says so; else the
+    any-column one. (The staged columns on a SmolLM2-shaped model at 2 sequences: 2,101-2,181 tok/s against the
+    any-column kernel's 2,908-2,914, H100, cuda/PERF.md v39: its persistent grid's copy and barrier outweigh
+    matrices of a few hundred KiB.)"""
     if narrow and narrow_mma_kernel(qtype, ncols, cc, rows, cols):
         return f"matvec_{qtype.lower()}_mma"
     if not narrow and matvec_cols_staged(qtype, cols, ncols, cc, smem_optin):
-        ring = settings.MATVEC_RING.get() and matvec_staged(qtype, cols, cc, smem_optin, ncols)
-        return f"matvec_{qtype.lower()}_bx{'r' if ring else 's'}"
+        return f"matvec_{qtype.lower()}_bxs"
     if not one_column_kernel(ncols):
         return f"matvec_{qtype.lower()}"
     return f"matvec_{qtype.lower()}_b1{'s' if matvec_staged(qtype, cols, cc, smem_optin) else ''}"
@@ -989,7 +984,6 @@ class Kernels:
             for q in MATVEC_STAGED_TYPES:
                 self.k[f"matvec_{q.lower()}_b1s"].allow_dynamic_smem(device.info.max_smem_optin)
                 self.k[f"matvec_{q.lower()}_bxs"].allow_dynamic_smem(device.info.max_smem_optin)
-                self.k[f"matvec_{q.lower()}_bxr"].allow_dynamic_smem(device.info.max_smem_optin)
         if device.info.cc >= MATVEC_MMA_MIN_CC:
             for q in MATVEC_MMA_TYPES:
                 self.k[f"matvec_{q.lower()}_mma"].allow_dynamic_smem(matvec_mma_smem(q, MATVEC_MMA_COLS))
@@ -1108,9 +1102,6 @@ class Kernels:
             elif name.endswith("_bxs"):  # persistent, as b1s
                 grid, threads = (info.sm_count, 1), 32 * MATVEC_STAGED_WARPS
                 smem = matvec_cols_staged_smem(part.cols, ncols)
-            elif name.endswith("_bxr"):  # persistent, as b1s, with its ring after the columns
-                grid, threads = (info.sm_count, 1), 32 * MATVEC_STAGED_WARPS
-                smem = matvec_staged_smem(part.qtype, part.cols, ncols)
             elif name.endswith("_mma"):  # one block of MATVEC_MMA_WARPS warps per 16 rows (8 gated outputs)
                 per_block = MATVEC_MMA_ROWS // 2 if mode in GATED_MODES else MATVEC_MMA_ROWS
                 grid, threads = ((rows + per_block - 1) // per_block, 1), 32 * MATVEC_MMA_WARPS

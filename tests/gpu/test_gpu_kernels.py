@@ -42,7 +42,6 @@ from ingot.runtime.gpu.kernels import (
     matmul2r_smem,
     matmul2t_smem,
     matmul2w_smem,
-    matvec_staged,
     sample_chunk_bytes,
 )
 
@@ -398,26 +397,21 @@ def test_staged_one_column_matvec_gives_the_b1_bits(gpu, rng, monkeypatch, qtype
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), key
 
 
-@pytest.mark.parametrize("ring", ["1", "0"])
 @pytest.mark.parametrize("qtype", MATVEC_STAGED_TYPES)
 @pytest.mark.parametrize("ncols", [2, 3, 4])
 @pytest.mark.parametrize("rows,cols", [(1, 256), (37, 1280), (203, 4096), (-1, 2304)])
-def test_staged_columns_matvec_gives_the_any_column_bits(gpu, rng, monkeypatch, ring, qtype, ncols, rows, cols):
+def test_staged_columns_matvec_gives_the_any_column_bits(gpu, rng, monkeypatch, qtype, ncols, rows, cols):
     """matvec_<type>_bxs (cuda/matvec.cu matvec_cols_staged: the columns staged in shared memory, persistent warps
-    taking MVX_PAIRS row pairs at a time) and, where its ring fits (ring "1": kernels.matvec_staged at ncols),
-    matvec_<type>_bxr (matvec_staged: the weights by bulk copies too) against the any-column matvec_<type>: the
-    same lanes sum the same blocks in the same order, so every mode, with a bias, gives the same bits. 1280 (40
-    blocks) and 2304 (72) leave a partial last step of MVX_UNROLL blocks; odd row counts a last pair whose second
-    row is dropped; 1 and 37 rows warps with pairs past the end; rows = -1 stands for 3 x the grid's warps'
-    MVX_PAIRS pairs and more, so warps take several turns (bxr: its ring of MATVEC_STAGED_STAGES wraps)."""
+    taking MVX_PAIRS row pairs at a time) against the any-column matvec_<type>: the same lanes sum the same blocks
+    in the same order, so every mode, with a bias, gives the same bits. 1280 (40 blocks) and 2304 (72) leave a
+    partial last step of MVX_UNROLL blocks; odd row counts a last pair whose second row is dropped; 1 and 37 rows
+    warps with pairs past the end; rows = -1 stands for 3 x the grid's warps' MVX_PAIRS pairs and more, so warps
+    take several turns."""
     if gpu.dev.info.cc != MATVEC_STAGED_CC:
         pytest.skip(f"matvec_<type>_bxs runs on compute capability {MATVEC_STAGED_CC} only")
     if rows < 0:
         rows = 3 * 2 * gpu.dev.info.sm_count * K.MATVEC_STAGED_WARPS + 19
-    cols = width(qtype, cols) if ring == "0" else staged_width(qtype, cols)
-    monkeypatch.setenv("INGOT_MATVEC_RING", ring)
-    info = gpu.dev.info
-    kernel = "_bxr" if ring == "1" and matvec_staged(qtype, cols, info.cc, info.max_smem_optin, ncols) else "_bxs"
+    cols = width(qtype, cols)
     Ws, _ = make_weight(gpu, rng, qtype, 2 * rows + 1, cols)  # an odd row count for the plain modes
     Wg, _ = make_weight(gpu, rng, qtype, 2 * rows, cols)  # [gate; up]
     x = rng.standard_normal((ncols, cols)).astype(np.float32)
@@ -432,7 +426,7 @@ def test_staged_columns_matvec_gives_the_any_column_bits(gpu, rng, monkeypatch, 
             W, n = (Wg, rows) if gated else (Ws, 2 * rows + 1)
             y = gpu.put(np.ascontiguousarray(resid[:, :n])) if mode == K.MODE_ADD else gpu.empty(4 * n * ncols)
             launches = gpu.k.matvec(W, xin, y.ptr, ncols, ldy=n, mode=mode, bias=None if gated else bias)
-            assert [launch.kernel.name for launch in launches] == [f"matvec_{qtype.lower()}" + kernel * (staged == "1")]
+            assert [launch.kernel.name for launch in launches] == [f"matvec_{qtype.lower()}" + "_bxs" * (staged == "1")]
             _run_steps(gpu, launches)
             outs[staged, mode] = gpu.get(y, np.float32, (ncols, n))
     for key in [k for k in outs if k[0] == "1"]:
