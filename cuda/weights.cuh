@@ -38,9 +38,7 @@ __device__ __forceinline__ int dot8(const int4& a0, const int4& a1, const int4& 
 // subtracted. An integer add and a float add at full rate instead of I2F, which sm_80..sm_90 run at 16 lanes per
 // SM per clock (an eighth of the FMA rate): the dot products' sums (|i| <= 32 * 127 * 63) and the K-quants'
 // 6-bit scales and mins go through here, bit-identical to the conversion.
-#define I2F_BIAS 0x4B400000
-__device__ __forceinline__ float i2f_biased(int b) { return __int_as_float(b) - 12582912.0f; }   // b = I2F_BIAS + i
-__device__ __forceinline__ float i2f_exact(int i) { return i2f_biased(I2F_BIAS + i); }
+__device__ __forceinline__ float i2f_exact(int i) { return __int_as_float(0x4B400000 + i) - 12582912.0f; }
 
 // --- unpacking packed codes to int8 bytes (words lo = weights 0..15, hi = 16..31, byte b of word k = weight 4k+b)
 
