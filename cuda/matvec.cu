@@ -49,11 +49,9 @@ struct Q4_0W {
         prefetch_l2(qs + b * 16, d + b);
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
-    // A block's value from its levels' sum fd and x's sum s (bxm: the same operations); m: none
-    __device__ __forceinline__ static float scaled(float d, float, float fd, float s) { return d * (fd - 8.0f * s); }
     __device__ __forceinline__ static float dot_words(const Block& w, const int4& lo, const int4& hi,
                                                       const XBlock& x) {
-        return scaled(w.d, 0.0f, full_dot(lo, hi, x), x.d.z);   // w = d*(q-8); x.d.z = sum of x
+        return w.d * (full_dot(lo, hi, x) - 8.0f * x.d.z);   // w = d*(q-8); x.d.z = sum of x
     }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         int4 lo, hi; words(w, lo, hi);
@@ -77,10 +75,9 @@ struct Q4_1W {
         prefetch_l2(qs + b * 16, d + b, m + b);
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
-    __device__ __forceinline__ static float scaled(float d, float m, float fd, float s) { return d * fd + m * s; }
     __device__ __forceinline__ static float dot_words(const Block& w, const int4& lo, const int4& hi,
                                                       const XBlock& x) {
-        return scaled(w.d, w.m, full_dot(lo, hi, x), x.d.z);    // w = d*q + m
+        return w.d * full_dot(lo, hi, x) + w.m * x.d.z;    // w = d*q + m
     }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         int4 lo, hi; words(w, lo, hi);
@@ -577,243 +574,6 @@ __device__ __forceinline__ void matvec_cols_staged(const W& w, const int8_t* __r
 
 #endif
 
-// --- matvec_<type>_bxm: bxs's 2..MV_COLS columns with the integer products on the tensor cores (Q4_0, Q4_1,
-// Q4_K; sm_90)
-//
-// bxs spends 40% of its instructions on dp4a (ncu, the 8B's gate/up at 4 columns on an H200, cuda/PERF.md v41: 5.0
-// warp instructions per row and 32-weight block, 2.0 of them dp4a; 2.03 issued per SM and cycle, 38 us a launch
-// against 15 us of DRAM time). Here one mma.sync m16n8k32 (u8 x s8 -> s32, exact; mma.cuh) takes the products of
-// one block of 16 rows against the 4 columns at both q8x2 levels: 32 dp4a warp instructions become one. Operands,
-// lane (g, t) = (lane / 4, lane % 4):
-//   A  word t of the block in rows g and g + 8 of the tile (gated: gate and up of output 8T + g), as matvec_mma:
-//      the word's low nibbles are k 4t.., its high ones 16 + 4t.., three integer ops a fragment register pair;
-//   B  column n = 2 * sequence + level: lane (g, t)'s words of sequence g / 2 at level g % 2, staged once a block
-//      in fragment order (stage_x_frag): one 8-byte shared load a block, conflict-free;
-//   C  lane (g, t): rows g and g + 8 of sequence t, both levels, so each block's value is the dp4a kernels'
-//      (W::scaled of levels(): Q4_0 d * (d1 C1 + d2 C2 - 8 s)), the same fp32 operations on the same integers.
-// The three types share the 4-bit quants (16 bytes a block, matvec_mma's A mapping) and differ in their scales
-// (MvbScales below).
-// The bits are bxs's (and so matvec_q's): there block kb of a row goes into the sum of lane kb % 32, in the order
-// of kb, and the 32 lanes' sums meet in warp_sum. Here warp w of the block (MVS_WARPS = 16 of them) keeps the
-// sums of lanes 2w and 2w + 1 (blocks 32j + 2w and 32j + 2w + 1: one 32-byte sector of each row a step), in the
-// same order; at the end of a tile they go to shared memory and a warp adds each output's 32 with warp_sum.
-// A block (one an SM, persistent) takes a tile of 16 rows (8 gated outputs) at a time: tiles blockIdx.x,
-// + gridDim.x, ... Each lane keeps MVB_AHEAD steps of weights in flight in registers, the first ones loaded
-// before the PDL wait (weights: no kernel of a step writes them).
-#define MVB_AHEAD 4
-#define MVB_RED (16 * MV_COLS * (WARP + 1))   // floats of one buffer of a tile's 32 sums an output, padded
-static_assert(MV_COLS == 4, "matvec_cols_mma's B fragment: 4 sequences x 2 levels");
-
-// Dynamic shared memory of matvec_<type>_bxm (kernels.py matvec_cols_mma_smem computes the same): the fragments
-// (256 bytes a block), the block scales (4 x 16), two buffers of tile sums. The kernel traps when given less.
-__host__ __device__ constexpr int mvb_smem_bytes(int nb) { return (256 + 64) * nb + 2 * MVB_RED * 4; }
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-// dst[e] = value(e) for e < n, by the block's threads: entries i, i + blockDim.x, ... go BATCH at a time, every
-// load before its store (one L2 round trip per BATCH x blockDim.x entries).
-template <int BATCH, typename T, typename F>
-__device__ __forceinline__ void copy_batched(T* dst, int n, F value) {
-    for (int e0 = threadIdx.x; e0 < n; e0 += BATCH * blockDim.x) {
-        T v[BATCH];
-#pragma unroll
-        for (int i = 0; i < BATCH; i++) v[i] = value(e0 + i * blockDim.x);
-#pragma unroll
-        for (int i = 0; i < BATCH; i++)
-            if (e0 + i * blockDim.x < n) dst[e0 + i * blockDim.x] = v[i];
-    }
-}
-
-// The columns' q8x2 blocks in B fragment order: X[nb][32] uint2 (entry g * 4 + t: words t and 4 + t of sequence
-// g / 2's level g % 2), then XD[nb][4] float4 (d1, d2, s, s_lo); sequences from ncols on are zeros.
-__device__ __forceinline__ void stage_x_frag(unsigned char* smem, const int8_t* __restrict__ xq,
-                                             const float4* __restrict__ xd, int nb, int ncols) {
-    const int n = WARP * nb;
-    copy_batched<8>(reinterpret_cast<uint2*>(smem), n, [&](int e) {
-        const int kb = e / WARP, g = (e % WARP) / 4, seq = g / 2;
-        if (e >= n || seq >= ncols) return make_uint2(0u, 0u);
-        const unsigned* p = reinterpret_cast<const unsigned*>(xq + ((size_t)seq * nb + kb) * 2 * QK);
-        const int word = (g % 2) * 8 + e % 4;
-        return make_uint2(p[word], p[word + 4]);
-    });
-    copy_batched<8>(reinterpret_cast<float4*>(smem + 256 * nb), 4 * nb, [&](int e) {
-        if (e >= 4 * nb || e % 4 >= ncols) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        return xd[(size_t)(e % 4) * nb + e / 4];
-    });
-}
-
-// A lane's scales of one step (blocks kb, kb + 1; kb even) in one of its rows, as its type stores them: Q4_0 two
-// fp16 d (one 32-bit load), Q4_1 the same and two fp16 m, Q4_K the 16-byte header of the super-block holding both.
-// value(lane, b, h): block kb + b's (d, m) of row h for W::scaled (Q4_K: dl, ml). Q4_K's four (row, block) pairs
-// are decoded once a group of 4 lanes (lane t: row t / 2, block t % 2, as Q4_KW::load does) and shuffled.
-template <typename W> struct MvbScales;
-// Half b of a pair of fp16 (blocks kb, kb + 1) loaded as one 32-bit word.
-__device__ __forceinline__ float half_of(unsigned pair, int b) {
-    const __half2 v = *reinterpret_cast<const __half2*>(&pair);
-    return __half2float(b ? __high2half(v) : __low2half(v));
-}
-template <> struct MvbScales<Q4_0W> {
-    unsigned d[2];
-    __device__ __forceinline__ void load(const Q4_0W& w, int h, long long row, int kb) {
-        d[h] = *reinterpret_cast<const unsigned*>(w.d + row * w.nb + kb);
-    }
-    __device__ __forceinline__ void decode(int) {}
-    __device__ __forceinline__ float2 value(int b, int h) const { return make_float2(half_of(d[h], b), 0.0f); }
-};
-template <> struct MvbScales<Q4_1W> {
-    unsigned d[2], m[2];
-    __device__ __forceinline__ void load(const Q4_1W& w, int h, long long row, int kb) {
-        d[h] = *reinterpret_cast<const unsigned*>(w.d + row * w.nb + kb);
-        m[h] = *reinterpret_cast<const unsigned*>(w.m + row * w.nb + kb);
-    }
-    __device__ __forceinline__ void decode(int) {}
-    __device__ __forceinline__ float2 value(int b, int h) const {
-        return make_float2(half_of(d[h], b), half_of(m[h], b));
-    }
-};
-template <> struct MvbScales<Q4_KW> {
-    uint4 h[2];
-    float2 mine;   // after decode: this lane's (row t / 2, block t % 2)
-    __device__ __forceinline__ void load(const Q4_KW& w, int r, long long row, int kb) {
-        h[r] = w.sc[(row * w.nb + kb) >> 3];
-    }
-    __device__ __forceinline__ void decode(int kb) {
-        const int t = threadIdx.x % 4;
-        const KHeader k = k_header(t < 2 ? h[0] : h[1], (kb + t % 2) & 7);
-        mine = make_float2(k.dl, k.ml);
-    }
-    __device__ __forceinline__ float2 value(int b, int r) const {   // every lane of the warp calls it
-        const int src = (threadIdx.x % WARP & ~3) | (2 * r + b);
-        return make_float2(__shfl_sync(0xffffffffu, mine.x, src), __shfl_sync(0xffffffffu, mine.y, src));
-    }
-};
-
-// One step of a lane's weights: words t of blocks kb, kb + 1 in its rows (g, g + 8), and those rows' scales.
-template <typename W>
-struct MvbStep { unsigned q[2][2]; MvbScales<W> sc; };
-
-// Tile T's outputs from the sums in R ([16 rows][4 sequences][WARP + 1], lane l's sum at l): warp w takes outputs
-// w, w + MVS_WARPS, ...; the rest is bxs's write_out.
-__device__ __noinline__ void mvb_write(const float* R, long long T, int mode, int rows, int ncols,
-                                          const float* __restrict__ bias, float* __restrict__ y, int ldy) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    if (gated(mode)) {
-        for (int o = warp; o < 8 * MV_COLS; o += MVS_WARPS) {   // output 8T + o / 4 (gate row o / 4, up + 8)
-            const int i = o / MV_COLS, seq = o % MV_COLS;
-            const float v0 = warp_sum(R[o * (WARP + 1) + lane]);
-            const float v1 = warp_sum(R[((i + 8) * MV_COLS + seq) * (WARP + 1) + lane]);
-            const long long out = 8 * T + i;
-            if (lane == 0 && seq < ncols && out < rows)
-                y[(size_t)seq * ldy + out] = (mode == MODE_SWIGLU ? silu(v0) : gelu_tanh(v0)) * v1;
-        }
-    } else {
-        for (int o = warp; o < 16 * MV_COLS; o += MVS_WARPS) {   // row 16T + o / 4
-            const int seq = o % MV_COLS;
-            const float v = warp_sum(R[o * (WARP + 1) + lane]);
-            const long long row = 16 * T + o / MV_COLS;
-            if (lane != 0 || seq >= ncols || row >= rows) continue;
-            float* yc = y + (size_t)seq * ldy;
-            const float out = v + (bias ? bias[row] : 0.0f);
-            if (mode == MODE_ADD) yc[row] += out; else yc[row] = out;
-        }
-    }
-}
-
-// Grid: one block of MVS_WARPS warps an SM; nb = cols / 32 even (a lane's two scales are one 32-bit load).
-template <typename W>
-__device__ __forceinline__ void matvec_cols_mma(const W& w, const int8_t* __restrict__ xq,
-                                                const float4* __restrict__ xd, const float* __restrict__ bias,
-                                                float* __restrict__ y, int rows, int cols, int ncols, int ldy,
-                                                int mode, int pdl) {
-    static_assert(MVS_WARPS * 2 == WARP, "warp w keeps the sums of bxs's lanes 2w and 2w + 1");
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4, nb = cols / QK;
-    require_dynamic_smem(mvb_smem_bytes(nb));
-    const unsigned char* qs = reinterpret_cast<const unsigned char*>(w.qs);
-    const bool gate = gated(mode);
-    const int tiles = gate ? (rows + 7) / 8 : (rows + 15) / 16;
-    const int J = (nb + WARP - 1) / WARP;   // steps a tile: blocks 32j + 2 warp, + 1
-    const int mine = (int)blockIdx.x < tiles ? (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
-    const int total = mine * J;
-    // The next step to load: this block's tile lk, step lj; its rows and their quants (word t).
-    int lk = 0, lj = 0;
-    long long r[2];
-    const unsigned char* rq[2];
-    auto tile_rows = [&]() {
-        const long long T = blockIdx.x + (long long)lk * gridDim.x;
-        if (gate) { r[0] = min(8 * T + g, rows - 1LL); r[1] = r[0] + rows; }
-        else { r[0] = min(16 * T + g, rows - 1LL); r[1] = min(16 * T + g + 8, rows - 1LL); }
-#pragma unroll
-        for (int h = 0; h < 2; h++) rq[h] = qs + r[h] * nb * 16 + 4 * t;
-    };
-    tile_rows();
-    auto load_next = [&](MvbStep<W>& s) {
-        const int kb = min(WARP * lj + 2 * warp, nb - 2);   // past the row's end: re-read, summed into nothing
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            s.q[h][0] = *reinterpret_cast<const unsigned*>(rq[h] + kb * 16);
-            s.q[h][1] = *reinterpret_cast<const unsigned*>(rq[h] + kb * 16 + 16);
-            s.sc.load(w, h, r[h], kb);
-        }
-        if (++lj == J) { lj = 0; lk++; tile_rows(); }
-    };
-    MvbStep<W> ring[MVB_AHEAD];
-#pragma unroll
-    for (int p = 0; p < MVB_AHEAD; p++)
-        if (p < total) load_next(ring[p]);
-    INGOT_PDL_WAIT();
-    if (!(pdl & PDL_LATE)) INGOT_PDL_TRIGGER();
-    stage_x_frag(smem, xq, xd, nb, ncols);
-    __syncthreads();
-    const uint2* X = reinterpret_cast<const uint2*>(smem);
-    const float4* XD = reinterpret_cast<const float4*>(smem + 256 * nb);
-    float* red = reinterpret_cast<float*>(smem + 320 * nb);
-    float acc[2][2] = {};   // rows g, g + 8 of sequence t; bxs's lanes 2 warp, 2 warp + 1
-    int k = 0, j = 0;       // the step computed: tile k, step j
-    for (int n0 = 0; n0 < total; n0 += MVB_AHEAD) {
-#pragma unroll
-        for (int p = 0; p < MVB_AHEAD; p++) {
-            if (n0 + p >= total) break;
-            MvbStep<W>& s = ring[p];   // computed, then refilled (in place: no register copies)
-            const int kb = WARP * j + 2 * warp;
-            if (kb < nb) {   // warp-uniform (Q4_K's value() shuffles)
-                s.sc.decode(kb);
-#pragma unroll
-                for (int b = 0; b < 2; b++) {
-                    const unsigned a[4] = {s.q[0][b] & 0x0F0F0F0Fu, s.q[1][b] & 0x0F0F0F0Fu,
-                                           (s.q[0][b] >> 4) & 0x0F0F0F0Fu, (s.q[1][b] >> 4) & 0x0F0F0F0Fu};
-                    const uint2 xb = X[(kb + b) * WARP + lane];
-                    int c[4];
-                    mma_u8s8(c, a, xb.x, xb.y, I2F_BIAS);   // c = i2f_exact's 0x4B400000 + sum: its float bits
-                    const float4 xs = XD[(kb + b) * MV_COLS + t];
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {   // W::dot_words; matvec_q's `acc += dot`
-                        const float2 dm = s.sc.value(b, h);
-                        const float fd = levels(xs, i2f_biased(c[2 * h]), i2f_biased(c[2 * h + 1]));
-                        acc[h][b] += W::scaled(dm.x, dm.y, fd, xs.z);
-                    }
-                }
-            }
-            if (n0 + p + MVB_AHEAD < total) load_next(ring[p]);
-            if (++j == J) {   // tile k done: its sums to shared memory, then its outputs
-                float* R = red + (k & 1) * MVB_RED;   // two buffers: the next tile's stores need no second barrier
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-#pragma unroll
-                    for (int b = 0; b < 2; b++) {
-                        R[((g + 8 * h) * MV_COLS + t) * (WARP + 1) + 2 * warp + b] = acc[h][b];
-                        acc[h][b] = 0.0f;
-                    }
-                __syncthreads();
-                mvb_write(R, blockIdx.x + (long long)k * gridDim.x, mode, rows, ncols, bias, y, ldy);
-                j = 0;
-                k++;
-            }
-        }
-    }
-    if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();
-}
-#endif
-
 // The first MV_PREFETCH_STEPS steps of this warp's first rows of matvec_cols_staged into L2 (before the PDL wait).
 // The rows are pair_rows' written out with selects: through pair_rows ptxas lays out every bxs kernel's prologue
 // differently from the build measured in cuda/PERF.md v39 (checked with cuobjdump), so that form waits for a GPU run.
@@ -946,28 +706,6 @@ FOR_EACH_STAGED_TYPE(MATVEC_STAGED_KERNEL)
         if (pdl & PDL_LATE) INGOT_PDL_TRIGGER();                                                                 \
     }
 FOR_EACH_STAGED_TYPE(MATVEC_COLS_STAGED_KERNEL)
-
-// matvec_<type>_bxm (above): 2..MV_COLS columns of the FOR_EACH_COLS_MMA_TYPE types; an empty body but on sm_90
-// (the host launches it there only). Loads of weights ahead of the wait (matvec_cols_mma).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-#define MVB_BODY(WT, ...) \
-    matvec_cols_mma(WT{__VA_ARGS__, cols / QK}, xq, xd, bias, y, rows, cols, ncols, ldy, mode, pdl)
-#else
-#define MVB_BODY(WT, ...) INGOT_PDL_WAIT()
-#endif
-#define MATVEC_COLS_MMA_KERNEL(NAME, WT, PARAMS, ...)                                                          \
-    extern "C" __global__ void __launch_bounds__(MVS_WARPS * WARP, 1)                                           \
-    matvec_##NAME##_bxm(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,      \
-                        int cols, int ncols, int ldy, int mode, int pdl) {                                       \
-        INGOT_PDL_READ_AHEAD();                                                                                  \
-        MVB_BODY(WT, __VA_ARGS__);                                                                               \
-    }
-#define FOR_EACH_COLS_MMA_TYPE(X)                        \
-    X(q4_0, Q4_0W, Q4_0_PARAMS, qs, d)                   \
-    X(q4_1, Q4_1W, Q4_1_PARAMS, qs, d, m)                \
-    X(q4_k, Q4_KW, Q4_K_PARAMS, Q4_K_ARGS)
-FOR_EACH_COLS_MMA_TYPE(MATVEC_COLS_MMA_KERNEL)
-#undef MVB_BODY
 #undef MATVEC_KERNELS
 
 // --- Narrow decode batches on the integer tensor cores: matvec_<type>_mma (Q4_0, Q4_1, Q4_K; compute capability 8.0+)

@@ -93,12 +93,11 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
 // register, byte i of a register at k + i:
 //   a0 (row g, k 4c..4c+3), a1 (row g+8, k 4c..), a2 (row g, k 16+4c..), a3 (row g+8, k 16+4c..);
 //   b0 (k 4c..4c+3, col g), b1 (k 16+4c.., col g);  d0,d1 (row g, cols 2c, 2c+1), d2,d3 (row g+8, same cols).
-// c: added to every product (matvec.cu's bxm passes i2f_exact's bias, so the sums come out as its float bits).
-__device__ __forceinline__ void mma_u8s8(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, int c = 0) {
+__device__ __forceinline__ void mma_u8s8(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
 }
 
 #endif

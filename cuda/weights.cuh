@@ -38,9 +38,7 @@ __device__ __forceinline__ int dot8(const int4& a0, const int4& a1, const int4& 
 // subtracted. An integer add and a float add at full rate instead of I2F, which sm_80..sm_90 run at 16 lanes per
 // SM per clock (an eighth of the FMA rate): the dot products' sums (|i| <= 32 * 127 * 63) and the K-quants'
 // 6-bit scales and mins go through here, bit-identical to the conversion.
-#define I2F_BIAS 0x4B400000
-__device__ __forceinline__ float i2f_biased(int b) { return __int_as_float(b) - 12582912.0f; }   // b = I2F_BIAS + i
-__device__ __forceinline__ float i2f_exact(int i) { return i2f_biased(I2F_BIAS + i); }
+__device__ __forceinline__ float i2f_exact(int i) { return __int_as_float(0x4B400000 + i) - 12582912.0f; }
 
 // --- unpacking packed codes to int8 bytes (words lo = weights 0..15, hi = 16..31, byte b of word k = weight 4k+b)
 
@@ -72,10 +70,8 @@ __device__ __forceinline__ int code_at(const int4& lo, const int4& hi, int i) {
 }
 
 // (d1*coarse + d2*fine) over all 32 weights, and over each half (the K-quants with 16-weight sub-blocks).
-// levels: the two levels' integer sums (as floats) scaled and added (matvec.cu's bxm takes the sums from an mma).
-__device__ __forceinline__ float levels(const float4& d, float coarse, float fine) { return d.x * coarse + d.y * fine; }
 __device__ __forceinline__ float full_dot(const int4& lo, const int4& hi, const XBlock& x) {
-    return levels(x.d, i2f_exact(dot8(lo, hi, x.c0, x.c1)), i2f_exact(dot8(lo, hi, x.f0, x.f1)));
+    return x.d.x * i2f_exact(dot8(lo, hi, x.c0, x.c1)) + x.d.y * i2f_exact(dot8(lo, hi, x.f0, x.f1));
 }
 __device__ __forceinline__ float2 half_dots(const int4& lo, const int4& hi, const XBlock& x) {
     return make_float2(x.d.x * i2f_exact(dot4(lo, x.c0)) + x.d.y * i2f_exact(dot4(lo, x.f0)),
@@ -198,11 +194,9 @@ struct Q4_KW {
         prefetch_l2(qs + b, sc + (b >> 3));
     }
     __device__ __forceinline__ static void words(const Block& w, int4& lo, int4& hi) { nibble_words(w.q, lo, hi); }
-    // A block's value from its levels' sum fd and x's sum s (matvec.cu's bxm: the same operations)
-    __device__ __forceinline__ static float scaled(float dl, float ml, float fd, float s) { return dl * fd - ml * s; }
     __device__ __forceinline__ static float dot_words(const Block& w, const int4& lo, const int4& hi,
                                                       const XBlock& x) {
-        return scaled(w.dl, w.ml, full_dot(lo, hi, x), x.d.z);
+        return w.dl * full_dot(lo, hi, x) - w.ml * x.d.z;
     }
     __device__ __forceinline__ static float dot(const Block& w, const XBlock& x) {
         int4 lo, hi; words(w, lo, hi);

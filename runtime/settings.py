@@ -151,14 +151,6 @@ MATVEC_MMA = Setting(
     "Decode batches of 3-8 sequences of small models (layers under 64 MiB) run their Q4_0/Q4_1/Q4_K matrix-vector"
     " products on the integer tensor cores (matvec_<type>_mma, compute capability 8.0+); 0 uses the dp4a kernels.",
 )
-MATVEC_COLS_MMA = Setting(
-    "INGOT_MATVEC_COLS_MMA",
-    True,
-    _flag,
-    "1 or 0",
-    "Where Q4_0, Q4_1 and Q4_K take matvec_<type>_bxs (INGOT_MATVEC_STAGED), their integer products run on the"
-    " tensor cores (matvec_<type>_bxm: the same bits); 0 keeps the dp4a kernel.",
-)
 FUSED_NORM = Setting(
     "INGOT_FUSED_NORM",
     True,
@@ -372,7 +364,6 @@ ALL: tuple[Setting, ...] = (
     MATVEC_B1,
     MATVEC_STAGED,
     MATVEC_MMA,
-    MATVEC_COLS_MMA,
     FUSED_NORM,
     KV_FRACTION,
     PREFIX_CACHE,

@@ -55,7 +55,6 @@ from ingot.runtime.gpu.kernels import (
     matmul_geometry,
     matmul_uses_mma,
     matmul_uses_wgmma,
-    matvec_cols_mma_smem,
     matvec_cols_staged_smem,
     matvec_mma_smem,
     matvec_staged_smem,
@@ -173,7 +172,6 @@ def _kernels(sm_count=132, mma=False, cluster=False, smem_optin=0):
         "matvec_{}_b1n",
         "matvec_{}_b1s",
         "matvec_{}_bxs",
-        "matvec_{}_bxm",
         "matvec_{}_mma",
         "matmul_{}",
         *(f"matmul2{r}_{{}}_bm{tm}" for r in ("", "r") for tm in MATMUL2_TILE_ROWS),
@@ -320,7 +318,7 @@ def test_staged_one_column_kernel_where_it_applies_with_its_own_grid(monkeypatch
         (k, _matrix("Q6_K", 64, 1024), 1, "matvec_q6_k_b1"),
         (k, _matrix("Q6_K", 64, 2048), 1, "matvec_q6_k_b1s"),
         (k, _matrix("Q4_K", 64, 4096), 1, "matvec_q4_k_b1s"),
-        (k, _matrix("Q4_0", 64, 4096), 2, "matvec_q4_0_bxm"),
+        (k, _matrix("Q4_0", 64, 4096), 2, "matvec_q4_0_bxs"),
         (_kernels(mma=True, smem_optin=100 * 1024), _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1"),  # too little
         (_kernels(mma=False, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1"),  # sm_75
     ]
@@ -337,8 +335,7 @@ def test_staged_columns_kernel_where_it_applies_with_its_own_grid(monkeypatch):
     matrix on compute capability 9.0 where the columns' q8x2 fits the GPU's opt-in: one block an SM of
     MATVEC_STAGED_WARPS warps, 80 bytes a block of each column in shared memory, the any-column kernel's arguments.
     One column, five, another type, too little shared memory, sm_75, a model whose layers are launch-bound (narrow)
-    and INGOT_MATVEC_STAGED=0 keep the others. (Q4_0's tensor-core form off: its own test below.)"""
-    monkeypatch.setenv("INGOT_MATVEC_COLS_MMA", "0")
+    and INGOT_MATVEC_STAGED=0 keep the others."""
     k = _kernels(sm_count=132, mma=True, smem_optin=H100_SMEM_OPTIN)
     W = _matrix("Q4_0", 4096, 14336)  # the 8B's down: 448 blocks a row, x at 4 columns 140 KiB
     (launch,) = k.matvec(W, (1, 2), 100, 4, ldy=4096, mode=constants.MODE_ADD)
@@ -367,42 +364,6 @@ def test_staged_columns_kernel_where_it_applies_with_its_own_grid(monkeypatch):
     monkeypatch.setenv("INGOT_MATVEC_STAGED", "0")
     (launch,) = k.matvec(W, (1, 2), 100, 4, ldy=4096)
     assert launch.kernel.name == "matvec_q4_0"
-
-
-def test_staged_columns_on_the_tensor_cores_where_they_apply(monkeypatch):
-    """matvec_<type>_bxm (cuda/matvec.cu matvec_cols_mma) replaces matvec_<type>_bxs for the MATVEC_COLS_MMA_TYPES
-    where that would run, for rows of an even number of blocks whose fragments, scales and tile sums fit the
-    opt-in: the same persistent grid and arguments (each type's arrays), shared memory for MATVEC_COLS columns
-    whatever ncols (mvb_smem_bytes). Q6_K, odd block counts, too little shared memory and INGOT_MATVEC_COLS_MMA=0
-    keep bxs; what bxs would not take, bxm does not."""
-    k = _kernels(sm_count=132, mma=True, smem_optin=H100_SMEM_OPTIN)
-    W = _matrix("Q4_0", 4096, 14336)  # the 8B's down: 448 blocks
-    for ncols in (2, 3, 4):
-        (launch,) = k.matvec(W, (1, 2), 100, ncols, ldy=4096, mode=constants.MODE_ADD)
-        assert launch.kernel.name == "matvec_q4_0_bxm", ncols
-        assert launch.grid == (132, 1, 1) and launch.block == 32 * constants.MATVEC_STAGED_WARPS
-        assert launch.smem == 448 * 320 + 2 * 64 * 33 * 4 == matvec_cols_mma_smem(14336) <= H100_SMEM_OPTIN
-        assert _ptr_args(launch)[-6:] == [4096, 14336, ncols, 4096, constants.MODE_ADD, 0]
-    (gated,) = k.matvec(_matrix("Q4_K", 2 * 512, 1024), (1, 2), 100, 4, ldy=512, mode=constants.MODE_SWIGLU)
-    assert gated.kernel.name == "matvec_q4_k_bxm" and gated.smem == 32 * 320 + 2 * 64 * 33 * 4
-    assert _ptr_args(gated)[-6:-3] == [512, 1024, 4]
-    cases = [
-        (k, _matrix("Q4_1", 64, 4096), 3, "matvec_q4_1_bxm"),
-        (k, _matrix("Q6_K", 64, 4096), 4, "matvec_q6_k_bxs"),
-        (k, _matrix("Q4_0", 64, 4128), 4, "matvec_q4_0_bxs"),  # 129 blocks
-        (k, _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1s"),
-        (k, _matrix("Q4_0", 64, 4096), 5, "matvec_q4_0"),
-        (_kernels(mma=True, smem_optin=100 * 1024), _matrix("Q4_0", 64, 14336), 2, "matvec_q4_0_bxs"),  # 157 KiB
-        (_kernels(mma=False, smem_optin=H100_SMEM_OPTIN), _matrix("Q4_0", 64, 4096), 2, "matvec_q4_0"),  # sm_75
-    ]
-    for kk, Wx, ncols, name in cases:
-        (launch,) = kk.matvec(Wx, (1, 2), 100, ncols, ldy=Wx.rows)
-        assert launch.kernel.name == name, (Wx.qtype, Wx.cols, ncols)
-    (launch,) = k.matvec(_matrix("Q4_0", 1536, 576), (1, 2), 100, 2, ldy=1536, narrow=True)
-    assert launch.kernel.name == "matvec_q4_0"
-    monkeypatch.setenv("INGOT_MATVEC_COLS_MMA", "0")
-    (launch,) = k.matvec(W, (1, 2), 100, 4, ldy=4096)
-    assert launch.kernel.name == "matvec_q4_0_bxs"
 
 
 def test_the_staged_kernels_array_sizes_are_the_layouts():

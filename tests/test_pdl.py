@@ -4,9 +4,9 @@ the sources and the built PTX), on which GPUs and settings, and when a launch ge
 A kernel launched with PDL may start while its predecessor still runs; it is correct only if its first statement
 is INGOT_PDL_ENTRY() (griddepcontrol.wait), or INGOT_PDL_ENTRY_AFTER with a prefetch of weights into L2 (the
 matvec kernels: no load, store or return before the wait, which the PTX check below confirms), or
-INGOT_PDL_READ_AHEAD() (norms, decode attention, matvec_<type>_b1s / _bxm: loads of what no kernel of a step
-writes before the wait, and still no store, atomic or return there). So the host list (kernels.PDL_KERNELS) must
-never name a kernel that lacks one of them. The checks here fail if a merge drops the
+INGOT_PDL_READ_AHEAD() (norms, decode attention: loads of what no kernel of a step writes before the wait, and
+still no store, atomic or return there). So the host list
+(kernels.PDL_KERNELS) must never name a kernel that lacks one of them. The checks here fail if a merge drops the
 macro from a listed kernel, if a kernel gains the macro without being listed (so a lost speedup is noticed too),
 or if the compiled PTX touches global memory or returns before the wait.
 """
@@ -23,15 +23,7 @@ import pytest
 from ingot.runtime.errors import IngotError
 from ingot.runtime.gpu import driver, fatbin
 from ingot.runtime.gpu.driver import Event, Graph, Kernel, Launch, Memset, Stream
-from ingot.runtime.gpu.kernels import (
-    MATVEC_COLS_MMA_TYPES,
-    MATVEC_STAGED_TYPES,
-    MODULES,
-    PDL_KERNELS,
-    kernel_images,
-    mark_pdl,
-    pdl_enabled,
-)
+from ingot.runtime.gpu.kernels import MATVEC_STAGED_TYPES, MODULES, PDL_KERNELS, kernel_images, mark_pdl, pdl_enabled
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = ROOT / "cuda"
@@ -209,7 +201,6 @@ def test_the_built_ptx_waits_first_in_exactly_the_listed_kernels():
         "attn_decode_tile_f16",
         "attn_decode_tile_f16_hd256",
         *(f"matvec_{q.lower()}_b1s" for q in MATVEC_STAGED_TYPES),
-        *(f"matvec_{q.lower()}_bxm" for q in MATVEC_COLS_MMA_TYPES),  # its first steps' weights
     }
     for name in sorted(PDL_KERNELS):
         forbidden = _BEFORE_WAIT_READ_AHEAD if name in read_ahead else _BEFORE_WAIT

@@ -102,7 +102,7 @@ WEIGHT_LAYOUT = (
 # and launch contracts, the numbers in SHARED, and WEIGHT_LAYOUT. Bump it with any change to those; a bundle
 # records the value it was packed and self-tested with, and a runtime with another value refuses to run it
 # (exit 3, ingot.runtime.bundle.manifest.check_runtime) instead of launching kernels it does not match.
-KERNEL_ABI = 20  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
+KERNEL_ABI = 19  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-token masks in sample_f32
 # 3: v8 decode attention (attention_decode module), sample_prep_f32 and sample_f32's chunk arguments,
 # matvec_<type>_b1 kernels, attention_prefill module
 # 4: matmul_<type> take split-K scratch (ws, counters): ordered split-K sums instead of atomics
@@ -126,7 +126,6 @@ KERNEL_ABI = 20  # 2: soa-v2 weight layouts (K-quants, Q5, IQ4) and allowed-toke
 # 17: matvec_<type>_b1s (Q4_0, sm_90): the one-column product with bulk-copied weights; MVS_WARPS, MVS_STAGES
 # 18: matvec_<type>_b1s for Q4_1, Q4_K, Q6_K
 # 19: matvec_<type>_bxs (the b1s types, sm_90): 2..MV_COLS columns with their activations staged
-# 20: matvec_q4_0_bxm (sm_90): bxs's products on the integer tensor cores
 
 
 def header() -> str:

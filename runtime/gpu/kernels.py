@@ -133,9 +133,6 @@ MATVEC_MMA_MIN_COLS = 3  # at 2 it measured no faster than the dp4a kernel (cuda
 # shared memory and SM counts were not measured.
 MATVEC_STAGED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
 MATVEC_STAGED_CC = 90
-# The types whose matvec_<type>_bxs has a tensor-core form, matvec_<type>_bxm (cuda/matvec.cu matvec_cols_mma: the
-# same bits), which the host takes in its place (INGOT_MATVEC_COLS_MMA).
-MATVEC_COLS_MMA_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 # The FFN activation of each architecture (architectures.ACTIVATIONS) -> its gated kernel (cuda/activation.cu).
 ACTIVATION_KERNELS = {"silu": "swiglu_f16", "gelu_tanh": "geglu_f16"}
@@ -155,7 +152,6 @@ PDL_KERNELS = frozenset(
         *(f"matvec_{q.lower()}_b1n" for q in GPU_QTYPES if q != "F16"),
         *(f"matvec_{q.lower()}_b1s" for q in MATVEC_STAGED_TYPES),
         *(f"matvec_{q.lower()}_bxs" for q in MATVEC_STAGED_TYPES),
-        *(f"matvec_{q.lower()}_bxm" for q in MATVEC_COLS_MMA_TYPES),
         *(f"matvec_{q.lower()}_mma" for q in MATVEC_MMA_TYPES),
         *(f"repack_{q.lower()}" for q in GPU_QTYPES if q != "F16"),
         "convert_bf16_f16",
@@ -792,39 +788,20 @@ def matvec_cols_staged(qtype: str, cols: int, ncols: int, cc: int, smem_optin: i
     )
 
 
-def matvec_cols_mma_smem(cols: int) -> int:
-    """Dynamic shared memory of matvec_<type>_bxm (cuda/matvec.cu mvb_smem_bytes): MATVEC_COLS columns' q8x2 in
-    mma fragment order (256 bytes a 32-weight block) and their block scales (64), then two buffers of a tile's
-    sums (16 rows x MATVEC_COLS outputs x 33 floats). The 8B's 14,336-wide down: 157 KiB."""
-    return (256 + 64) * (cols // QK) + 2 * 16 * MATVEC_COLS * (32 + 1) * 4
-
-
-def matvec_cols_mma(qtype: str, cols: int, smem_optin: int) -> bool:
-    """Whether a matvec that matvec_cols_staged gives matvec_<type>_bxs takes matvec_<type>_bxm instead: a
-    MATVEC_COLS_MMA_TYPES type, rows of an even number of 32-weight blocks (a lane's two scales are one load),
-    its shared memory within the opt-in limit, unless INGOT_MATVEC_COLS_MMA=0."""
-    return (
-        qtype in MATVEC_COLS_MMA_TYPES
-        and cols % (2 * QK) == 0
-        and matvec_cols_mma_smem(cols) <= smem_optin
-        and settings.MATVEC_COLS_MMA.get()
-    )
-
-
 def matvec_kernel(
     qtype: str, ncols: int, cc: int, rows: int, cols: int, narrow: bool = False, smem_optin: int = 0
 ) -> str:
     """The matvec kernel for ncols columns of a [rows, cols] qtype matrix: the one-column kernel where
     one_column_kernel says so (its staged form where matvec_staged says so, given the GPU's shared-memory opt-in
     limit); for a model whose layers are launch-bound (narrow: narrow_mma_model) the tensor-core one where
-    narrow_mma_kernel says so, for other models the staged columns where matvec_cols_staged says so (on the tensor
-    cores where matvec_cols_mma says so); else the any-column one. (The staged columns on a SmolLM2-shaped model
-    at 2 sequences: 2,101-2,181 tok/s against the any-column kernel's 2,908-2,914, H100, cuda/PERF.md v39: its
-    persistent grid's copy and barrier outweigh matrices of a few hundred KiB.)"""
+    narrow_mma_kernel says so, for other models the staged columns where matvec_cols_staged says so; else the
+    any-column one. (The staged columns on a SmolLM2-shaped model at 2 sequences: 2,101-2,181 tok/s against the
+    any-column kernel's 2,908-2,914, H100, cuda/PERF.md v39: its persistent grid's copy and barrier outweigh
+    matrices of a few hundred KiB.)"""
     if narrow and narrow_mma_kernel(qtype, ncols, cc, rows, cols):
         return f"matvec_{qtype.lower()}_mma"
     if not narrow and matvec_cols_staged(qtype, cols, ncols, cc, smem_optin):
-        return f"matvec_{qtype.lower()}_bx{'m' if matvec_cols_mma(qtype, cols, smem_optin) else 's'}"
+        return f"matvec_{qtype.lower()}_bxs"
     if not one_column_kernel(ncols):
         return f"matvec_{qtype.lower()}"
     return f"matvec_{qtype.lower()}_b1{'s' if matvec_staged(qtype, cols, cc, smem_optin) else ''}"
@@ -1007,8 +984,6 @@ class Kernels:
             for q in MATVEC_STAGED_TYPES:
                 self.k[f"matvec_{q.lower()}_b1s"].allow_dynamic_smem(device.info.max_smem_optin)
                 self.k[f"matvec_{q.lower()}_bxs"].allow_dynamic_smem(device.info.max_smem_optin)
-            for q in MATVEC_COLS_MMA_TYPES:
-                self.k[f"matvec_{q.lower()}_bxm"].allow_dynamic_smem(device.info.max_smem_optin)
         if device.info.cc >= MATVEC_MMA_MIN_CC:
             for q in MATVEC_MMA_TYPES:
                 self.k[f"matvec_{q.lower()}_mma"].allow_dynamic_smem(matvec_mma_smem(q, MATVEC_MMA_COLS))
@@ -1127,9 +1102,6 @@ class Kernels:
             elif name.endswith("_bxs"):  # persistent, as b1s
                 grid, threads = (info.sm_count, 1), 32 * MATVEC_STAGED_WARPS
                 smem = matvec_cols_staged_smem(part.cols, ncols)
-            elif name.endswith("_bxm"):  # persistent, as bxs; every launch stages MATVEC_COLS columns
-                grid, threads = (info.sm_count, 1), 32 * MATVEC_STAGED_WARPS
-                smem = matvec_cols_mma_smem(part.cols)
             elif name.endswith("_mma"):  # one block of MATVEC_MMA_WARPS warps per 16 rows (8 gated outputs)
                 per_block = MATVEC_MMA_ROWS // 2 if mode in GATED_MODES else MATVEC_MMA_ROWS
                 grid, threads = ((rows + per_block - 1) // per_block, 1), 32 * MATVEC_MMA_WARPS
