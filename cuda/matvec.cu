@@ -400,13 +400,9 @@ __device__ __forceinline__ void pair_rows(bool gate, int rows, long long p, long
 
 // matvec_<type>_bxs (below): row pairs a warp takes at a time (the rows each staged x block serves: 2 x MVX_PAIRS),
 // and blocks of each row in flight per lane. H100, the 8B at 2 / 3 / 4 columns (cuda/PERF.md v39): 1 x 2 834 /
-// 1,109 / 1,265 tok/s, 1 x 4 789 / 1,095 / 1,285, 2 x 2 766 / 995 / 1,173, 2 x 1 746 / 975 / 1,160. MVX_BLOCKS:
-// the blocks an SM its launch bound asks registers for (2: 64 registers a thread, so two blocks of 16 warps share
-// an SM where their columns fit twice in its shared memory; the host sizes the grid with the driver's occupancy
-// calculator). At 1 x 2 it spills 144 bytes at 64 registers, at 1 x 1 16 bytes outside its loop (cuda/PERF.md v42).
+// 1,109 / 1,265 tok/s, 1 x 4 789 / 1,095 / 1,285, 2 x 2 766 / 995 / 1,173, 2 x 1 746 / 975 / 1,160.
 #define MVX_PAIRS 1
-#define MVX_UNROLL 1
-#define MVX_BLOCKS 2
+#define MVX_UNROLL 2
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The type's struct over one stage: each array's two rows back to back, arrays in argument order.
@@ -536,15 +532,14 @@ __device__ __forceinline__ void cols_staged_step(const W& w, const unsigned char
 
 // matvec_<type>_bxs: 2..MV_COLS columns (narrow decode batches) with the activation staged. The any-column
 // kernel (matvec_q, NC > 1) reads every column's q8x2 block from L1 for every block of every row pair: NC times
-// the one-column kernel's scattered activation loads, which bound that kernel (v36). Here each persistent block
-// (MVS_WARPS warps) copies the NC columns into shared memory once (stage_x, column c at c * 80 * nb bytes),
+// the one-column kernel's scattered activation loads, which bound that kernel (v36). Here a persistent block an
+// SM (MVS_WARPS warps) copies the NC columns into shared memory once (stage_x, column c at c * 80 * nb bytes),
 // and each warp takes MVX_PAIRS row pairs at a time (pairs MVX_PAIRS * grid_warp() + i, then the grid's next), with
 // MVX_UNROLL blocks of each row in flight per lane and every load unconditional (a block past the row's end
 // re-reads the last one and adds nothing, a pair past the last re-reads the last pair and writes nothing), so
 // each x block read from shared memory serves 2 x MVX_PAIRS rows. Each output is summed by the same lane, over
 // the same blocks in the same order as matvec_q's: the same bits. Weights through registers, not bulk copies, so
-// any row width whose x fits (the 8B's 14,336-wide down at 4 columns: 140 KiB). MVX_PAIRS, MVX_UNROLL, MVX_BLOCKS:
-// above (the grid: MVX_BLOCKS blocks an SM where they fit, else one, kernels.py).
+// any row width whose x fits (the 8B's 14,336-wide down at 4 columns: 140 KiB). MVX_PAIRS, MVX_UNROLL: above.
 template <typename W, int NC>
 __device__ __forceinline__ void matvec_cols_staged(const W& w, const int8_t* __restrict__ xq,
                                                    const float4* __restrict__ xd, const float* __restrict__ bias,
@@ -702,7 +697,7 @@ FOR_EACH_STAGED_TYPE(MATVEC_STAGED_KERNEL)
 #define MVX_BODY(WT, ...) ((void)0)
 #endif
 #define MATVEC_COLS_STAGED_KERNEL(NAME, WT, PARAMS, ...)                                                       \
-    extern "C" __global__ void __launch_bounds__(MVS_WARPS * WARP, MVX_BLOCKS)                                   \
+    extern "C" __global__ void __launch_bounds__(MVS_WARPS * WARP, 1)                                           \
     matvec_##NAME##_bxs(PARAMS, const int8_t* xq, const float4* xd, const float* bias, float* y, int rows,      \
                         int cols, int ncols, int ldy, int mode, int pdl) {                                       \
         INGOT_PDL_WAIT_AFTER(pdl & PDL_PREFETCH, prefetch_rows_cs(WT{__VA_ARGS__, cols / QK}, rows, mode));     \

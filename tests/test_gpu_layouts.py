@@ -152,11 +152,6 @@ class _FakeKernel:
     def __init__(self, name, pdl=False):
         self.name, self.fn, self.pdl = name, None, pdl
 
-    def blocks_per_sm(self, threads, smem):
-        """The driver's occupancy answer for a 64-register kernel of 512 threads on an H100 (228 KiB of shared
-        memory an SM, 1 KiB of it reserved a block): two blocks where their shared memory fits twice."""
-        return min(2, 228 * 1024 // (smem + 1024))
-
 
 def _kernels(sm_count=132, mma=False, cluster=False, smem_optin=0):
     """Kernels without a device: the launch geometry only (kernel lookups give named stand-ins). mma: the GEMMs are
@@ -171,7 +166,6 @@ def _kernels(sm_count=132, mma=False, cluster=False, smem_optin=0):
     k.matmul_wgmma = False  # ... not matmul2w_* (an sm_90a image: the tests that want it set it)
     k.split_k_cluster = cluster
     k.norm_smem = dict.fromkeys(GPU_QTYPES, 0)  # matvec_<type>_b1n's dynamic shared memory (one block an SM)
-    k._resident = {}
     names = (
         "matvec_{}",
         "matvec_{}_b1",
@@ -338,9 +332,8 @@ def test_staged_one_column_kernel_where_it_applies_with_its_own_grid(monkeypatch
 
 def test_staged_columns_kernel_where_it_applies_with_its_own_grid(monkeypatch):
     """matvec_<type>_bxs (cuda/matvec.cu matvec_cols_staged) takes 2..MATVEC_COLS columns of a MATVEC_STAGED_TYPES
-    matrix on compute capability 9.0 where the columns' q8x2 fits the GPU's opt-in: blocks of MATVEC_STAGED_WARPS
-    warps, as many an SM as the driver says fit (one at the 8B's 140 KiB down, two at 7.5 KiB), 80 bytes a block of
-    each column in shared memory, the any-column kernel's arguments.
+    matrix on compute capability 9.0 where the columns' q8x2 fits the GPU's opt-in: one block an SM of
+    MATVEC_STAGED_WARPS warps, 80 bytes a block of each column in shared memory, the any-column kernel's arguments.
     One column, five, another type, too little shared memory, sm_75, a model whose layers are launch-bound (narrow)
     and INGOT_MATVEC_STAGED=0 keep the others."""
     k = _kernels(sm_count=132, mma=True, smem_optin=H100_SMEM_OPTIN)
@@ -351,7 +344,7 @@ def test_staged_columns_kernel_where_it_applies_with_its_own_grid(monkeypatch):
     assert launch.smem == 4 * 448 * 80 == matvec_cols_staged_smem(14336, 4) <= H100_SMEM_OPTIN
     assert _ptr_args(launch)[-6:] == [4096, 14336, 4, 4096, constants.MODE_ADD, 0]
     (gated,) = k.matvec(_matrix("Q4_K", 2 * 512, 1024), (1, 2), 100, 3, ldy=512, mode=constants.MODE_SWIGLU)
-    assert gated.kernel.name == "matvec_q4_k_bxs" and gated.smem == 3 * 32 * 80 and gated.grid == (2 * 132, 1, 1)
+    assert gated.kernel.name == "matvec_q4_k_bxs" and gated.smem == 3 * 32 * 80
     assert _ptr_args(gated)[-6:-3] == [512, 1024, 3]
     cases = [
         (k, _matrix("Q4_0", 64, 4096), 1, "matvec_q4_0_b1s"),

@@ -993,14 +993,6 @@ class Kernels:
                 self.k[self._attn_kernel("attn_prefill_mma_varlen_f16", hd)].allow_dynamic_smem(self.prefill_bytes(hd))
         # the staged logits share the block's shared memory with the kernel's own static arrays
         self.sample_smem_limit = device.info.max_smem_optin - self.k["sample_f32"].static_smem
-        self._resident: dict[tuple[str, int, int], int] = {}
-
-    def _resident_blocks(self, name: str, threads: int, smem: int) -> int:
-        """Blocks of the kernel `name` one SM runs at once (at least one), from the driver, once per size."""
-        key = (name, threads, smem)
-        if key not in self._resident:
-            self._resident[key] = max(1, self.k[name].blocks_per_sm(threads, smem))
-        return self._resident[key]
 
     def _one_block_an_sm(self, name: str) -> int:
         """Dynamic shared memory for the kernel `name` (MATVEC_NORM_WARPS warps a block) that leaves room for one of
@@ -1107,9 +1099,9 @@ class Kernels:
             if name.endswith("_b1s"):  # persistent: one block an SM, its warps take row pairs in turn
                 grid, threads = (info.sm_count, 1), 32 * MATVEC_STAGED_WARPS
                 smem = matvec_staged_smem(part.qtype, part.cols)
-            elif name.endswith("_bxs"):  # persistent, as many blocks an SM as fit (its launch bound: MVX_BLOCKS)
-                threads, smem = 32 * MATVEC_STAGED_WARPS, matvec_cols_staged_smem(part.cols, ncols)
-                grid = (info.sm_count * self._resident_blocks(name, threads, smem), 1)
+            elif name.endswith("_bxs"):  # persistent, as b1s
+                grid, threads = (info.sm_count, 1), 32 * MATVEC_STAGED_WARPS
+                smem = matvec_cols_staged_smem(part.cols, ncols)
             elif name.endswith("_mma"):  # one block of MATVEC_MMA_WARPS warps per 16 rows (8 gated outputs)
                 per_block = MATVEC_MMA_ROWS // 2 if mode in GATED_MODES else MATVEC_MMA_ROWS
                 grid, threads = ((rows + per_block - 1) // per_block, 1), 32 * MATVEC_MMA_WARPS
