@@ -332,8 +332,7 @@ __device__ __forceinline__ void matvec_q_norm(const W& w, const int8_t* __restri
     if (MVN_WIDE && nb >= MVN_WIDE_BLOCKS && dyn >= 80u * nb) {   // (block-uniform)
         stage_x(mvn_x, xq, xd, nb);
         __syncthreads();
-        if (nb >= 4 * WARP) dot_rows<W, 1, 4, true>(w, xq, xd, cols, 0, r, ok, acc, mvn_x);
-        else dot_rows<W, 1, 2, true>(w, xq, xd, cols, 0, r, ok, acc, mvn_x);
+        dot_rows<W, 1, 2, true>(w, xq, xd, cols, 0, r, ok, acc, mvn_x);
     } else if (MVN_WIDE && nb >= MVN_WIDE_BLOCKS) {
         dot_rows<W, 1, 2>(w, xq, xd, cols, 0, r, ok, acc);
     } else {
