@@ -1,6 +1,6 @@
 """Where a decode step's critical path goes: each kernel's start and end inside the replayed step, from CUPTI.
 
-    python3 tests/gpu/step_timeline.py MODEL.gguf [--batch B] [--steps N]
+    python3 tests/gpu/step_timeline.py MODEL.gguf [--batch B] [--steps N] [--window FIRST COUNT]
 
 step_profile.py times each kernel alone; this one times them where they run, in one CUDA graph of N decode steps
 back to back (the engine's own launch list, PDL edges and all), traced by PyTorch's profiler (CUPTI's kernel
