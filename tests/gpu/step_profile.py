@@ -47,6 +47,18 @@ def profile(eng: CudaEngine, launches: list, title: str, reps: int) -> None:
         print(f"{name:<28} {len(ts):>4} {sum(ts):>10,.1f} {statistics.fmean(ts):>9,.1f} {sum(ts) / whole:>6.1%}")
 
 
+def engine_after_a_step(path: str, batch: int) -> CudaEngine:
+    """A GPU engine on the model at `path` whose buffers hold a real decode step's state: `batch` sequences
+    prefilled with the same 64 random tokens every run (seed 0), then one decode step built and run."""
+    model = load_model(path)
+    eng = CudaEngine(model, max_seqs=batch, max_ctx=2048)
+    rng = np.random.default_rng(0)
+    seqs = [eng.new_sequence(SamplingParams()) for _ in range(batch)]
+    nxt = [eng.prefill(s, [int(t) for t in rng.integers(2, model.config.n_vocab, 64)]) for s in seqs]
+    eng.decode(seqs, nxt)
+    return eng
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -54,12 +66,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="also profile a prefill chunk of this many tokens")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
-    model = load_model(a.model)
-    eng = CudaEngine(model, max_seqs=a.batch, max_ctx=2048)
-    rng = np.random.default_rng(0)
-    seqs = [eng.new_sequence(SamplingParams()) for _ in range(a.batch)]
-    nxt = [eng.prefill(s, [int(t) for t in rng.integers(2, model.config.n_vocab, 64)]) for s in seqs]
-    eng.decode(seqs, nxt)  # builds and runs the step once: buffers hold a real step's state
+    eng = engine_after_a_step(a.model, a.batch)
     profile(eng, eng._decode_launches(a.batch), f"decode step, batch {a.batch}", a.reps)
     if a.prefill:
         plan = eng._plan(((a.prefill, True),), False).launches

@@ -24,13 +24,13 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ingot.runtime.engines.cuda import CudaEngine
 from ingot.runtime.gpu.driver import Copy, Event, Graph, Memset
-from ingot.runtime.model.gguf import load_model
-from ingot.runtime.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step_profile import engine_after_a_step  # noqa: E402  (the same engine state step_profile.py times)
 
 
 def kernel_records(trace: Path) -> list[tuple[str, float, float]]:
@@ -41,7 +41,8 @@ def kernel_records(trace: Path) -> list[tuple[str, float, float]]:
 
 
 def timeline(eng: CudaEngine, launches: list, steps: int, title: str, window: tuple[int, int] = (0, 0)) -> None:
-    names = [launch.kernel.name for launch in launches if not isinstance(launch, Memset | Copy)]
+    kernels = [launch for launch in launches if not isinstance(launch, Memset | Copy)]
+    names = [launch.kernel.name for launch in kernels]
     graph = Graph(eng.stream, lambda: [launch(eng.stream) for _ in range(steps) for launch in launches])
     graph.launch(eng.stream)
     eng.stream.synchronize()
@@ -83,7 +84,6 @@ def timeline(eng: CudaEngine, launches: list, steps: int, title: str, window: tu
         span, gap, adds = (statistics.fmean(col) for col in zip(*r, strict=True))
         print(f"{name:<28} {len(r) // k:>4} {span:>7.2f} {gap:>7.2f} {adds:>7.2f} {adds * len(r) / k:>11,.1f} ", end="")
         print(f"{adds * len(r) / k / total:>6.1%}")
-    kernels = [launch for launch in launches if not isinstance(launch, Memset | Copy)]
     for i in range(window[0], min(n, window[0] + window[1])):
         g, (span, _, adds) = kernels[i].grid, (statistics.fmean(col) for col in zip(*rows[i], strict=True))
         print(f"  #{i:<4} {names[i]:<26} grid {g[0]}x{g[1]}x{g[2]:<4} span {span:7.2f} adds {adds:7.2f}")
@@ -97,12 +97,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, nargs=2, default=(8, 6), metavar=("FIRST", "COUNT"))
     a = ap.parse_args()
     torch.cuda.init()  # CUPTI traces the kernels of every context of the process; the engine's is the primary one
-    model = load_model(a.model)
-    eng = CudaEngine(model, max_seqs=a.batch, max_ctx=2048)
-    rng = np.random.default_rng(0)
-    seqs = [eng.new_sequence(SamplingParams()) for _ in range(a.batch)]
-    nxt = [eng.prefill(s, [int(t) for t in rng.integers(2, model.config.n_vocab, 64)]) for s in seqs]
-    eng.decode(seqs, nxt)  # builds and runs the step once: buffers hold a real step's state
+    eng = engine_after_a_step(a.model, a.batch)
     timeline(eng, eng._decode_launches(a.batch), a.steps, f"decode step, batch {a.batch}", tuple(a.window))
     eng.close()
 
